@@ -1,0 +1,130 @@
+"""Configuration of a Guard: nested keyword-only dataclasses, one docstring per field.
+
+Defaults are chosen so that a healthy run never raises an alarm (see tests/test_false_alarms.py)
+while the LR/momentum cascade is flagged several steps before its first non-finite value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICIES = ("observe", "raise", "skip")
+
+
+@dataclass(kw_only=True)
+class WatchConfig:
+    """What is measured each step, and how often the host reads it."""
+
+    read_every: int = 1
+    """Read the device-side statistics every N steps (one host read per N steps, in observe mode).
+    Detectors then run on the N buffered steps at once."""
+
+    update_ratio_every: int = 10
+    """Measure the update-to-parameter ratio ||dp|| / ||p|| every N steps (it needs a copy of the
+    parameters before the step, so it is sampled). 0 disables it."""
+
+    activations: bool = False
+    """Record per-module activation abs-max and headroom to the dtype's largest value."""
+
+    activations_every: int = 1
+    """When `activations` is on, measure on every N-th step only."""
+
+    per_parameter: bool = True
+    """Store per-parameter gradient / parameter / optimizer-state norms in the run store."""
+
+
+@dataclass(kw_only=True)
+class DetectConfig:
+    """Thresholds of the detectors. Defaults never fire on the project's healthy runs."""
+
+    warmup_steps: int = 20
+    """Steps of history needed before the spike / cascade / divergence detectors may fire."""
+
+    window: int = 100
+    """Length of the recent history (healthy steps) the robust statistics are taken over."""
+
+    spike_z: float = 8.0
+    """Robust z-score (median / MAD of log10 grad norm) above which a step is a spike."""
+
+    spike_ratio: float = 10.0
+    """...and the grad norm must also be at least this many times the recent median."""
+
+    cascade_steps: int = 3
+    """Consecutive steps of multiplicative growth that make an amplification cascade."""
+
+    cascade_growth: float = 1.5
+    """Minimum growth factor per step counted towards a cascade."""
+
+    cascade_ratio: float = 4.0
+    """A cascade must also have taken the signal this many times above its recent median."""
+
+    forecast_horizon: int = 10
+    """Alarm when the extrapolated log-magnitude growth reaches the dtype's largest value within
+    this many steps."""
+
+    divergence_ratio: float = 3.0
+    """Loss divergence: the mean loss of the last `divergence_steps` steps exceeds this multiple of
+    the recent median loss (and its robust z-score exceeds `spike_z`)."""
+
+    divergence_steps: int = 5
+    """Number of recent steps averaged by the loss-divergence detector."""
+
+    vanishing_norm: float = 1e-10
+    """Vanishing gradients: global grad norm below this multiple of the parameter norm..."""
+
+    vanishing_steps: int = 20
+    """...for this many consecutive steps."""
+
+    cooldown: int = 50
+    """Steps before the same (kind, signal) alarm may fire again."""
+
+
+@dataclass(kw_only=True)
+class RecordConfig:
+    """Where and what the run store keeps."""
+
+    out: str | None = None
+    """Run folder. None: `nanguard_runs/<timestamp>` under the current directory. "" disables
+    recording (in-memory only)."""
+
+    rng_every: int = 100
+    """Store the RNG states at the start of every N-th step (and always at alarm steps)."""
+
+    summary: bool = True
+    """Print the terminal summary when the guard closes."""
+
+
+@dataclass(kw_only=True)
+class GuardConfig:
+    """Everything a Guard can be told. `Guard(model, opt, policy="skip")` covers most uses."""
+
+    policy: str = "observe"
+    """What to do on an alarm: `observe` (change nothing), `raise` (stop with NanguardError
+    carrying the report), `skip` (discard this step's update: parameters and optimizer state,
+    step counters included, stay unchanged)."""
+
+    act_on: tuple[str, ...] = ("nonfinite",)
+    """Alarm kinds that trigger the policy. Others are recorded and shown only."""
+
+    watch: WatchConfig = field(default_factory=WatchConfig)
+    """Measurement settings."""
+
+    detect: DetectConfig = field(default_factory=DetectConfig)
+    """Detector thresholds."""
+
+    record: RecordConfig = field(default_factory=RecordConfig)
+    """Run store settings."""
+
+    def validate(self) -> None:
+        """Raise ValueError with a one-line message for settings that cannot work."""
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; use one of: {', '.join(POLICIES)}")
+        for name in ("read_every", "activations_every"):
+            if getattr(self.watch, name) < 1:
+                raise ValueError(f"watch.{name} must be >= 1, got {getattr(self.watch, name)}")
+        if self.watch.update_ratio_every < 0:
+            raise ValueError("watch.update_ratio_every must be >= 0 (0 disables it)")
+        if self.policy != "observe" and self.watch.read_every != 1:
+            raise ValueError(
+                f"policy {self.policy!r} decides every step, so watch.read_every must be 1"
+            )

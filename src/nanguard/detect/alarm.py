@@ -1,0 +1,35 @@
+"""The alarm record shared by detectors, policies, the run store and report.json."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+ALARM_KINDS = (
+    "nonfinite",  # a NaN/Inf in loss, gradients, parameters, optimizer state or activations
+    "overflow",  # a float32 norm overflowed although every element is finite
+    "spike",  # the grad norm jumped far above its recent history
+    "cascade",  # several consecutive steps of multiplicative growth
+    "forecast",  # extrapolated growth reaches the dtype's largest value within a few steps
+    "divergence",  # the loss climbs far above its recent level
+    "vanishing",  # gradients vanish against the parameters for many steps
+)
+
+
+@dataclass(kw_only=True)
+class Alarm:
+    """One warning. Keys match `report.json` `alarms` entries."""
+
+    step: int
+    """0-based index of the training step (optimizer steps completed before it)."""
+    kind: str
+    """One of ALARM_KINDS."""
+    signal: str
+    """What was measured: `loss`, `grad_norm`, `act_max`, `momentum_norm`, `grad`, ..."""
+    value: float
+    """The value that raised it (for a forecast: the steps left)."""
+    message: str
+    """One line a user can read."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,370 @@
+"""Detectors over the per-step series. Each is a small stateful unit with `state_dict`.
+
+A detector sees one `StepStats` at a time, in step order, and returns the alarms it raises.
+`phase = "pre"` detectors only need what is known before `optimizer.step()` (loss, gradients,
+activations), so a policy can act on them before the update; `"post"` ones need the step done.
+Histories keep healthy values only: a spike or a NaN never becomes the baseline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from statistics import median
+from typing import Any
+
+from nanguard.config import DetectConfig
+from nanguard.detect.alarm import Alarm
+from nanguard.watch.stats import StepStats
+
+FLOAT32_MAX = 3.4028234663852886e38
+# A float32 sum of squares overflows once the norm passes sqrt(float32 max).
+FLOAT32_NORM_LIMIT = math.sqrt(FLOAT32_MAX)
+
+
+def _log10(x: float) -> float:
+    return math.log10(x) if x > 0 else -math.inf
+
+
+def _robust_z(x: float, history: deque[float], floor: float) -> tuple[float, float]:
+    """Robust z-score of `x` against `history`: (x - median) / (1.4826 MAD), MAD floored."""
+    med = median(history)
+    mad = median(abs(v - med) for v in history)
+    return (x - med) / max(1.4826 * mad, floor), med
+
+
+class Detector:
+    """Base: a named, stateful, serializable unit."""
+
+    phase = "post"
+
+    def __init__(self, config: DetectConfig) -> None:
+        self.config = config
+        self._last_fired: dict[tuple[str, str], int] = {}
+
+    def check(self, stats: StepStats) -> list[Alarm]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _fire(
+        self, stats: StepStats, kind: str, signal: str, value: float, msg: str
+    ) -> list[Alarm]:
+        """Emit one alarm unless the same (kind, signal) fired within the cooldown."""
+        last = self._last_fired.get((kind, signal))
+        if last is not None and stats.step - last < self.config.cooldown:
+            return []
+        self._last_fired[(kind, signal)] = stats.step
+        return [Alarm(step=stats.step, kind=kind, signal=signal, value=value, message=msg)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_fired": [[k, s, v] for (k, s), v in self._last_fired.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._last_fired = {(k, s): int(v) for k, s, v in state["last_fired"]}
+
+
+class NonFiniteDetector(Detector):
+    """A NaN or Inf anywhere. Fires at the first step of each non-finite episode per signal.
+
+    Args:
+        signals: "pre" watches loss, gradients and activations; "post" watches parameters
+            and optimizer state after the update.
+    """
+
+    def __init__(self, config: DetectConfig, signals: str) -> None:
+        super().__init__(config)
+        self.phase = signals
+        self._active: set[str] = set()
+
+    def check(self, stats: StepStats) -> list[Alarm]:
+        wanted = ("loss", "grad", "activation") if self.phase == "pre" else ("param", "optimizer")
+        now = {s for s in stats.nonfinite_signals() if s.split(".")[0] in wanted}
+        alarms = []
+        for signal in sorted(now - self._active):
+            what = {"grad": f"{len(stats.nonfinite_grads)} gradient tensor(s)"}.get(signal, signal)
+            alarms.append(
+                Alarm(
+                    step=stats.step,
+                    kind="nonfinite",
+                    signal=signal,
+                    value=math.nan,
+                    message=f"non-finite value in {what} at step {stats.step}",
+                )
+            )
+        self._active = now
+        if self.phase == "pre" and stats.overflowed and "grad" not in now:
+            alarms += self._fire(
+                stats,
+                "overflow",
+                "grad_norm",
+                stats.grad_norm,
+                f"float32 sum of squares of {len(stats.overflowed)} gradient(s) overflowed "
+                f"(grad norm {stats.grad_norm:.3g} > {FLOAT32_NORM_LIMIT:.3g}); every element is "
+                "still finite, clip_grad_norm_ would return inf",
+            )
+        return alarms
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "active": sorted(self._active)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._active = set(state["active"])
+
+
+class _SeriesDetector(Detector):
+    """Shared machinery: a window of recent healthy values per signal."""
+
+    signals: tuple[str, ...] = ()
+
+    def __init__(self, config: DetectConfig) -> None:
+        super().__init__(config)
+        self.history: dict[str, deque[float]] = {
+            s: deque(maxlen=config.window) for s in self.signals
+        }
+
+    @staticmethod
+    def value(stats: StepStats, signal: str) -> float | None:
+        v = getattr(stats, signal)
+        return None if v is None else float(v)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "history": {k: list(v) for k, v in self.history.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        for k, values in state["history"].items():
+            self.history[k] = deque(values, maxlen=self.config.window)
+
+
+class SpikeDetector(_SeriesDetector):
+    """A grad norm far above its recent history: robust z of log10(norm) AND a ratio to median."""
+
+    phase = "pre"
+    signals = ("grad_norm",)
+
+    def check(self, stats: StepStats) -> list[Alarm]:
+        x = stats.grad_norm
+        hist = self.history["grad_norm"]
+        if not math.isfinite(x) or x <= 0 or stats.nonfinite_grads:
+            return []
+        lx = math.log10(x)
+        alarms: list[Alarm] = []
+        is_spike = False
+        if len(hist) >= self.config.warmup_steps:
+            z, med = _robust_z(lx, hist, floor=0.05)
+            ratio = 10 ** (lx - med)
+            if z >= self.config.spike_z and ratio >= self.config.spike_ratio:
+                is_spike = True
+                alarms = self._fire(
+                    stats,
+                    "spike",
+                    "grad_norm",
+                    x,
+                    f"grad norm {x:.3g} is {ratio:.0f}x its recent median {10**med:.3g} "
+                    f"(robust z {z:.1f})",
+                )
+        if not is_spike:
+            hist.append(lx)
+        return alarms
+
+
+class CascadeDetector(_SeriesDetector):
+    """Consecutive multiplicative growth that has left the signal's normal range."""
+
+    signals = ("grad_norm", "act_max", "momentum_norm")
+
+    def __init__(self, config: DetectConfig) -> None:
+        super().__init__(config)
+        self.run: dict[str, int] = {s: 0 for s in self.signals}
+        self.prev: dict[str, float] = {}
+
+    def check(self, stats: StepStats) -> list[Alarm]:
+        alarms: list[Alarm] = []
+        for signal in self.signals:
+            x = self.value(stats, signal)
+            if x is None or not math.isfinite(x) or x <= 0:
+                self.run[signal] = 0
+                continue
+            prev = self.prev.get(signal)
+            grew = prev is not None and x >= prev * self.config.cascade_growth
+            self.run[signal] = self.run[signal] + 1 if grew else 0
+            self.prev[signal] = x
+            hist = self.history[signal]
+            if self.run[signal] == 0:
+                hist.append(x)
+            if (
+                self.run[signal] >= self.config.cascade_steps
+                and len(hist) >= self.config.warmup_steps
+            ):
+                med = median(hist)
+                if x >= self.config.cascade_ratio * med:
+                    alarms += self._fire(
+                        stats,
+                        "cascade",
+                        signal,
+                        x,
+                        f"{signal} grew {self.run[signal]} steps in a row to {x:.3g} "
+                        f"({x / med:.0f}x its recent median): amplification cascade",
+                    )
+        return alarms
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "run": dict(self.run), "prev": dict(self.prev)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.run.update(state["run"])
+        self.prev = dict(state["prev"])
+
+
+class ForecastDetector(_SeriesDetector):
+    """Extrapolates log-magnitude growth to the dtype's largest value: steps left to overflow."""
+
+    signals = ("grad_norm", "act_max", "momentum_norm")
+
+    def __init__(self, config: DetectConfig, limits: dict[str, float] | None = None) -> None:
+        super().__init__(config)
+        # What "overflow" means per signal: a float32 norm overflows at sqrt(max); activations at
+        # their dtype's max (the guard passes the real dtype's limit).
+        self.limits = {
+            "grad_norm": FLOAT32_NORM_LIMIT,
+            "momentum_norm": FLOAT32_NORM_LIMIT,
+            "act_max": FLOAT32_MAX,
+            **(limits or {}),
+        }
+        self.recent: dict[str, deque[float]] = {
+            s: deque(maxlen=config.cascade_steps + 1) for s in self.signals
+        }
+
+    def check(self, stats: StepStats) -> list[Alarm]:
+        alarms: list[Alarm] = []
+        for signal in self.signals:
+            x = self.value(stats, signal)
+            recent = self.recent[signal]
+            if x is None or not math.isfinite(x) or x <= 0:
+                recent.clear()
+                continue
+            recent.append(math.log10(x))
+            hist = self.history[signal]
+            growing = len(recent) == recent.maxlen and all(
+                b - a >= math.log10(self.config.cascade_growth)
+                for a, b in zip(recent, list(recent)[1:], strict=False)
+            )
+            if not growing:
+                hist.append(x)
+                continue
+            if len(hist) < self.config.warmup_steps or x < self.config.cascade_ratio * median(hist):
+                continue
+            slope = (recent[-1] - recent[0]) / (len(recent) - 1)
+            left = (math.log10(self.limits[signal]) - recent[-1]) / slope
+            if left <= self.config.forecast_horizon:
+                alarms += self._fire(
+                    stats,
+                    "forecast",
+                    signal,
+                    left,
+                    f"{signal} grows {10**slope:.3g}x per step ({x:.3g} now): overflow of its "
+                    f"limit {self.limits[signal]:.3g} in ~{max(left, 0):.1f} steps",
+                )
+        return alarms
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "recent": {k: list(v) for k, v in self.recent.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        for k, values in state["recent"].items():
+            self.recent[k] = deque(values, maxlen=self.config.cascade_steps + 1)
+
+
+class DivergenceDetector(_SeriesDetector):
+    """The loss climbs and stays far above its recent level."""
+
+    signals = ("loss",)
+
+    def __init__(self, config: DetectConfig) -> None:
+        super().__init__(config)
+        self.recent: deque[float] = deque(maxlen=config.divergence_steps)
+
+    def check(self, stats: StepStats) -> list[Alarm]:
+        x = stats.loss
+        if x is None or not math.isfinite(x):
+            return []
+        self.recent.append(x)
+        hist = self.history["loss"]
+        alarms: list[Alarm] = []
+        diverging = False
+        if (
+            len(hist) >= max(self.config.warmup_steps, 2 * self.config.divergence_steps)
+            and len(self.recent) == self.recent.maxlen
+        ):
+            mean_recent = sum(self.recent) / len(self.recent)
+            z, med = _robust_z(mean_recent, hist, floor=1e-3 * max(abs(median(hist)), 1e-8))
+            worst_ok = min(self.recent) > med  # every recent step above the median: sustained
+            ratio_ok = med > 0 and mean_recent >= self.config.divergence_ratio * med
+            if z >= self.config.spike_z and ratio_ok and worst_ok:
+                diverging = True
+                alarms = self._fire(
+                    stats,
+                    "divergence",
+                    "loss",
+                    mean_recent,
+                    f"loss averages {mean_recent:.4g} over the last {len(self.recent)} steps, "
+                    f"{mean_recent / med:.1f}x its recent median {med:.4g}",
+                )
+        if not diverging:
+            hist.append(x)
+        return alarms
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "recent": list(self.recent)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.recent = deque(state["recent"], maxlen=self.config.divergence_steps)
+
+
+class VanishingDetector(Detector):
+    """Gradients tiny against the parameters for many consecutive steps."""
+
+    def __init__(self, config: DetectConfig) -> None:
+        super().__init__(config)
+        self.count = 0
+
+    def check(self, stats: StepStats) -> list[Alarm]:
+        g, p = stats.grad_norm, stats.param_norm
+        if not stats.grad_norms or not math.isfinite(g) or not math.isfinite(p) or p <= 0:
+            self.count = 0
+            return []
+        self.count = self.count + 1 if g <= self.config.vanishing_norm * p else 0
+        if self.count >= self.config.vanishing_steps:
+            return self._fire(
+                stats,
+                "vanishing",
+                "grad_norm",
+                g,
+                f"grad norm {g:.3g} has been below {self.config.vanishing_norm:g} x param norm "
+                f"for {self.count} steps: gradients vanish",
+            )
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.count = int(state["count"])
+
+
+def default_detectors(config: DetectConfig, act_limit: float | None = None) -> list[Detector]:
+    """The detectors every guard runs, pre-step ones first."""
+    limits = {"act_max": act_limit} if act_limit else None
+    return [
+        NonFiniteDetector(config, "pre"),
+        SpikeDetector(config),
+        NonFiniteDetector(config, "post"),
+        CascadeDetector(config),
+        ForecastDetector(config, limits),
+        DivergenceDetector(config),
+        VanishingDetector(config),
+    ]

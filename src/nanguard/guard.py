@@ -1,0 +1,487 @@
+"""The Guard: watches a model and its optimizer every step, warns, records, and applies a policy.
+
+A plain loop needs two extra lines::
+
+    guard = nanguard.Guard(model, optimizer)          # hooks the optimizer's step
+    for x, y in loader:
+        loss = loss_fn(model(x), y)
+        guard.watch(loss=loss, batch=(x, y))          # optional: loss and fingerprints
+        loss.backward()
+        optimizer.step()                              # the guard runs inside this call
+        optimizer.zero_grad()
+    guard.close()                                     # or `with Guard(...) as guard:`
+
+The step boundary is the optimizer's step: a pre-hook runs after backward (and any clipping)
+and before the update; a post-hook runs right after it. Observing costs a few fused device
+reductions and, in the default `observe` policy, one host read per step (or per
+`read_every` steps). Policies that act before the update (`raise`, `skip`) read the
+pre-step statistics in the pre-hook, so they make two small reads per step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import math
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanguard import __version__
+from nanguard.config import GuardConfig
+from nanguard.detect import Alarm, default_detectors
+from nanguard.detect.detectors import Detector
+from nanguard.errors import NanguardError
+from nanguard.record.report import Report, build_report
+from nanguard.record.store import NullStore, RunStore
+from nanguard.watch import rng
+from nanguard.watch.activations import ActivationProbe, dtype_max
+from nanguard.watch.batch import BatchProbe
+from nanguard.watch.stats import StepProbe, StepStats
+
+
+@dataclass
+class _Pending:
+    """One step's device-side statistics, waiting for the host read."""
+
+    step: int
+    lr: float | None
+    pre: torch.Tensor
+    grad_layout: list[int]
+    act_names: list[str]
+    batch_size: int
+    has_loss: bool
+    post: torch.Tensor | None = None
+    post_layout: list[tuple[str, list[int]]] = field(default_factory=list)
+    stats: StepStats | None = None
+    rng: dict[str, Any] | None = None
+    """RNG states at the start of the step (kept by reference; serialized only on alarm)."""
+
+
+class Guard:
+    """Watches `model` trained by `optimizer`; see the module docstring for the loop.
+
+    Args:
+        model: the model being trained (any `nn.Module`).
+        optimizer: its optimizer; the guard hooks its `step()`.
+        policy: `observe` (default, changes nothing), `raise` or `skip`; overrides `config`.
+        out: run folder; None picks `nanguard_runs/<time>`, "" records nothing.
+        activations: also watch per-module activation abs-max and headroom.
+        config: full settings; the keyword arguments above override its fields.
+
+    Raises:
+        ValueError: on arguments that cannot work (unknown policy, not a module, an unwritable
+            run folder), with a one-line message that says what to do.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        policy: str | None = None,
+        out: str | Path | None = None,
+        activations: bool | None = None,
+        config: GuardConfig | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(
+                f"model must be a torch.nn.Module, got {type(model).__name__}; "
+                "pass the model you train"
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        cfg = dataclasses.replace(config) if config else GuardConfig()
+        if policy is not None:
+            cfg.policy = policy
+        if activations is not None:
+            cfg.watch = dataclasses.replace(cfg.watch, activations=activations)
+        if out is not None:
+            cfg.record = dataclasses.replace(cfg.record, out=str(out))
+        cfg.validate()
+        self.config = cfg
+        self.model = model
+        self.optimizer = optimizer
+
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
+        self.param_names = [names.get(id(p), f"param{i}") for i, p in enumerate(self.params)]
+        self.probe = StepProbe(self.params, optimizer)
+        self.act_probe = ActivationProbe(model) if cfg.watch.activations else None
+        self.batch_probe = BatchProbe()
+        act_limit = None
+        if cfg.watch.activations:
+            dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+            act_limit = min((dtype_max(d) for d in dtypes), default=None)
+        self.detectors: list[Detector] = default_detectors(cfg.detect, act_limit)
+
+        self.step = 0
+        self.alarms: list[Alarm] = []
+        self.actions: list[dict[str, Any]] = []
+        self.first_nonfinite: dict[str, Any] | None = None
+        self.history: list[StepStats] = []  # the last few steps, for the summary
+        self.host_reads = 0
+        self._loss: torch.Tensor | None = None
+        self._pending: list[_Pending] = []
+        self._current: _Pending | None = None
+        self._stashed_grads: list[torch.Tensor | None] | None = None
+        self._step_rng = rng.capture()
+        self._closed = False
+        self.report: Report | None = None
+
+        self.store = self._open_store(cfg.record.out)
+        self.store.write_meta(
+            version=__version__, policy=cfg.policy, model=type(model).__name__,
+            optimizer=type(optimizer).__name__, started=time.time(),
+        )
+        self.store.write_params(
+            [(n, tuple(p.shape), p.numel()) for n, p in zip(self.param_names, self.params,
+                                                            strict=True)]
+        )
+        self.store.write_rng(0, rng.dumps(self._step_rng))
+        self._handles = [
+            optimizer.register_step_pre_hook(self._pre_hook),
+            optimizer.register_step_post_hook(self._post_hook),
+        ]
+        ref = weakref.ref(self)
+        self._atexit = lambda: (g := ref()) is not None and g.close()
+        atexit.register(self._atexit)
+
+    # ------------------------------------------------------------------ public face
+
+    @property
+    def folder(self) -> Path | None:
+        """The run folder, or None when recording is off."""
+        return getattr(self.store, "folder", None)
+
+    def watch(self, *, loss: torch.Tensor | float | None = None, batch: Any = None) -> None:
+        """Hand the guard this step's loss and/or batch. Call any time before `optimizer.step()`.
+
+        The loss is detached and kept on its device (no host read here). The batch (a tensor, or
+        a tuple / list / dict of tensors sharing the leading batch dimension) is fingerprinted
+        per sample on the device and kept by reference for replay.
+        """
+        if loss is not None:
+            t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+            self._loss = t.reshape(-1)[:1].double()
+        if batch is not None:
+            self.batch_probe.observe(batch)
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> Report:
+        """Remove every hook, read what is pending, write report.json, print the summary.
+
+        Safe to call more than once; also runs at interpreter exit if forgotten.
+        """
+        if self._closed:
+            assert self.report is not None
+            return self.report
+        self._closed = True
+        for h in self._handles:
+            h.remove()
+        if self.act_probe:
+            self.act_probe.close()
+        atexit.unregister(self._atexit)
+        self._flush()
+        report = self._build_report()
+        if self.folder is not None:
+            report.write(self.folder)
+        self.store.close()
+        self.report = report
+        if self.config.record.summary:
+            from nanguard.show.summary import print_summary
+
+            print_summary(report, self.history)
+        return report
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume watching where this guard left off."""
+        self._flush()
+        return {
+            "step": self.step,
+            "detectors": [d.state_dict() for d in self.detectors],
+            "alarms": [a.to_dict() for a in self.alarms],
+            "actions": list(self.actions),
+            "first_nonfinite": self.first_nonfinite,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (e.g. when resuming from a checkpoint)."""
+        if len(state["detectors"]) != len(self.detectors):
+            raise ValueError("state_dict comes from a guard with a different set of detectors")
+        self.step = int(state["step"])
+        for d, s in zip(self.detectors, state["detectors"], strict=True):
+            d.load_state_dict(s)
+        self.alarms = [Alarm(**a) for a in state["alarms"]]
+        self.actions = list(state["actions"])
+        self.first_nonfinite = state["first_nonfinite"]
+
+    # ------------------------------------------------------------------ hooks
+
+    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Runs inside `optimizer.step()`, after backward and clipping, before the update."""
+        cfg = self.config
+        every = cfg.watch.update_ratio_every
+        grads, layout = self.probe.pre_step(snapshot_update=every > 0 and self.step % every == 0)
+        parts: list[torch.Tensor] = []
+        if self._loss is not None:
+            parts.append(self._loss)
+        if grads is not None:
+            parts.append(grads.double())
+        act_names: list[str] = []
+        if self.act_probe:
+            act_names, acts = self.act_probe.collect()
+            if acts is not None:
+                parts.append(acts.double())
+        batch_size, batch_vec = self.batch_probe.collect()
+        if batch_vec is not None:
+            parts.append(batch_vec)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        pre = torch.cat([p.to(device) for p in parts]) if parts else torch.zeros(0, device=device)
+        self._current = _Pending(
+            step=self.step, lr=_lr(optimizer), pre=pre, grad_layout=layout,
+            act_names=act_names, batch_size=batch_size, has_loss=self._loss is not None,
+            rng=self._step_rng,
+        )
+        self._loss = None
+        if cfg.policy == "observe":
+            return
+        # Acting policies decide before the update: read the pre-step statistics now.
+        values = self._read(pre)
+        stats = self._decode_pre(self._current, values)
+        alarms = self._detect(stats, "pre", self._current.rng)
+        if self._should_act(stats, alarms):
+            self._act(stats, alarms)
+
+    def _post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Runs inside `optimizer.step()`, right after the update."""
+        cur = self._current
+        assert cur is not None, "post-step hook without a pre-step hook"
+        self._current = None
+        if self._stashed_grads is not None:  # `skip`: give the user their gradients back
+            for p, g in zip(self.params, self._stashed_grads, strict=True):
+                p.grad = g
+            self._stashed_grads = None
+        cur.post, cur.post_layout = self.probe.post_step()
+        self.step += 1
+        self._pending.append(cur)
+        if cur.stats is not None:  # acting policy: pre already read, read the post part now
+            self._flush()
+        elif len(self._pending) >= self.config.watch.read_every:
+            self._flush()
+        self._step_rng = rng.capture()
+        if self.step % self.config.record.rng_every == 0:
+            self.store.write_rng(self.step, rng.dumps(self._step_rng))
+
+    # ------------------------------------------------------------------ reading and deciding
+
+    def _read(self, t: torch.Tensor) -> list[float]:
+        """The one host read: a device tensor to a Python list."""
+        self.host_reads += 1
+        return t.tolist()  # type: ignore[no-any-return]
+
+    def _flush(self) -> None:
+        """Read every pending step at once, then detect and record them in step order."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        parts = []
+        for p in pending:
+            if p.stats is None:
+                parts.append(p.pre)
+            assert p.post is not None
+            parts.append(p.post.double())
+        values = self._read(torch.cat(parts))
+        pos = 0
+        for p in pending:
+            stats = p.stats
+            if stats is None:
+                stats = self._decode_pre(p, values[pos : pos + p.pre.numel()])
+                pos += p.pre.numel()
+                self._detect(stats, "pre", p.rng)
+            assert p.post is not None
+            n = p.post.numel()
+            self.probe.decode_post(values[pos : pos + n], p.post_layout, stats)
+            pos += n
+            alarms = self._detect(stats, "post", p.rng)
+            if self.config.policy != "observe" and self._should_act(stats, alarms, post=True):
+                self._act(stats, alarms, post=True)
+            self._record(stats, p)
+
+    def _decode_pre(self, p: _Pending, values: list[float]) -> StepStats:
+        stats = StepStats(step=p.step, lr=p.lr)
+        pos = 0
+        if p.has_loss:
+            stats.loss = values[0]
+            pos = 1
+        n = len(p.grad_layout)
+        self.probe.decode_pre(values[pos : pos + n], p.grad_layout, stats)
+        pos += n
+        stats.activations = dict(zip(p.act_names, values[pos : pos + len(p.act_names)],
+                                     strict=True))
+        pos += len(p.act_names)
+        self.batch_probe.decode(values[pos:], p.batch_size, stats)
+        if any(math.isinf(stats.grad_norms[i]) for i in stats.nonfinite_grads):
+            self.probe.resolve_overflow(stats)  # rare: an extra read only here
+        p.stats = stats
+        return stats
+
+    def _detect(
+        self, stats: StepStats, phase: str, step_rng: dict[str, Any] | None = None
+    ) -> list[Alarm]:
+        alarms: list[Alarm] = []
+        for d in self.detectors:
+            if d.phase == phase:
+                alarms += d.check(stats)
+        if stats.nonfinite_signals() and self.first_nonfinite is None:
+            self.first_nonfinite = self._locate(stats)
+        if alarms and step_rng is not None:
+            # Keep the RNG state at the start of an alarmed step: a replay needs it.
+            self.store.write_rng(stats.step, rng.dumps(step_rng))
+        self.alarms += alarms
+        stats.alarms += alarms
+        return alarms
+
+    def _should_act(self, stats: StepStats, alarms: list[Alarm], post: bool = False) -> bool:
+        act_on = self.config.act_on
+        if "nonfinite" in act_on:
+            signals = stats.nonfinite_signals()
+            if post:
+                signals = [s for s in signals if s.startswith(("param", "optimizer"))]
+            if signals:
+                return True
+        return any(a.kind in act_on for a in alarms)
+
+    def _act(self, stats: StepStats, alarms: list[Alarm], post: bool = False) -> None:
+        """Apply the policy. Pre-step: `skip` discards the update; `raise` stops first."""
+        policy = self.config.policy
+        why = ", ".join(sorted({f"{a.kind}:{a.signal}" for a in alarms})) or ", ".join(
+            stats.nonfinite_signals()
+        )
+        if policy == "skip" and not post:
+            # Optimizers leave a parameter whose .grad is None untouched: no update, no state
+            # change, no step-counter increment. The post-hook puts the gradients back.
+            self._stashed_grads = [p.grad for p in self.params]
+            for p in self.params:
+                p.grad = None
+            stats.skipped = True
+            self._action(stats.step, "skip", f"update discarded ({why})")
+            return
+        if policy == "skip":
+            # The update itself produced the non-finite value; undoing it needs a saved copy,
+            # which is the `rollback` policy's job. Record that we could not skip it.
+            self._action(stats.step, "none", f"non-finite after the update ({why}); cannot skip")
+            return
+        if policy == "raise":
+            self._action(stats.step, "raise", f"stopped ({why})")
+            if not post and self._current is not None:
+                # Stopped before the update: record what the step had, then close.
+                self._record(stats, self._current)
+                self._current = None
+            self.close()
+            raise NanguardError(f"nanguard stopped training at step {stats.step}: {why}",
+                                self.report)
+
+    def _action(self, step: int, action: str, detail: str) -> None:
+        self.actions.append({"step": step, "action": action, "detail": detail})
+        self.store.write_action(step, action, detail)
+
+    # ------------------------------------------------------------------ recording
+
+    def _locate(self, stats: StepStats) -> dict[str, Any]:
+        """Where the first non-finite value showed, from the watched signals alone.
+
+        This is the cheap, always-on answer; an op-level replay can refine phase, module and op.
+        """
+        signals = stats.nonfinite_signals()
+        phase, module, samples = None, None, list(stats.nonfinite_samples)
+        if samples:
+            phase = "data"
+        elif "activation" in signals:
+            phase = "forward"
+            module = next(m for m, v in stats.activations.items() if not math.isfinite(v))
+        elif "loss" in signals:
+            phase = "loss"
+        elif "grad" in signals:
+            phase = "backward"
+            # Backward runs from the output towards the input: the last parameter in module
+            # order with a non-finite gradient is the earliest one to have received it.
+            module = _owner(self.param_names[max(stats.nonfinite_grads)])
+        elif signals:
+            phase = "optimizer"
+            bad = [i for i, v in stats.param_norms.items() if not math.isfinite(v)]
+            for norms in stats.state_norms.values():
+                bad += [i for i, v in norms.items() if not math.isfinite(v)]
+            module = self.param_names[min(bad)] if bad else None
+        return {"step": stats.step, "phase": phase, "module": module, "op": None,
+                "source": None, "samples": samples, "rank": 0, "signals": signals}
+
+    def _record(self, stats: StepStats, p: _Pending) -> None:
+        self.history.append(stats)
+        del self.history[:-64]
+        row = {
+            "step": stats.step, "loss": stats.loss, "grad_norm": stats.grad_norm,
+            "param_norm": stats.param_norm, "update_ratio": stats.update_ratio,
+            "momentum_norm": stats.momentum_norm, "act_max": stats.act_max, "lr": stats.lr,
+            "nonfinite": stats.nonfinite_signals(), "skipped": stats.skipped,
+        }
+        params = []
+        if self.config.watch.per_parameter:
+            for i in range(len(self.params)):
+                state = {k: v[i] for k, v in stats.state_norms.items() if i in v}
+                params.append((i, stats.grad_norms.get(i), stats.param_norms.get(i), state))
+        batch = None
+        if stats.sample_hashes:
+            batch = (_batch_hash(stats.sample_hashes), stats.sample_hashes,
+                     stats.nonfinite_samples)
+        alarms = [a.to_dict() for a in stats.alarms]
+        self.store.write_step(row, params=params, activations=stats.activations, batch=batch,
+                              alarms=alarms)
+
+    def _build_report(self) -> Report:
+        return build_report(
+            steps=self.step,
+            alarms=[a.to_dict() for a in self.alarms],
+            actions=list(self.actions),
+            first_nonfinite=self.first_nonfinite,
+            run={"folder": str(self.folder) if self.folder else None,
+                 "policy": self.config.policy, "model": type(self.model).__name__,
+                 "optimizer": type(self.optimizer).__name__, "version": __version__,
+                 "closed": True},
+        )
+
+    @staticmethod
+    def _open_store(out: str | None) -> NullStore:
+        if out == "":
+            return NullStore()
+        if out is None:
+            out = str(Path("nanguard_runs") / time.strftime("%Y%m%d-%H%M%S"))
+        return RunStore(out)
+
+
+def _lr(optimizer: torch.optim.Optimizer) -> float | None:
+    lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+    return float(lr) if isinstance(lr, (int, float)) else None
+
+
+def _owner(param_name: str) -> str:
+    """The module path that owns a parameter: `layers.3.weight` -> `layers.3`."""
+    return param_name.rpartition(".")[0]
+
+
+def _batch_hash(samples: list[int]) -> str:
+    import hashlib
+
+    return hashlib.blake2b(repr(samples).encode(), digest_size=8).hexdigest()

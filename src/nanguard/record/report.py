@@ -1,0 +1,138 @@
+"""report.json: the stable summary of a run. Keys are documented in README.md; extend, never rename.
+
+    status          "healthy" | "warned" | "failed" | "recovered"
+    steps           number of optimizer steps recorded
+    alarms          [{step, kind, signal, value, message}]
+    first_nonfinite null | {step, phase, module, op, source, samples, rank, signals}
+    diagnosis       [{cause, confidence, evidence, fix}], best first
+    actions         [{step, action, detail}]
+    first_warning   null | step of the first alarm that is not `nonfinite`
+    lead_steps      null | first_nonfinite.step - first_warning (steps of warning)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nanguard.record.store import dec, open_run
+
+REPORT_NAME = "report.json"
+
+
+@dataclass(kw_only=True)
+class Report:
+    """The content of report.json."""
+
+    status: str = "healthy"
+    steps: int = 0
+    alarms: list[dict[str, Any]] = field(default_factory=list)
+    first_nonfinite: dict[str, Any] | None = None
+    diagnosis: list[dict[str, Any]] = field(default_factory=list)
+    actions: list[dict[str, Any]] = field(default_factory=list)
+    first_warning: int | None = None
+    lead_steps: int | None = None
+    run: dict[str, Any] = field(default_factory=dict)
+    """Free-form run facts: folder, policy, model and optimizer class, nanguard version."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return _json_safe(asdict(self))
+
+    def write(self, folder: str | os.PathLike[str]) -> Path:
+        """Write report.json atomically (temp file + rename): a crash never leaves half a file."""
+        path = Path(folder) / REPORT_NAME
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        os.replace(tmp, path)
+        return path
+
+
+def _json_safe(obj: Any) -> Any:
+    """JSON has no NaN/Inf: write them as the strings "nan", "inf", "-inf"."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def build_report(
+    *,
+    steps: int,
+    alarms: list[dict[str, Any]],
+    actions: list[dict[str, Any]],
+    first_nonfinite: dict[str, Any] | None,
+    diagnosis: list[dict[str, Any]] | None = None,
+    run: dict[str, Any] | None = None,
+    failed: bool | None = None,
+) -> Report:
+    """Derive status, first warning and lead time from what was recorded."""
+    warnings = [a["step"] for a in alarms if a["kind"] != "nonfinite"]
+    first_warning = min(warnings) if warnings else None
+    lead = None
+    if first_nonfinite is not None and first_warning is not None:
+        if first_warning <= first_nonfinite["step"]:
+            lead = first_nonfinite["step"] - first_warning
+    if failed is None:
+        failed = first_nonfinite is not None
+    if failed and actions and not any(a["action"] == "raise" for a in actions):
+        status = "recovered"
+    elif failed:
+        status = "failed"
+    elif alarms:
+        status = "warned"
+    else:
+        status = "healthy"
+    return Report(
+        status=status, steps=steps, alarms=alarms, first_nonfinite=first_nonfinite,
+        diagnosis=diagnosis or [], actions=actions, first_warning=first_warning,
+        lead_steps=lead, run=run or {},
+    )
+
+
+def load_report(folder: str | os.PathLike[str]) -> Report:
+    """Read report.json, or rebuild it from the store of a run that never closed (e.g. killed)."""
+    path = Path(folder)
+    if not path.exists():
+        raise ValueError(f"no such run folder: {str(folder)!r}")
+    report_path = path / REPORT_NAME
+    if report_path.is_file():
+        try:
+            data = json.loads(report_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{str(report_path)!r} is not valid JSON ({exc})") from None
+        known = set(Report.__dataclass_fields__)
+        return Report(**{k: v for k, v in data.items() if k in known})
+    db = open_run(path)
+    try:
+        steps = db.execute("SELECT count(*) FROM steps").fetchone()[0]
+        alarms = [
+            {"step": s, "kind": k, "signal": g, "value": dec(v), "message": m}
+            for s, k, g, v, m in db.execute("SELECT * FROM alarms ORDER BY step, rowid")
+        ]
+        actions = [
+            {"step": s, "action": a, "detail": d}
+            for s, a, d in db.execute("SELECT * FROM actions ORDER BY step, rowid")
+        ]
+        first = None
+        for (body,) in db.execute("SELECT body FROM findings ORDER BY id LIMIT 1"):
+            first = json.loads(body)
+        if first is None:
+            row = db.execute(
+                "SELECT step, nonfinite FROM steps WHERE nonfinite != '[]' ORDER BY step LIMIT 1"
+            ).fetchone()
+            if row:
+                first = {"step": row[0], "phase": None, "module": None, "op": None,
+                         "source": None, "samples": [], "rank": 0, "signals": json.loads(row[1])}
+        meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
+    finally:
+        db.close()
+    run = {k: json.loads(v) for k, v in meta.items()}
+    run["closed"] = False
+    return build_report(steps=steps, alarms=alarms, actions=actions, first_nonfinite=first, run=run)

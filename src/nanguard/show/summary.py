@@ -1,0 +1,86 @@
+"""The terminal summary printed when a guarded run ends (and by `nanguard report`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from nanguard.record.report import Report
+from nanguard.watch.stats import StepStats
+
+_STATUS_STYLE = {"healthy": "green", "warned": "yellow", "failed": "red", "recovered": "cyan"}
+_SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: Sequence[float | None]) -> str:
+    """Log-scaled sparkline; non-finite points show as '!' so they are never dropped."""
+    logs = [math.log10(v) if v is not None and math.isfinite(v) and v > 0 else None
+            for v in values]
+    finite = [x for x in logs if x is not None]
+    lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
+    out = []
+    for v, x in zip(values, logs, strict=True):
+        if v is None:
+            out.append(" ")
+        elif not math.isfinite(v):
+            out.append("!")
+        elif x is None:
+            out.append(_SPARK[0])
+        else:
+            out.append(_SPARK[int((x - lo) / (hi - lo + 1e-12) * (len(_SPARK) - 1))])
+    return "".join(out)
+
+
+def print_summary(
+    report: Report, history: Sequence[StepStats] = (), console: Console | None = None
+) -> None:
+    """Print status, the first non-finite value, alarms, actions and the last steps."""
+    console = console or Console(stderr=True)
+    style = _STATUS_STYLE.get(report.status, "white")
+    folder = report.run.get("folder")
+    console.print(
+        f"[bold]nanguard[/]: [{style}]{report.status}[/] after {report.steps} steps"
+        + (f" — record in {folder}" if folder else "")
+    )
+    first = report.first_nonfinite
+    if first:
+        where = ", ".join(
+            f"{k} {first[k]}" for k in ("phase", "module", "op") if first.get(k) not in (None, "")
+        )
+        samples = first.get("samples") or []
+        console.print(
+            f"  [red]first non-finite[/] at step {first['step']}"
+            + (f" ({where})" if where else "")
+            + (f", samples {samples[:8]}" if samples else "")
+            + f"; in: {', '.join(first.get('signals') or []) or '?'}"
+        )
+    if report.first_warning is not None and first:
+        console.print(
+            f"  first warning at step {report.first_warning}: "
+            f"[bold]{report.lead_steps}[/] steps before the first non-finite value"
+        )
+    for cause in report.diagnosis[:3]:
+        console.print(f"  cause: [bold]{cause['cause']}[/] ({cause['confidence']:.0%}) — "
+                      f"fix: {cause['fix']}")
+    if report.alarms:
+        table = Table(title="alarms", title_justify="left", show_edge=False)
+        for col in ("step", "kind", "signal", "message"):
+            table.add_column(col)
+        shown = report.alarms[:12]
+        for a in shown:
+            table.add_row(str(a["step"]), a["kind"], a["signal"], a["message"])
+        console.print(table)
+        if len(report.alarms) > len(shown):
+            console.print(f"  ... {len(report.alarms) - len(shown)} more in report.json")
+    for act in report.actions[:8]:
+        console.print(f"  action at step {act['step']}: {act['action']} — {act['detail']}")
+    if history:
+        last = list(history)[-24:]
+        console.print(
+            f"  last {len(last)} steps (log scale, ! = non-finite):\n"
+            f"    loss      {sparkline([s.loss for s in last])}\n"
+            f"    grad norm {sparkline([s.grad_norm for s in last])}"
+        )

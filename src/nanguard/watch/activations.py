@@ -1,0 +1,81 @@
+"""Per-module activation abs-max, for headroom to the dtype's largest value.
+
+Forward hooks on leaf modules keep a running abs-max on the device (no host read in the hook);
+the guard collects them once per step. Hooks are removable: `close()` removes every handle.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+
+def dtype_max(dtype: torch.dtype) -> float:
+    """Largest finite value of a floating dtype (float32 for anything else)."""
+    if not dtype.is_floating_point:
+        dtype = torch.float32
+    return float(torch.finfo(dtype).max)
+
+
+def headroom_decades(absmax: float, dtype: torch.dtype) -> float:
+    """log10(dtype max / absmax): decades of growth left before overflow."""
+    if not math.isfinite(absmax):
+        return -math.inf
+    if absmax <= 0:
+        return math.inf
+    return math.log10(dtype_max(dtype)) - math.log10(absmax)
+
+
+class ActivationProbe:
+    """Watches the outputs of every leaf module of `model`.
+
+    Args:
+        model: the module to watch.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.names: list[str] = []
+        self.dtypes: dict[str, torch.dtype] = {}
+        self._current: dict[str, torch.Tensor] = {}
+        self._handles: list[RemovableHandle] = []
+        self.enabled = True
+        for name, module in model.named_modules():
+            if next(module.children(), None) is None and name:
+                self.names.append(name)
+                self._handles.append(module.register_forward_hook(self._hook(name)))
+
+    def _hook(self, name: str):  # type: ignore[no-untyped-def]
+        def hook(module: nn.Module, inputs: object, output: object) -> None:
+            if not self.enabled:
+                return
+            if isinstance(output, (tuple, list)):
+                output = next((o for o in output if isinstance(o, torch.Tensor)), None)
+            if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+                return
+            if output.numel() == 0:
+                return
+            with torch.no_grad():
+                m = output.detach().abs().amax().float()
+            prev = self._current.get(name)
+            # A module called several times in one step keeps its largest output.
+            self._current[name] = m if prev is None else torch.maximum(prev, m)
+            self.dtypes[name] = output.dtype
+
+        return hook
+
+    def collect(self) -> tuple[list[str], torch.Tensor | None]:
+        """Take this step's abs-max values (device tensor) and reset for the next step."""
+        if not self._current:
+            return [], None
+        names = list(self._current)
+        values = torch.stack([self._current[n] for n in names])
+        self._current = {}
+        return names, values
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

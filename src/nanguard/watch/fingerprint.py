@@ -1,0 +1,45 @@
+"""Per-sample batch fingerprints computed on the device.
+
+A fingerprint is a position-weighted sum of the raw bits of each sample, masked to 52 bits so it
+travels exactly inside the float64 vector that the guard reads once per step. It identifies a
+sample (same bytes, same fingerprint), which is what the record and a replay need; it is not a
+cryptographic hash.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK = (1 << 52) - 1
+_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+_INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _weights(width: int, device: torch.device) -> torch.Tensor:
+    key = (width, device)
+    w = _WEIGHTS.get(key)
+    if w is None:
+        # Odd multipliers from a fixed LCG: position-dependent, so permuted features differ.
+        w = (torch.arange(width, dtype=torch.int64, device=device) * 2654435761 + 97531) | 1
+        _WEIGHTS[key] = w
+    return w
+
+
+def sample_fingerprints(tensor: torch.Tensor) -> torch.Tensor:
+    """Fingerprint each sample (row along dim 0) of `tensor`.
+
+    Returns:
+        A float64 device tensor of shape [batch] holding integers below 2**52.
+    """
+    t = tensor.detach()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    t = t.contiguous()
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    bits = t.view(_INT_VIEW[t.element_size()]).reshape(t.shape[0], -1).to(torch.int64)
+    h = (bits * _weights(bits.shape[1], bits.device)).sum(dim=1)
+    return (h & _MASK).to(torch.float64)

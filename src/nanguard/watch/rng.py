@@ -1,0 +1,48 @@
+"""RNG states at the start of a step: small, captured every step, serialized only when kept.
+
+Serialized with `torch.save` and read back with `torch.load(weights_only=True)`: a run store
+shared by someone else can never execute code when a replay reads it.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def capture() -> dict[str, Any]:
+    """The RNG states of torch (CPU and every CUDA device), Python and NumPy."""
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore(state: dict[str, Any]) -> None:
+    """Set every RNG back to `state` (from `capture` or `loads`)."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def dumps(state: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def loads(blob: bytes) -> dict[str, Any]:
+    return torch.load(io.BytesIO(blob), weights_only=True)  # type: ignore[no-any-return]

@@ -1,0 +1,201 @@
+"""Fused, device-side statistics of parameters, gradients and optimizer state.
+
+The probe never reads a value on the host by itself: `pre_step` and `post_step` return small
+float tensors that stay on the device; the guard concatenates them and reads them once
+(`decode` turns the host list back into a `StepStats`). Norms are float32 `_foreach_norm`s:
+a NaN norm means some element is NaN; an infinite norm means an element is infinite OR the sum of
+squares overflowed while every element is finite (seen one step before the first NaN in the
+LR/momentum cascade). `resolve_overflow` tells the two apart, with an extra read only in that
+rare case.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Optimizer state entries that are tensors shaped like the parameter, by meaning.
+FIRST_MOMENT_KEYS = ("momentum_buffer", "exp_avg")
+SECOND_MOMENT_KEYS = ("exp_avg_sq", "square_avg", "sum")
+
+
+@dataclass(kw_only=True)
+class StepStats:
+    """Host-side statistics of one optimizer step. NaN / inf are kept as they are."""
+
+    step: int
+    loss: float | None = None
+    grad_norms: dict[int, float] = field(default_factory=dict)
+    """Per-parameter gradient L2 norm, by parameter index (only parameters that had a grad)."""
+    param_norms: dict[int, float] = field(default_factory=dict)
+    """Per-parameter L2 norm after the step."""
+    state_norms: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Per optimizer-state key (`exp_avg`, `exp_avg_sq`, `momentum_buffer`, ...): per-parameter
+    L2 norm after the step."""
+    update_norm: float | None = None
+    """L2 norm of the whole update (sampled steps only)."""
+    activations: dict[str, float] = field(default_factory=dict)
+    """Per-module activation abs-max (when activation watching is on and sampled)."""
+    sample_hashes: list[int] = field(default_factory=list)
+    """52-bit fingerprints of each sample of the batch handed to the guard."""
+    nonfinite_samples: list[int] = field(default_factory=list)
+    """Indices of the samples of the batch that hold a NaN or Inf."""
+    lr: float | None = None
+    overflowed: set[int] = field(default_factory=set)
+    """Parameters whose gradient norm overflowed float32 although every element is finite."""
+    nonfinite_grads: set[int] = field(default_factory=set)
+    skipped: bool = False
+    alarms: list[Any] = field(default_factory=list)
+    """Alarms raised on this step (filled by the guard)."""
+
+    @staticmethod
+    def _global(norms: dict[int, float]) -> float:
+        return math.sqrt(sum(v * v for v in norms.values())) if norms else 0.0
+
+    @property
+    def grad_norm(self) -> float:
+        """Global gradient L2 norm, computed in float64 on the host (no overflow)."""
+        return self._global(self.grad_norms)
+
+    @property
+    def param_norm(self) -> float:
+        return self._global(self.param_norms)
+
+    @property
+    def momentum_norm(self) -> float | None:
+        for key in FIRST_MOMENT_KEYS:
+            if key in self.state_norms:
+                return self._global(self.state_norms[key])
+        return None
+
+    @property
+    def update_ratio(self) -> float | None:
+        if self.update_norm is None:
+            return None
+        pn = self.param_norm
+        return self.update_norm / pn if pn > 0 else math.inf
+
+    @property
+    def act_max(self) -> float | None:
+        return max(self.activations.values()) if self.activations else None
+
+    def nonfinite_signals(self) -> list[str]:
+        """Names of the signals that hold a non-finite value this step."""
+        out = []
+        if self.loss is not None and not math.isfinite(self.loss):
+            out.append("loss")
+        if self.nonfinite_grads:
+            out.append("grad")
+        if any(not math.isfinite(v) for v in self.param_norms.values()):
+            out.append("param")
+        for key, norms in self.state_norms.items():
+            if any(not math.isfinite(v) for v in norms.values()):
+                out.append(f"optimizer.{key}")
+        if any(not math.isfinite(v) for v in self.activations.values()):
+            out.append("activation")
+        return out
+
+
+class StepProbe:
+    """Computes the per-step statistics of one optimizer's parameters on their device.
+
+    Args:
+        params: the parameters the optimizer updates, in a fixed order (index = parameter id).
+        optimizer: the optimizer whose state (momentum, Adam moments) is measured after the step.
+    """
+
+    def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+        self.params = params
+        self.optimizer = optimizer
+        self._update_buf: list[torch.Tensor] | None = None
+        self._with_update = False
+
+    def pre_step(self, snapshot_update: bool) -> tuple[torch.Tensor | None, list[int]]:
+        """Runs after backward (and any clipping), before `optimizer.step()` changes anything.
+
+        Returns the per-parameter gradient norms (float32, on the device; None when no
+        parameter has a gradient) and the layout: the indices of the parameters they belong to. When `snapshot_update` is set, copies the parameters into a
+        buffer allocated once, so that `post_step` can measure the update.
+        """
+        idx = [i for i, p in enumerate(self.params) if p.grad is not None]
+        self._with_update = snapshot_update and bool(idx)
+        if self._with_update:
+            if self._update_buf is None:
+                self._update_buf = [torch.empty_like(p) for p in self.params]
+            with torch.no_grad():
+                torch._foreach_copy_(self._update_buf, [p.detach() for p in self.params])
+        if not idx:
+            return None, idx
+        grads = [self.params[i].grad for i in idx]
+        return torch.stack(torch._foreach_norm(grads)).float(), idx  # type: ignore[arg-type]
+
+    def post_step(self) -> tuple[torch.Tensor, list[tuple[str, list[int]]]]:
+        """Runs right after `optimizer.step()`: parameter norms, optimizer-state norms and,
+        on sampled steps, the update norm. Returns one float32 device tensor and its layout."""
+        parts = [torch.stack(torch._foreach_norm([p.detach() for p in self.params]))]
+        layout: list[tuple[str, list[int]]] = [("param", list(range(len(self.params))))]
+        by_key: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
+        for i, p in enumerate(self.params):
+            state = self.optimizer.state.get(p)
+            if not state:
+                continue
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape and value.numel():
+                    ids, tensors = by_key.setdefault(key, ([], []))
+                    ids.append(i)
+                    tensors.append(value)
+        for key, (ids, tensors) in by_key.items():
+            parts.append(torch.stack(torch._foreach_norm(tensors)))
+            layout.append((key, ids))
+        if self._with_update:
+            assert self._update_buf is not None
+            with torch.no_grad():
+                diffs = torch._foreach_sub(self._update_buf, [p.detach() for p in self.params])
+            norms = torch.stack(torch._foreach_norm(diffs))
+            parts.append(norms.double().pow(2).sum().sqrt().reshape(1))
+            layout.append(("update", [0]))
+        self._with_update = False
+        return torch.cat([t.float().reshape(-1) for t in parts]), layout
+
+    @staticmethod
+    def decode_pre(values: list[float], layout: list[int], stats: StepStats) -> None:
+        """Fill `stats` from the host copy of `pre_step`'s tensor."""
+        for i, v in zip(layout, values, strict=True):
+            stats.grad_norms[i] = v
+            if not math.isfinite(v):
+                stats.nonfinite_grads.add(i)
+
+    @staticmethod
+    def decode_post(values: list[float], layout: list[tuple[str, list[int]]], stats: StepStats) -> None:
+        """Fill `stats` from the host copy of `post_step`'s tensor."""
+        pos = 0
+        for key, ids in layout:
+            chunk = values[pos : pos + len(ids)]
+            pos += len(ids)
+            if key == "param":
+                stats.param_norms = dict(zip(ids, chunk, strict=True))
+            elif key == "update":
+                stats.update_norm = chunk[0]
+            else:
+                stats.state_norms[key] = dict(zip(ids, chunk, strict=True))
+
+    def resolve_overflow(self, stats: StepStats) -> None:
+        """Tell "the float32 sum of squares overflowed" from "an element is infinite".
+
+        Runs only when some gradient norm came back infinite (never on a healthy step); it reads
+        each such gradient's abs-max and recomputes its norm in float64.
+        """
+        for i in sorted(stats.nonfinite_grads):
+            if not math.isinf(stats.grad_norms[i]):
+                continue
+            grad = self.params[i].grad
+            if grad is None:
+                continue
+            g = grad.detach().double()
+            if bool(torch.isfinite(g).all()):
+                stats.grad_norms[i] = float(torch.linalg.vector_norm(g))
+                stats.nonfinite_grads.discard(i)
+                stats.overflowed.add(i)
