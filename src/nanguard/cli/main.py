@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 # Module names (within nanguard.cli) that provide subcommands, in help order.
-COMMANDS: tuple[str, ...] = ("demo", "report")
+COMMANDS: tuple[str, ...] = ("demo", "report", "audit", "scan")
 
 
 class UserError(Exception):

@@ -1,0 +1,34 @@
+"""Offline auditors: checkpoints (`audit`), data sets (`scan`), training code (`lint`) and a
+model before training (`preflight`). They share no state with a running Guard.
+
+Heavy and optional dependencies (torch, pyarrow, safetensors) are imported inside the
+functions that need them.
+"""
+
+from nanguard.audit._common import AuditInputError, Finding, UnsafeCheckpointError
+from nanguard.audit.checkpoint import (
+    CheckpointReport,
+    DiffReport,
+    TensorChange,
+    TensorStats,
+    audit_checkpoint,
+    diff_checkpoints,
+)
+from nanguard.audit.scan import ColumnStats, ScanConfig, ScanReport, scan_dataset, scan_file
+
+__all__ = [
+    "AuditInputError",
+    "CheckpointReport",
+    "ColumnStats",
+    "DiffReport",
+    "Finding",
+    "ScanConfig",
+    "ScanReport",
+    "TensorChange",
+    "TensorStats",
+    "UnsafeCheckpointError",
+    "audit_checkpoint",
+    "diff_checkpoints",
+    "scan_dataset",
+    "scan_file",
+]

@@ -1,0 +1,107 @@
+"""`nanguard scan DATA`: check a data file for values that break training.
+
+Exit codes: 0 clean, 1 problems found, 2 unreadable file or bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from nanguard.audit._common import fmt_num
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "scan",
+        help="scan a data file (CSV, Parquet, .npy/.npz, torch tensors) for NaN/Inf and more",
+        description="Scan a data set in one streaming pass: NaN/Inf/missing cells by row and "
+        "column (0-based; the CSV header is not a row), extreme magnitudes, constant columns, "
+        "broken one-hot groups, labels out of range, and per-column mean and std.",
+    )
+    p.add_argument("data", help="a .csv, .tsv, .parquet, .npy, .npz or .pt file")
+    p.add_argument("--label", metavar="COL", help="integer class-label column to check")
+    p.add_argument("--num-classes", type=int, metavar="K", help="labels must lie in [0, K)")
+    p.add_argument(
+        "--onehot",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="columns starting with PREFIX must be one-hot (repeatable)",
+    )
+    p.add_argument(
+        "--no-auto-onehot",
+        action="store_true",
+        help="do not look for one-hot groups by column-name prefix",
+    )
+    p.add_argument(
+        "--max-abs",
+        type=float,
+        default=1e6,
+        metavar="X",
+        help="report values with |x| > X (default 1e6)",
+    )
+    p.add_argument(
+        "--ignore",
+        action="append",
+        default=[],
+        metavar="COL",
+        help="leave COL out of the extreme / constant / one-hot checks (repeatable)",
+    )
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--all", action="store_true", help="list every column, not only the first 30")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from nanguard.audit.render import console, print_findings, table
+    from nanguard.audit.scan import ScanConfig, scan_file
+
+    if args.num_classes is not None and args.label is None:
+        raise ValueError("--num-classes needs --label COL")
+    config = ScanConfig(
+        max_abs=args.max_abs,
+        label=args.label,
+        num_classes=args.num_classes,
+        onehot=args.onehot,
+        auto_onehot=not args.no_auto_onehot,
+        ignore=args.ignore,
+    )
+    report = scan_file(args.data, config)
+    if args.format == "json":
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0 if report.ok else 1
+    con = console()
+    flagged = {f.details.get("column_name") for f in report.findings}
+    for tab in report.tables:
+        cols = sorted(tab.columns, key=lambda c: c.name not in flagged)
+        shown = cols if args.all else cols[:30]
+        rows = [
+            [
+                c.name,
+                c.count,
+                fmt_num(c.mean),
+                fmt_num(c.std),
+                fmt_num(c.min),
+                fmt_num(c.max),
+                c.nan or "",
+                (c.posinf + c.neginf) or "",
+                c.missing or "",
+            ]
+            for c in shown
+        ]
+        title = f"{tab.name}: {tab.rows} rows x {len(tab.columns)} numeric columns"
+        con.print(
+            table(
+                title,
+                ("column", "count", "mean", "std", "min", "max", "nan", "inf", "missing"),
+                rows,
+            )
+        )
+        if len(cols) > len(shown):
+            con.print(f"... {len(cols) - len(shown)} more columns (--all to list them)")
+    print_findings(con, report.findings)
+    n = sum(f.severity != "info" for f in report.findings)
+    con.print("no problems found" if not n else f"{n} problem(s) found")
+    return 0 if report.ok else 1
