@@ -43,11 +43,18 @@ class DetectConfig:
     window: int = 100
     """Length of the recent history (healthy steps) the robust statistics are taken over."""
 
-    spike_z: float = 8.0
+    spike_z: float = 5.0
     """Robust z-score (median / MAD of log10 grad norm) above which a step is a spike."""
 
     spike_ratio: float = 10.0
     """...and the grad norm must also be at least this many times the recent median."""
+
+    spike_hard_ratio: float = 30.0
+    """A grad norm this many times the recent median is a spike whatever its z-score."""
+
+    lead_window: int = 10
+    """report.json's `first_warning` is the first alarm within this many steps before the first
+    non-finite value (an unrelated spike long before does not count as a warning of it)."""
 
     cascade_steps: int = 3
     """Consecutive steps of multiplicative growth that make an amplification cascade."""
@@ -63,8 +70,8 @@ class DetectConfig:
     this many steps."""
 
     divergence_ratio: float = 3.0
-    """Loss divergence: the mean loss of the last `divergence_steps` steps exceeds this multiple of
-    the recent median loss (and its robust z-score exceeds `spike_z`)."""
+    """Loss divergence: each of the last `divergence_steps` losses exceeds this multiple of the
+    recent median loss (and their mean's robust z-score exceeds `spike_z`)."""
 
     divergence_steps: int = 5
     """Number of recent steps averaged by the loss-divergence detector."""
@@ -76,7 +83,11 @@ class DetectConfig:
     """...for this many consecutive steps."""
 
     cooldown: int = 50
-    """Steps before the same (kind, signal) alarm may fire again."""
+    """Steps before the same (kind, signal) alarm may fire again (sustained conditions:
+    cascade, forecast, divergence, vanishing)."""
+
+    spike_cooldown: int = 5
+    """Steps before another spike alarm may fire."""
 
 
 @dataclass(kw_only=True)

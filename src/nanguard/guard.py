@@ -277,9 +277,7 @@ class Guard:
         cur.post, cur.post_layout = self.probe.post_step()
         self.step += 1
         self._pending.append(cur)
-        if cur.stats is not None:  # acting policy: pre already read, read the post part now
-            self._flush()
-        elif len(self._pending) >= self.config.watch.read_every:
+        if cur.stats is not None or len(self._pending) >= self.config.watch.read_every:  # acting policy: pre already read, read the post part now
             self._flush()
         self._step_rng = rng.capture()
         if self.step % self.config.record.rng_every == 0:
@@ -456,6 +454,7 @@ class Guard:
             alarms=[a.to_dict() for a in self.alarms],
             actions=list(self.actions),
             first_nonfinite=self.first_nonfinite,
+            lead_window=self.config.detect.lead_window,
             run={"folder": str(self.folder) if self.folder else None,
                  "policy": self.config.policy, "model": type(self.model).__name__,
                  "optimizer": type(self.optimizer).__name__, "version": __version__,

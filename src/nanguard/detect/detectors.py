@@ -40,26 +40,34 @@ class Detector:
 
     def __init__(self, config: DetectConfig) -> None:
         self.config = config
-        self._last_fired: dict[tuple[str, str], int] = {}
+        self.cooldown = config.cooldown
+        self._last_fired: dict[tuple[str, str], tuple[int, float]] = {}
 
     def check(self, stats: StepStats) -> list[Alarm]:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def _fire(
-        self, stats: StepStats, kind: str, signal: str, value: float, msg: str
+        self, stats: StepStats, kind: str, signal: str, value: float, msg: str,
+        escalates: bool = True,
     ) -> list[Alarm]:
-        """Emit one alarm unless the same (kind, signal) fired within the cooldown."""
+        """Emit one alarm unless the same (kind, signal) fired within the cooldown.
+
+        A new event far more severe than the last one (`value` >= 10x the last fired value, for
+        detectors where a larger value is worse) fires even within the cooldown: a spike 1000x
+        the median 40 steps after a 20x one is news.
+        """
         last = self._last_fired.get((kind, signal))
-        if last is not None and stats.step - last < self.config.cooldown:
-            return []
-        self._last_fired[(kind, signal)] = stats.step
+        if last is not None and stats.step - last[0] < self.cooldown:
+            if not (escalates and math.isfinite(value) and abs(value) >= 10 * abs(last[1])):
+                return []
+        self._last_fired[(kind, signal)] = (stats.step, value)
         return [Alarm(step=stats.step, kind=kind, signal=signal, value=value, message=msg)]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"last_fired": [[k, s, v] for (k, s), v in self._last_fired.items()]}
+        return {"last_fired": [[k, s, st, v] for (k, s), (st, v) in self._last_fired.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._last_fired = {(k, s): int(v) for k, s, v in state["last_fired"]}
+        self._last_fired = {(k, s): (int(st), float(v)) for k, s, st, v in state["last_fired"]}
 
 
 class NonFiniteDetector(Detector):
@@ -142,6 +150,11 @@ class SpikeDetector(_SeriesDetector):
     phase = "pre"
     signals = ("grad_norm",)
 
+    def __init__(self, config: DetectConfig) -> None:
+        super().__init__(config)
+        # A spike is a discrete event, not a state: each new one is news.
+        self.cooldown = config.spike_cooldown
+
     def check(self, stats: StepStats) -> list[Alarm]:
         x = stats.grad_norm
         hist = self.history["grad_norm"]
@@ -153,7 +166,11 @@ class SpikeDetector(_SeriesDetector):
         if len(hist) >= self.config.warmup_steps:
             z, med = _robust_z(lx, hist, floor=0.05)
             ratio = 10 ** (lx - med)
-            if z >= self.config.spike_z and ratio >= self.config.spike_ratio:
+            # The z-score adapts to noisy histories; a jump of `spike_hard_ratio` x the median
+            # is a spike however noisy the history was.
+            if ratio >= self.config.spike_ratio and (
+                z >= self.config.spike_z or ratio >= self.config.spike_hard_ratio
+            ):
                 is_spike = True
                 alarms = self._fire(
                     stats,
@@ -265,6 +282,7 @@ class ForecastDetector(_SeriesDetector):
                     left,
                     f"{signal} grows {10**slope:.3g}x per step ({x:.3g} now): overflow of its "
                     f"limit {self.limits[signal]:.3g} in ~{max(left, 0):.1f} steps",
+                    escalates=False,
                 )
         return alarms
 
@@ -300,9 +318,9 @@ class DivergenceDetector(_SeriesDetector):
         ):
             mean_recent = sum(self.recent) / len(self.recent)
             z, med = _robust_z(mean_recent, hist, floor=1e-3 * max(abs(median(hist)), 1e-8))
-            worst_ok = min(self.recent) > med  # every recent step above the median: sustained
-            ratio_ok = med > 0 and mean_recent >= self.config.divergence_ratio * med
-            if z >= self.config.spike_z and ratio_ok and worst_ok:
+            # Sustained: every recent step is far above the median, not one outlier batch.
+            ratio_ok = med > 0 and min(self.recent) >= self.config.divergence_ratio * med
+            if z >= self.config.spike_z and ratio_ok:
                 diverging = True
                 alarms = self._fire(
                     stats,

@@ -6,7 +6,8 @@
     first_nonfinite null | {step, phase, module, op, source, samples, rank, signals}
     diagnosis       [{cause, confidence, evidence, fix}], best first
     actions         [{step, action, detail}]
-    first_warning   null | step of the first alarm that is not `nonfinite`
+    first_warning   null | step of the first alarm that is not `nonfinite` (on a failed run:
+                    the first within `lead_window` steps before the first non-finite value)
     lead_steps      null | first_nonfinite.step - first_warning (steps of warning)
 """
 
@@ -71,14 +72,19 @@ def build_report(
     diagnosis: list[dict[str, Any]] | None = None,
     run: dict[str, Any] | None = None,
     failed: bool | None = None,
+    lead_window: int = 10,
 ) -> Report:
     """Derive status, first warning and lead time from what was recorded."""
     warnings = [a["step"] for a in alarms if a["kind"] != "nonfinite"]
-    first_warning = min(warnings) if warnings else None
     lead = None
-    if first_nonfinite is not None and first_warning is not None:
-        if first_warning <= first_nonfinite["step"]:
-            lead = first_nonfinite["step"] - first_warning
+    if first_nonfinite is not None:
+        # Only warnings of this failure: within `lead_window` steps before it.
+        nf = first_nonfinite["step"]
+        warnings = [s for s in warnings if nf - lead_window <= s <= nf]
+        first_warning = min(warnings) if warnings else None
+        lead = None if first_warning is None else nf - first_warning
+    else:
+        first_warning = min(warnings) if warnings else None
     if failed is None:
         failed = first_nonfinite is not None
     if failed and actions and not any(a["action"] == "raise" for a in actions):
