@@ -14,14 +14,30 @@ from nanguard.audit.checkpoint import (
     audit_checkpoint,
     diff_checkpoints,
 )
+from nanguard.audit.lint import RULES, LintFinding, lint_paths, lint_source
+from nanguard.audit.preflight import (
+    LayerInit,
+    LRProbeResult,
+    OverfitResult,
+    PreflightConfig,
+    PreflightReport,
+    preflight,
+)
 from nanguard.audit.scan import ColumnStats, ScanConfig, ScanReport, scan_dataset, scan_file
 
 __all__ = [
+    "RULES",
     "AuditInputError",
     "CheckpointReport",
     "ColumnStats",
     "DiffReport",
     "Finding",
+    "LRProbeResult",
+    "LayerInit",
+    "LintFinding",
+    "OverfitResult",
+    "PreflightConfig",
+    "PreflightReport",
     "ScanConfig",
     "ScanReport",
     "TensorChange",
@@ -29,6 +45,9 @@ __all__ = [
     "UnsafeCheckpointError",
     "audit_checkpoint",
     "diff_checkpoints",
+    "lint_paths",
+    "lint_source",
+    "preflight",
     "scan_dataset",
     "scan_file",
 ]
