@@ -405,6 +405,7 @@ class Guard:
         """
         signals = stats.nonfinite_signals()
         phase, module, samples = None, None, list(stats.nonfinite_samples)
+        param: str | None = None
         if samples:
             phase = "data"
         elif "activation" in signals:
@@ -416,19 +417,24 @@ class Guard:
             phase = "backward"
             # Backward runs from the output towards the input: the last parameter in module
             # order with a non-finite gradient is the earliest one to have received it.
-            module = _owner(self.param_names[max(stats.nonfinite_grads)])
+            param = self.param_names[max(stats.nonfinite_grads)]
+            module = _owner(param)
         elif signals:
             phase = "optimizer"
             bad = [i for i, v in stats.param_norms.items() if not math.isfinite(v)]
             for norms in stats.state_norms.values():
                 bad += [i for i, v in norms.items() if not math.isfinite(v)]
-            module = self.param_names[min(bad)] if bad else None
+            param = self.param_names[min(bad)] if bad else None
+            module = _owner(param) if param else None
         return {"step": stats.step, "phase": phase, "module": module, "op": None,
-                "source": None, "samples": samples, "rank": 0, "signals": signals}
+                "source": None, "samples": samples, "rank": 0, "signals": signals,
+                "param": param}
 
     def _record(self, stats: StepStats, p: _Pending) -> None:
-        self.history.append(stats)
-        del self.history[:-64]
+        # Keep the steps up to the first non-finite value: what led into it is the story.
+        if self.first_nonfinite is None or stats.step <= self.first_nonfinite["step"] + 1:
+            self.history.append(stats)
+            del self.history[:-64]
         row = {
             "step": stats.step, "loss": stats.loss, "grad_norm": stats.grad_norm,
             "param_norm": stats.param_norm, "update_ratio": stats.update_ratio,

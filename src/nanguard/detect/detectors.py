@@ -177,7 +177,7 @@ class SpikeDetector(_SeriesDetector):
                     "spike",
                     "grad_norm",
                     x,
-                    f"grad norm {x:.3g} is {ratio:.0f}x its recent median {10**med:.3g} "
+                    f"grad norm {x:.3g} is {ratio:.3g}x its recent median {10**med:.3g} "
                     f"(robust z {z:.1f})",
                 )
         if not is_spike:
@@ -221,7 +221,7 @@ class CascadeDetector(_SeriesDetector):
                         signal,
                         x,
                         f"{signal} grew {self.run[signal]} steps in a row to {x:.3g} "
-                        f"({x / med:.0f}x its recent median): amplification cascade",
+                        f"({x / med:.3g}x its recent median): amplification cascade",
                     )
         return alarms
 
@@ -328,7 +328,7 @@ class DivergenceDetector(_SeriesDetector):
                     "loss",
                     mean_recent,
                     f"loss averages {mean_recent:.4g} over the last {len(self.recent)} steps, "
-                    f"{mean_recent / med:.1f}x its recent median {med:.4g}",
+                    f"{mean_recent / med:.3g}x its recent median {med:.4g}",
                 )
         if not diverging:
             hist.append(x)

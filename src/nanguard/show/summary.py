@@ -69,7 +69,11 @@ def print_summary(
         table = Table(title="alarms", title_justify="left", show_edge=False)
         for col in ("step", "kind", "signal", "message"):
             table.add_column(col)
-        shown = report.alarms[:12]
+        alarms = report.alarms
+        if first and report.first_warning is not None:
+            # A failed run: the alarms that led into the failure matter most.
+            alarms = [a for a in alarms if report.first_warning <= a["step"] <= first["step"]]
+        shown = alarms[:12]
         for a in shown:
             table.add_row(str(a["step"]), a["kind"], a["signal"], a["message"])
         console.print(table)
