@@ -20,6 +20,7 @@ from rich.table import Table
 from nanguard.config import GuardConfig, RecordConfig
 from nanguard.errors import NanguardError
 from nanguard.guard import Guard
+from nanguard.record.report import Report
 from nanguard.scenarios.cascade import train_cascade
 
 # Policies compared on failing seeds. `skip` acts on the early warnings too, so it can step
@@ -27,48 +28,58 @@ from nanguard.scenarios.cascade import train_cascade
 SKIP_ON = ("nonfinite", "overflow", "spike", "cascade", "forecast")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "demo",
         help="watch the LR/momentum cascade fail on several seeds, with lead times",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--out", default="nanguard_demo", help="folder for the run folders "
-                   "(default: ./nanguard_demo)")
+    p.add_argument(
+        "--out",
+        default="nanguard_demo",
+        help="folder for the run folders (default: ./nanguard_demo)",
+    )
     p.add_argument("--seeds", type=int, default=10, help="number of seeds (default 10)")
     p.add_argument("--steps", type=int, default=300, help="steps per seed (default 300)")
     p.set_defaults(func=run)
 
 
-def _guard(folder: Path | str, policy: str = "observe", act_on: tuple[str, ...] = ("nonfinite",)):
+def _train(
+    seed: int,
+    steps: int,
+    folder: Path,
+    policy: str = "observe",
+    act_on: tuple[str, ...] = ("nonfinite",),
+) -> tuple[Report, list[float]]:
+    """Train one seed of the cascade under a recording guard; return its report and losses."""
+    guards: list[Guard] = []
+
     def factory(model: Any, optimizer: Any) -> Guard:
-        return Guard(model, optimizer, policy=policy, out=str(folder), activations=True,
-                     config=GuardConfig(act_on=act_on, record=RecordConfig(summary=False)))
-    return factory
+        config = GuardConfig(act_on=act_on, record=RecordConfig(summary=False))
+        guards.append(
+            Guard(model, optimizer, policy=policy, out=str(folder), activations=True, config=config)
+        )
+        return guards[0]
+
+    _, losses = train_cascade(seed, factory, steps=steps)
+    report = guards[0].report
+    assert report is not None, "train_cascade closes the guard"
+    return report, losses
 
 
 def _policy_outcomes(seed: int, steps: int, out: Path) -> tuple[str, str]:
     """Run the failing seed again under `raise` and under `skip`; describe what happened."""
     try:
-        train_cascade(seed, _guard(out / f"seed-{seed}-raise", "raise"), steps=steps)
+        _train(seed, steps, out / f"seed-{seed}-raise", "raise")
         raised = "no stop"
     except NanguardError as exc:
         first = exc.report.first_nonfinite
         raised = f"stop@{first['step']}" if first else "stops"
-    holder: dict[str, Guard] = {}
-
-    def skip_factory(model: Any, optimizer: Any) -> Guard:
-        holder["g"] = _guard(out / f"seed-{seed}-skip", "skip", SKIP_ON)(model, optimizer)
-        return holder["g"]
-
-    _, losses = train_cascade(seed, skip_factory, steps=steps)
-    report = holder["g"].report
-    assert report is not None
+    report, losses = _train(seed, steps, out / f"seed-{seed}-skip", "skip", SKIP_ON)
     skipped = sum(1 for a in report.actions if a["action"] == "skip")
-    final = losses[-1]
     # Skipping an update leaves the momentum that a cascade has built: `rollback` restores it.
-    state = f"loss {final:.2g}" if math.isfinite(final) else "NaN"
+    state = f"loss {losses[-1]:.2g}" if math.isfinite(losses[-1]) else "NaN"
     return raised, f"{skipped} skipped, {state}"
 
 
@@ -85,21 +96,22 @@ def run(args: argparse.Namespace) -> int:
         f"records in {out}/"
     )
     table = Table(show_edge=False)
-    for col in ("seed", "status", "warn@", "nan@", "lead", "phase", "module", "raise",
-                "skip on warnings"):
+    for col in (
+        "seed",
+        "status",
+        "warn@",
+        "nan@",
+        "lead",
+        "phase",
+        "module",
+        "raise",
+        "skip on warnings",
+    ):
         table.add_column(col, no_wrap=True)
     leads: list[int] = []
     failed = 0
     for seed in range(args.seeds):
-        holder: dict[str, Guard] = {}
-
-        def factory(model: Any, optimizer: Any, seed: int = seed) -> Guard:
-            holder["g"] = _guard(out / f"seed-{seed}")(model, optimizer)
-            return holder["g"]
-
-        train_cascade(seed, factory, steps=args.steps)
-        report = holder["g"].report
-        assert report is not None
+        report, _ = _train(seed, args.steps, out / f"seed-{seed}")
         first = report.first_nonfinite
         if first is None:
             warn = "-" if report.first_warning is None else str(report.first_warning)
@@ -110,15 +122,21 @@ def run(args: argparse.Namespace) -> int:
             leads.append(report.lead_steps)
         raised, skipped = _policy_outcomes(seed, args.steps, out)
         table.add_row(
-            str(seed), f"[red]{report.status}[/]",
+            str(seed),
+            f"[red]{report.status}[/]",
             "-" if report.first_warning is None else str(report.first_warning),
             str(first["step"]),
             "-" if report.lead_steps is None else f"[bold]{report.lead_steps}[/]",
-            str(first.get("phase")), str(first.get("module") or ""), raised, skipped,
+            str(first.get("phase")),
+            str(first.get("module") or ""),
+            raised,
+            skipped,
         )
     console.print(table)
-    console.print("warn@ / nan@: step of the first warning and of the first non-finite value; "
-                  "lead: steps between them; phase, module: where it first showed.")
+    console.print(
+        "warn@ / nan@: step of the first warning and of the first non-finite value; "
+        "lead: steps between them; phase, module: where it first showed."
+    )
     if failed:
         console.print(
             f"{failed} of {args.seeds} seeds hit a non-finite value; the first warning came "
@@ -127,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         console.print(f"none of {args.seeds} seeds failed; try --seeds 20")
-    console.print(f"Each run folder holds run.db and report.json: "
-                  f"`nanguard report {out}/seed-N` prints one.")
+    console.print(
+        f"Each run folder holds run.db and report.json: `nanguard report {out}/seed-N` prints one."
+    )
     return 0

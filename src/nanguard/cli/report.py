@@ -14,9 +14,10 @@ from nanguard.show.summary import print_summary
 from nanguard.watch.stats import StepStats
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser("report", help="print the summary of a recorded run",
-                              description=__doc__)
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "report", help="print the summary of a recorded run", description=__doc__
+    )
     p.add_argument("run", help="a run folder (holds run.db and report.json)")
     p.add_argument("--json", action="store_true", help="print report.json instead")
     p.set_defaults(func=run)

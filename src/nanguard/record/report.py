@@ -1,14 +1,14 @@
 """report.json: the stable summary of a run. Keys are documented in README.md; extend, never rename.
 
-    status          "healthy" | "warned" | "failed" | "recovered"
-    steps           number of optimizer steps recorded
-    alarms          [{step, kind, signal, value, message}]
-    first_nonfinite null | {step, phase, module, op, source, samples, rank, signals}
-    diagnosis       [{cause, confidence, evidence, fix}], best first
-    actions         [{step, action, detail}]
-    first_warning   null | step of the first alarm that is not `nonfinite` (on a failed run:
-                    the first within `lead_window` steps before the first non-finite value)
-    lead_steps      null | first_nonfinite.step - first_warning (steps of warning)
+status          "healthy" | "warned" | "failed" | "recovered"
+steps           number of optimizer steps recorded
+alarms          [{step, kind, signal, value, message}]
+first_nonfinite null | {step, phase, module, op, source, samples, rank, signals}
+diagnosis       [{cause, confidence, evidence, fix}], best first
+actions         [{step, action, detail}]
+first_warning   null | step of the first alarm that is not `nonfinite` (on a failed run:
+                the first within `lead_window` steps before the first non-finite value)
+lead_steps      null | first_nonfinite.step - first_warning (steps of warning)
 """
 
 from __future__ import annotations
@@ -96,9 +96,15 @@ def build_report(
     else:
         status = "healthy"
     return Report(
-        status=status, steps=steps, alarms=alarms, first_nonfinite=first_nonfinite,
-        diagnosis=diagnosis or [], actions=actions, first_warning=first_warning,
-        lead_steps=lead, run=run or {},
+        status=status,
+        steps=steps,
+        alarms=alarms,
+        first_nonfinite=first_nonfinite,
+        diagnosis=diagnosis or [],
+        actions=actions,
+        first_warning=first_warning,
+        lead_steps=lead,
+        run=run or {},
     )
 
 
@@ -134,8 +140,16 @@ def load_report(folder: str | os.PathLike[str]) -> Report:
                 "SELECT step, nonfinite FROM steps WHERE nonfinite != '[]' ORDER BY step LIMIT 1"
             ).fetchone()
             if row:
-                first = {"step": row[0], "phase": None, "module": None, "op": None,
-                         "source": None, "samples": [], "rank": 0, "signals": json.loads(row[1])}
+                first = {
+                    "step": row[0],
+                    "phase": None,
+                    "module": None,
+                    "op": None,
+                    "source": None,
+                    "samples": [],
+                    "rank": 0,
+                    "signals": json.loads(row[1]),
+                }
         meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
     finally:
         db.close()

@@ -13,6 +13,7 @@ import math
 import os
 import sqlite3
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,15 @@ class NullStore:
 
     def write_meta(self, **values: Any) -> None: ...
     def write_params(self, names: list[tuple[str, tuple[int, ...], int]]) -> None: ...
-    def write_step(self, row: dict[str, Any], **extra: Any) -> None: ...
+    def write_step(
+        self,
+        row: dict[str, Any],
+        *,
+        params: Sequence[tuple[int, float | None, float | None, dict[str, float]]] = (),
+        activations: dict[str, float] | None = None,
+        batch: tuple[str, list[int], list[int]] | None = None,
+        alarms: Sequence[dict[str, Any]] = (),
+    ) -> None: ...
     def write_alarm(self, alarm: dict[str, Any]) -> None: ...
     def write_action(self, step: int, action: str, detail: str) -> None: ...
     def write_rng(self, step: int, state: bytes) -> None: ...
@@ -115,10 +124,10 @@ class RunStore(NullStore):
         self,
         row: dict[str, Any],
         *,
-        params: list[tuple[int, float | None, float | None, dict[str, float]]] = (),  # type: ignore[assignment]
+        params: Sequence[tuple[int, float | None, float | None, dict[str, float]]] = (),
         activations: dict[str, float] | None = None,
         batch: tuple[str, list[int], list[int]] | None = None,
-        alarms: list[dict[str, Any]] = (),  # type: ignore[assignment]
+        alarms: Sequence[dict[str, Any]] = (),
     ) -> None:
         """Write everything about one step in a single transaction."""
         step = row["step"]
@@ -126,10 +135,17 @@ class RunStore(NullStore):
             self.db.execute(
                 "INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                 (
-                    step, time.time(), enc(row.get("loss")), enc(row.get("grad_norm")),
-                    enc(row.get("param_norm")), enc(row.get("update_ratio")),
-                    enc(row.get("momentum_norm")), enc(row.get("act_max")), enc(row.get("lr")),
-                    json.dumps(row.get("nonfinite", [])), int(row.get("skipped", False)),
+                    step,
+                    time.time(),
+                    enc(row.get("loss")),
+                    enc(row.get("grad_norm")),
+                    enc(row.get("param_norm")),
+                    enc(row.get("update_ratio")),
+                    enc(row.get("momentum_norm")),
+                    enc(row.get("act_max")),
+                    enc(row.get("lr")),
+                    json.dumps(row.get("nonfinite", [])),
+                    int(row.get("skipped", False)),
                 ),
             )
             if params:

@@ -7,6 +7,7 @@ the guard collects them once per step. Hooks are removable: `close()` removes ev
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -47,7 +48,7 @@ class ActivationProbe:
                 self.names.append(name)
                 self._handles.append(module.register_forward_hook(self._hook(name)))
 
-    def _hook(self, name: str):  # type: ignore[no-untyped-def]
+    def _hook(self, name: str) -> Callable[[nn.Module, object, object], None]:
         def hook(module: nn.Module, inputs: object, output: object) -> None:
             if not self.enabled:
                 return

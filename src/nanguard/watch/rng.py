@@ -16,7 +16,7 @@ import torch
 
 def capture() -> dict[str, Any]:
     """The RNG states of torch (CPU and every CUDA device), Python and NumPy."""
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
@@ -45,4 +45,5 @@ def dumps(state: dict[str, Any]) -> bytes:
 
 
 def loads(blob: bytes) -> dict[str, Any]:
-    return torch.load(io.BytesIO(blob), weights_only=True)  # type: ignore[no-any-return]
+    state: dict[str, Any] = torch.load(io.BytesIO(blob), weights_only=True)
+    return state

@@ -117,8 +117,9 @@ class StepProbe:
         """Runs after backward (and any clipping), before `optimizer.step()` changes anything.
 
         Returns the per-parameter gradient norms (float32, on the device; None when no
-        parameter has a gradient) and the layout: the indices of the parameters they belong to. When `snapshot_update` is set, copies the parameters into a
-        buffer allocated once, so that `post_step` can measure the update.
+        parameter has a gradient) and the layout: the indices of the parameters they belong
+        to. When `snapshot_update` is set, copies the parameters into a buffer allocated once,
+        so that `post_step` can measure the update.
         """
         idx = [i for i, p in enumerate(self.params) if p.grad is not None]
         self._with_update = snapshot_update and bool(idx)
@@ -169,7 +170,9 @@ class StepProbe:
                 stats.nonfinite_grads.add(i)
 
     @staticmethod
-    def decode_post(values: list[float], layout: list[tuple[str, list[int]]], stats: StepStats) -> None:
+    def decode_post(
+        values: list[float], layout: list[tuple[str, list[int]]], stats: StepStats
+    ) -> None:
         """Fill `stats` from the host copy of `post_step`'s tensor."""
         pos = 0
         for key, ids in layout:
