@@ -17,8 +17,7 @@ _SPARK = "▁▂▃▄▅▆▇█"
 
 def sparkline(values: Sequence[float | None]) -> str:
     """Log-scaled sparkline; non-finite points show as '!' so they are never dropped."""
-    logs = [math.log10(v) if v is not None and math.isfinite(v) and v > 0 else None
-            for v in values]
+    logs = [math.log10(v) if v is not None and math.isfinite(v) and v > 0 else None for v in values]
     finite = [x for x in logs if x is not None]
     lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
     out = []
@@ -63,8 +62,9 @@ def print_summary(
             f"[bold]{report.lead_steps}[/] steps before the first non-finite value"
         )
     for cause in report.diagnosis[:3]:
-        console.print(f"  cause: [bold]{cause['cause']}[/] ({cause['confidence']:.0%}) — "
-                      f"fix: {cause['fix']}")
+        console.print(
+            f"  cause: [bold]{cause['cause']}[/] ({cause['confidence']:.0%}) — fix: {cause['fix']}"
+        )
     if report.alarms:
         table = Table(title="alarms", title_justify="left", show_edge=False)
         for col in ("step", "kind", "signal", "message"):
