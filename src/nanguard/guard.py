@@ -126,6 +126,7 @@ class Guard:
         self.alarms: list[Alarm] = []
         self.actions: list[dict[str, Any]] = []
         self.first_nonfinite: dict[str, Any] | None = None
+        self.failing_stats: StepStats | None = None  # the step where it first showed
         self.history: list[StepStats] = []  # the last few steps, for the summary
         self.host_reads = 0
         self._loss: torch.Tensor | None = None
@@ -288,7 +289,8 @@ class Guard:
     def _read(self, t: torch.Tensor) -> list[float]:
         """The one host read: a device tensor to a Python list."""
         self.host_reads += 1
-        return t.tolist()  # type: ignore[no-any-return]
+        values: list[float] = t.tolist()
+        return values
 
     def _flush(self) -> None:
         """Read every pending step at once, then detect and record them in step order."""
@@ -345,6 +347,7 @@ class Guard:
                 alarms += d.check(stats)
         if stats.nonfinite_signals() and self.first_nonfinite is None:
             self.first_nonfinite = self._locate(stats)
+            self.failing_stats = stats
         if alarms and step_rng is not None:
             # Keep the RNG state at the start of an alarmed step: a replay needs it.
             self.store.write_rng(stats.step, rng.dumps(step_rng))
@@ -388,9 +391,8 @@ class Guard:
                 # Stopped before the update: record what the step had, then close.
                 self._record(stats, self._current)
                 self._current = None
-            self.close()
-            raise NanguardError(f"nanguard stopped training at step {stats.step}: {why}",
-                                self.report)
+            report = self.close()
+            raise NanguardError(f"nanguard stopped training at step {stats.step}: {why}", report)
 
     def _action(self, step: int, action: str, detail: str) -> None:
         self.actions.append({"step": step, "action": action, "detail": detail})
@@ -455,11 +457,16 @@ class Guard:
                               alarms=alarms)
 
     def _build_report(self) -> Report:
+        from nanguard.explain import diagnose
+        from nanguard.explain.context import evidence_from_guard
+
+        causes = diagnose(evidence_from_guard(self))
         return build_report(
             steps=self.step,
             alarms=[a.to_dict() for a in self.alarms],
             actions=list(self.actions),
             first_nonfinite=self.first_nonfinite,
+            diagnosis=[c.to_dict() for c in causes],
             lead_window=self.config.detect.lead_window,
             run={"folder": str(self.folder) if self.folder else None,
                  "policy": self.config.policy, "model": type(self.model).__name__,

@@ -61,9 +61,10 @@ def print_summary(
             f"  first warning at step {report.first_warning}: "
             f"[bold]{report.lead_steps}[/] steps before the first non-finite value"
         )
-    for cause in report.diagnosis[:3]:
-        console.print(
-            f"  cause: [bold]{cause['cause']}[/] ({cause['confidence']:.0%}) — fix: {cause['fix']}"
+    for rank, cause in enumerate(report.diagnosis[:3], 1):
+        console.print(f"  cause {rank}: [bold]{cause['cause']}[/] ({cause['confidence']:.0%})")
+        console.print(f"    why: {cause['evidence']}")
+        console.print(f"    fix: {cause['fix']}")
         )
     if report.alarms:
         table = Table(title="alarms", title_justify="left", show_edge=False)

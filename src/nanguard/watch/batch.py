@@ -46,12 +46,17 @@ class BatchProbe:
             device = tensors[0].device
             h = torch.zeros(size, dtype=torch.float64, device=device)
             bad = torch.zeros(size, dtype=torch.bool, device=device)
+            per_tensor = []  # which tensor holds it: inputs (first) or targets (last)
             for t in tensors:
                 f = sample_fingerprints(t).to(device)
                 h = _combine(h, f)
                 if t.is_floating_point() or t.is_complex():
-                    bad |= (~torch.isfinite(t.detach())).reshape(size, -1).any(dim=1).to(device)
-        self._vec = torch.cat([h, bad.double()])
+                    rows = (~torch.isfinite(t.detach())).reshape(size, -1).any(dim=1).to(device)
+                    bad |= rows
+                    per_tensor.append(rows.any())
+                else:
+                    per_tensor.append(torch.zeros((), dtype=torch.bool, device=device))
+        self._vec = torch.cat([h, bad.double(), torch.stack(per_tensor).double()])
         self._size = size
 
     def collect(self) -> tuple[int, torch.Tensor | None]:
@@ -66,6 +71,9 @@ class BatchProbe:
             return
         stats.sample_hashes = [int(v) for v in values[:size]]
         stats.nonfinite_samples = [i for i, v in enumerate(values[size : 2 * size]) if v]
+        flags = values[2 * size :]
+        stats.batch_tensors = len(flags)
+        stats.nonfinite_tensors = [i for i, v in enumerate(flags) if v]
 
 
 def _combine(h: torch.Tensor, f: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,10 @@ class StepStats:
     """52-bit fingerprints of each sample of the batch handed to the guard."""
     nonfinite_samples: list[int] = field(default_factory=list)
     """Indices of the samples of the batch that hold a NaN or Inf."""
+    batch_tensors: int = 0
+    """Number of tensors in the batch handed to the guard (inputs first, targets last)."""
+    nonfinite_tensors: list[int] = field(default_factory=list)
+    """Indices of those tensors that hold a NaN or Inf."""
     lr: float | None = None
     overflowed: set[int] = field(default_factory=set)
     """Parameters whose gradient norm overflowed float32 although every element is finite."""
