@@ -65,7 +65,6 @@ def print_summary(
         console.print(f"  cause {rank}: [bold]{cause['cause']}[/] ({cause['confidence']:.0%})")
         console.print(f"    why: {cause['evidence']}")
         console.print(f"    fix: {cause['fix']}")
-        )
     if report.alarms:
         table = Table(title="alarms", title_justify="left", show_edge=False)
         for col in ("step", "kind", "signal", "message"):
