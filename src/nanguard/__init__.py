@@ -5,6 +5,7 @@ Watch every step at near-zero cost, warn before the NaN, record the run, and act
 
 __version__ = "0.1.0"
 
+from nanguard.audit.preflight import preflight  # noqa: E402
 from nanguard.config import DetectConfig, GuardConfig, RecordConfig, WatchConfig  # noqa: E402
 from nanguard.detect.alarm import Alarm  # noqa: E402
 from nanguard.errors import NanguardError  # noqa: E402
@@ -21,4 +22,5 @@ __all__ = [
     "Report",
     "WatchConfig",
     "load_report",
+    "preflight",
 ]
