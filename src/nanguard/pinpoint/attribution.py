@@ -1,0 +1,228 @@
+"""Where an op runs: phase, module path, source line and, in the optimizer, the parameter.
+
+The phase comes from hooks, not guesses:
+
+* `forward`: while a model's forward runs (global module forward pre/post hooks; a module with
+  parameters entered when no model forward is running is a model root);
+* `loss`: after a model's forward returned and before backward starts;
+* `backward`: while the autograd engine runs a node (`torch._C._current_autograd_node()`), and
+  afterwards until the optimizer steps (gradient clipping and other gradient edits);
+* `optimizer`: inside `optimizer.step()` (step pre/post hooks);
+* `data`: anything before the first model forward of the step (batch preparation).
+
+Backward ops are attributed through their autograd node: forward ops record (module, source)
+into the `metadata` of the node that autograd attaches to their output, and each module's
+forward post-hook tags the nodes its forward created that are still untagged (custom autograd
+Functions, whose outputs get their node outside the dispatcher).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+TAG = "nanguard_origin"
+"""Key in `grad_fn.metadata`: (module path, forward source line)."""
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_NANGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# Demo training scripts shipped inside the package count as user code.
+_USER_DIRS = (os.path.join(_NANGUARD_DIR, "scenarios") + os.sep,)
+_internal: dict[str, bool] = {}
+
+
+def _is_internal(filename: str) -> bool:
+    hit = _internal.get(filename)
+    if hit is None:
+        hit = filename.startswith("<") or filename.startswith(_TORCH_DIR) or (
+            filename.startswith(_NANGUARD_DIR) and not filename.startswith(_USER_DIRS))
+        _internal[filename] = hit
+    return hit
+
+
+def user_source() -> str | None:
+    """`path:line` of the innermost frame outside torch and nanguard, or None."""
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not _is_internal(name):
+            return f"{_short(name)}:{f.f_lineno}"
+        f = f.f_back  # type: ignore[assignment]
+    return None
+
+
+def _short(path: str) -> str:
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive on Windows
+        return path
+    return path if rel.startswith("..") else rel
+
+
+class Attribution:
+    """Tracks phase and module while installed; see the module docstring.
+
+    Args:
+        model: the model (names come from its `named_modules()`); None discovers model roots
+            as they run (any module with parameters entered outside a model forward).
+        batch_size: the batch dimension for `samples`; None takes the leading dimension of the
+            first tensor given to the first model forward.
+    """
+
+    def __init__(self, *, model: nn.Module | None = None, batch_size: int | None = None) -> None:
+        self.names: dict[int, str] = {}
+        self.roots: list[nn.Module] = []
+        if model is not None:
+            self._add_root(model)
+        self.batch_size = batch_size
+        self.optimizer: torch.optim.Optimizer | None = None
+        """The optimizer whose `step()` is running, if any."""
+        self.seen_forward = False
+        self.seen_backward = False
+        self._stack: list[str | None] = []
+        self._depth = 0
+        self._pending: list[tuple[weakref.ref[torch.Tensor], tuple[str | None, str | None]]] = []
+        self._handles: list[RemovableHandle] = []
+
+    # ------------------------------------------------------------------ hooks
+
+    def install(self) -> Attribution:
+        """Register the global module forward hooks (removed by `remove`)."""
+        mm = torch.nn.modules.module
+        self._handles += [mm.register_module_forward_pre_hook(self._pre),
+                          mm.register_module_forward_hook(self._post)]
+        return self
+
+    def hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Mark `optimizer.step()` as the optimizer phase (per-optimizer hooks)."""
+        self._handles += [optimizer.register_step_pre_hook(self.optimizer_pre),
+                          optimizer.register_step_post_hook(self.optimizer_post)]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._pending.clear()
+
+    def optimizer_pre(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self.flush_pending()
+        self.optimizer = optimizer
+
+    def optimizer_post(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self.optimizer = None
+        self.seen_forward = self.seen_backward = False
+
+    def _add_root(self, root: nn.Module) -> None:
+        self.roots.append(root)
+        for name, m in root.named_modules(remove_duplicate=False):
+            self.names.setdefault(id(m), name)
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        name = self.names.get(id(module))
+        if name is None:
+            if self._depth:  # a module unknown to the model, running inside it
+                name = next(n for n in reversed(self._stack) if n is not None)
+            elif next(module.parameters(), None) is not None:
+                self._add_root(module)
+                name = ""
+        if name is not None and self._depth == 0:
+            self.seen_forward, self.seen_backward = True, False
+            if self.batch_size is None:
+                first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim()), None)
+                self.batch_size = None if first is None else int(first.shape[0])
+        self._stack.append(name)
+        self._depth += name is not None
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._stack:
+            return
+        name = self._stack.pop()
+        if name is None:
+            return
+        self._depth -= 1
+        self.flush_pending()
+        if torch.is_grad_enabled():
+            _tag_graph(output, (name, None))
+
+    # ------------------------------------------------------------------ queries
+
+    def phase(self) -> str:
+        if self.optimizer is not None:
+            return "optimizer"
+        if torch._C._current_autograd_node() is not None or self.seen_backward:
+            return "backward"
+        if self._depth:
+            return "forward"
+        return "loss" if self.seen_forward else "data"
+
+    def module(self) -> str | None:
+        """The innermost model module whose forward is running, or None."""
+        return next((n for n in reversed(self._stack) if n is not None), None)
+
+    def defer_tag(self, outputs: list[torch.Tensor], source: str | None) -> None:
+        """Remember forward outputs: their autograd node is attached after the op returns."""
+        info = (self.module(), source)
+        self._pending.extend((weakref.ref(t), info) for t in outputs)
+
+    def flush_pending(self) -> None:
+        for ref, info in self._pending:
+            t = ref()
+            fn = None if t is None else t.grad_fn
+            if fn is not None:
+                fn.metadata.setdefault(TAG, info)
+        self._pending.clear()
+
+    def param_names(self) -> dict[int, str]:
+        """id -> parameter name for the running optimizer's params, their grads and state."""
+        by_param = {}
+        for root in self.roots:
+            for n, p in root.named_parameters(remove_duplicate=False):
+                by_param.setdefault(id(p), n)
+        out: dict[int, str] = {}
+        opt = self.optimizer
+        if opt is None:
+            return {k: v for k, v in by_param.items()}
+        for g, group in enumerate(opt.param_groups):
+            for i, p in enumerate(group["params"]):
+                name = by_param.get(id(p), f"param_groups.{g}.params.{i}")
+                out[id(p)] = name
+                if p.grad is not None:
+                    out[id(p.grad)] = name
+                for v in opt.state.get(p, {}).values():
+                    if isinstance(v, torch.Tensor):
+                        out[id(v)] = name
+        return out
+
+
+def node_origin(node: Any) -> tuple[str | None, str | None]:
+    """(module, forward source) recorded for an autograd node, or (None, None)."""
+    tag = node.metadata.get(TAG) if node is not None else None
+    return (tag[0], tag[1]) if tag else (None, None)
+
+
+def _tag_graph(output: Any, info: tuple[str | None, str | None]) -> None:
+    """Tag the not-yet-tagged nodes reachable from `output` (stops at tagged ones)."""
+    todo = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        md = node.metadata
+        if TAG in md:
+            continue
+        md[TAG] = info
+        todo.extend(n for n, _ in node.next_functions if n is not None)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in _tensors(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in _tensors(x)]
+    return []

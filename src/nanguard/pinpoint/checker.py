@@ -1,0 +1,348 @@
+"""The op-level checker: a `TorchDispatchMode` that finds the op where a non-finite value began.
+
+Every aten op (forward, backward, inside `optimizer.step()`, custom autograd Functions
+included) passes through `__torch_dispatch__`. The per-op cost is one reduction and one host
+read on its floating outputs (`all_finite`); inputs are looked at only when an output is
+non-finite, and in-place ops check the tensor they overwrite before it is overwritten.
+
+Non-finite tensors are tracked by identity (weak references), each with a label:
+
+* **intended**: made on purpose, e.g. the `-inf` of an attention mask (`masked_fill`, `full`,
+  `fill_`, any op given a python scalar +-inf, `lift_fresh` of `torch.tensor(-inf)`, 0-d
+  constants), and whatever such values flow into as long as no NaN appears. Never an origin;
+  the op that turns them into NaN (softmax of a fully masked row) is one.
+* **tainted** by a candidate: an op that produced a non-finite value from finite (or intended)
+  inputs opens a candidate; its outputs carry the candidate's label, and so do the outputs of
+  every op that carries the value on.
+
+A candidate becomes the origin once its value flows on (a later op with a tainted input has a
+non-finite output; pure views and copies defer that), or when it is still alive and non-finite
+at the end of the run (a parameter written by the optimizer). A candidate healed in place
+(`x / norm` then `masked_fill_(norm == 0, 0)`, as `linalg_vector_norm`'s backward does) or
+freed unused never becomes one. Non-finite inputs that no op made (the batch, a corrupted
+parameter) open a candidate of kind `input` or `state`. After the origin is settled the mode
+only passes ops through.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nanguard.pinpoint.attribution import Attribution, node_origin, user_source
+from nanguard.pinpoint.origin import (
+    Origin,
+    all_finite,
+    float_tensors,
+    has_nan,
+    input_ranges,
+    nonfinite_rows,
+    output_summary,
+)
+
+# Ops whose non-finite output is made on purpose (given no python scalar +-inf).
+_FILL_OPS = frozenset({
+    "lift_fresh", "lift_fresh_copy", "scalar_tensor", "empty", "empty_like", "new_empty",
+    "empty_strided", "new_empty_strided", "empty_permuted", "resize_",
+})
+# Ops that move values without computing: they carry a candidate on without settling it.
+_TRANSPORT_OPS = frozenset({
+    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "unsqueeze", "squeeze",
+    "expand", "detach", "alias", "select", "slice", "as_strided", "unbind", "split",
+    "split_with_sizes", "chunk", "narrow", "diagonal", "clone", "_to_copy", "copy_", "copy",
+    "contiguous", "lift_fresh", "view_as_real", "view_as_complex", "unfold",
+})
+_mutated_cache: dict[Any, tuple[int, ...]] = {}
+
+
+def _mutated(func: Any) -> tuple[int, ...]:
+    """Positions of the arguments `func` writes in place (from its schema)."""
+    hit = _mutated_cache.get(func)
+    if hit is None:
+        hit = tuple(i for i, a in enumerate(func._schema.arguments)
+                    if a.alias_info is not None and a.alias_info.is_write)
+        _mutated_cache[func] = hit
+    return hit
+
+
+@dataclass(kw_only=True)
+class _Candidate:
+    origin: Origin
+    refs: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
+    confirmed: bool = False
+    persists: bool = True
+    """Counts as the origin if still alive and non-finite at the end (not for the batch)."""
+
+
+class NonfiniteChecker(TorchDispatchMode):
+    """Finds the origin of the first non-finite value among the ops it sees.
+
+    Use as a context manager around a training step, then call `finish()`; `origin` is the
+    result (None when nothing non-finite was produced). Needs an `Attribution` installed for
+    phases and module names.
+
+    Args:
+        attribution: the phase/module tracker (installed by the caller).
+        step: step index written into the origin.
+        rank: distributed rank written into the origin.
+    """
+
+    def __init__(self, attribution: Attribution, *, step: int | None = None, rank: int = 0):
+        super().__init__()
+        self.attr = attribution
+        self.step = step
+        self.rank = rank
+        self.origin: Origin | None = None
+        self.done = False
+        self.ops_seen = 0
+        self._cands: list[_Candidate] = []
+        self._taint: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._intended: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ public
+
+    def seed_batch(self, batch: Any) -> None:
+        """Register the batch: a non-finite element opens a `data` candidate at once."""
+        for key, t in _named_tensors(batch):
+            if t.is_floating_point() and not all_finite([t]):
+                rows = nonfinite_rows(t, t.shape[0] if t.dim() else None)
+                o = Origin(phase="data", kind="input", samples=rows, batch_item=key,
+                           step=self.step, rank=self.rank)
+                self._open(o, [t], persists=False)
+                break
+
+    def finish(self) -> Origin | None:
+        """Settle the origin at the end of the run (also called by `__exit__`)."""
+        if not self.done:
+            for k, c in enumerate(self._cands):
+                if c.confirmed or (c.persists and self._alive(k, recheck=True)):
+                    self.origin = c.origin
+                    break
+            self.done = True
+        return self.origin
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self.finish()
+
+    # ------------------------------------------------------------------ dispatch
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        if self.done:
+            return func(*args, **kwargs)
+        self.ops_seen += 1
+        attr = self.attr
+        if attr._pending:
+            attr.flush_pending()
+        in_backward = torch._C._current_autograd_node() is not None
+        if in_backward:
+            attr.seen_backward = True
+        mutated = _mutated(func)
+        targets = float_tensors([args[i] for i in mutated if i < len(args)]) if mutated else []
+        pre_bad = {id(t) for t in targets
+                   if not self._known(t) and not all_finite([t])} if targets else set()
+        out = func(*args, **kwargs)
+        outs = float_tensors(out) if out is not None else []
+        if targets:
+            outs = float_tensors([outs, targets])
+        if (not in_backward and attr.optimizer is None and torch.is_grad_enabled()
+                and _requires_grad(args)):
+            attr.defer_tag(outs, user_source())
+        if all_finite(outs):
+            for t in targets:  # overwritten with finite values: no longer tracked
+                self._taint.pop(id(t), None)
+                self._intended.pop(id(t), None)
+            return out
+        self._on_nonfinite(func, args, kwargs, outs, targets, pre_bad)
+        return out
+
+    def _on_nonfinite(self, func: Any, args: Any, kwargs: Any, outs: list[torch.Tensor],
+                      targets: list[torch.Tensor], pre_bad: set[int]) -> None:
+        name = func.overloadpacket.__name__
+        target_ids = {id(t) for t in targets}
+        ins = float_tensors([*args, *kwargs.values()])
+        tainted: list[int] = []
+        intended = external = False
+        ext: list[torch.Tensor] = []
+        for t in ins:
+            k = self._label(t)
+            if k is not None:
+                if k == -1:
+                    intended = True
+                else:
+                    tainted.append(k)
+            elif (id(t) in pre_bad) if id(t) in target_ids else not all_finite([t]):
+                if t.dim() == 0:  # a constant such as torch.tensor(-inf)
+                    intended = True
+                else:
+                    external = True
+                    ext.append(t)
+        fill = name in _FILL_OPS or _scalar_inf(args, kwargs)
+        if fill and not tainted:
+            self._mark_intended(outs)
+            return
+        if external:
+            tainted.append(self._open_external(ext[0], outs))
+        if tainted:
+            low = min(tainted)
+            for t in outs:
+                self._taint[id(t)] = (weakref.ref(t), low)
+                self._cands[low].refs.append(weakref.ref(t))
+            if name not in _TRANSPORT_OPS and not fill:
+                for k in sorted(set(tainted)):
+                    self._confirm(k, name, outs)
+                self._settle()
+            return
+        if intended and not has_nan(outs):
+            self._mark_intended(outs)
+            return
+        self._open(self._describe(name, args, kwargs, ins, outs), outs)
+        self._settle()
+
+    # ------------------------------------------------------------------ candidates
+
+    def _describe(self, name: str, args: Any, kwargs: Any, ins: list[torch.Tensor],
+                  outs: list[torch.Tensor]) -> Origin:
+        attr = self.attr
+        phase = attr.phase()
+        bad = next(t for t in outs if not all_finite([t]))
+        node = torch._C._current_autograd_node()
+        module, source, param = attr.module(), None, None
+        if node is not None:
+            module, source = node_origin(node)
+        if source is None:
+            source = user_source()
+        samples = nonfinite_rows(bad, attr.batch_size)
+        if phase == "optimizer":
+            samples = []
+            param = _param_of(attr.param_names(), args, outs, bad)
+            if param is not None:
+                module = param.rpartition(".")[0]
+        return Origin(step=self.step, phase=phase, module=module, op=f"aten.{name}",
+                      source=source, samples=samples, rank=self.rank, param=param,
+                      inputs=input_ranges(ins), kind="op",
+                      node=None if node is None else node.name(), output=output_summary(bad))
+
+    def _open_external(self, t: torch.Tensor, outs: list[torch.Tensor]) -> int:
+        names = self.attr.param_names()
+        state = id(t) in names or isinstance(t, torch.nn.Parameter)
+        o = Origin(step=self.step, rank=self.rank, phase=self.attr.phase() if state else "data",
+                   kind="state" if state else "input", param=names.get(id(t)),
+                   samples=[] if state else nonfinite_rows(t, t.shape[0]))
+        return self._open(o, [t], persists=False)
+
+    def _open(self, origin: Origin, tensors: list[torch.Tensor], persists: bool = True) -> int:
+        k = len(self._cands)
+        c = _Candidate(origin=origin, persists=persists)
+        for t in tensors:
+            c.refs.append(weakref.ref(t))
+            self._taint[id(t)] = (weakref.ref(t), k)
+        self._cands.append(c)
+        return k
+
+    def _confirm(self, k: int, name: str, outs: list[torch.Tensor]) -> None:
+        c = self._cands[k]
+        if c.confirmed:
+            return
+        c.confirmed = True
+        attr = self.attr
+        phase, module = attr.phase(), attr.module()
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            module = node_origin(node)[0]
+        c.origin.propagated_by = {"op": f"aten.{name}", "phase": phase, "module": module}
+        o = c.origin
+        if o.op is None:  # an input: name the op that consumed it, where it entered the model
+            o.op, o.module, o.source = f"aten.{name}", module, user_source()
+            if o.kind == "state":
+                o.phase = phase
+
+    def _settle(self) -> None:
+        """The origin is the earliest candidate once no earlier one can still take its place."""
+        for k, c in enumerate(self._cands):
+            if c.confirmed:
+                self.origin = c.origin
+                self.done = True
+                return
+            if self._alive(k, recheck=False):
+                return
+
+    def _alive(self, k: int, *, recheck: bool) -> bool:
+        for ref in self._cands[k].refs:
+            t = ref()
+            if t is None or self._taint.get(id(t), (None, -2))[1] != k:
+                continue
+            if not recheck or not all_finite([t]):
+                return True
+        return False
+
+    # ------------------------------------------------------------------ labels
+
+    def _label(self, t: torch.Tensor) -> int | None:
+        """-1 for intended, a candidate index for tainted, None when untracked."""
+        hit = self._taint.get(id(t))
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        ref = self._intended.get(id(t))
+        return -1 if ref is not None and ref() is t else None
+
+    def _known(self, t: torch.Tensor) -> bool:
+        return self._label(t) is not None
+
+    def _mark_intended(self, outs: list[torch.Tensor]) -> None:
+        for t in outs:
+            if not all_finite([t]):
+                self._taint.pop(id(t), None)
+                self._intended[id(t)] = weakref.ref(t)
+
+
+def _scalar_inf(args: Any, kwargs: Any) -> bool:
+    vals = [*args, *kwargs.values()]
+    return any(isinstance(v, float) and not math.isfinite(v) for v in vals)
+
+
+def _requires_grad(args: Any) -> bool:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.requires_grad:
+                return True
+        elif isinstance(a, (list, tuple)) and any(
+                isinstance(x, torch.Tensor) and x.requires_grad for x in a):
+            return True
+    return False
+
+
+def _param_of(names: dict[int, str], args: Any, outs: list[torch.Tensor],
+              bad: torch.Tensor) -> str | None:
+    """The parameter a non-finite optimizer value belongs to: by identity of the output or of
+    an input at the same position of a foreach list."""
+    if id(bad) in names:
+        return names[id(bad)]
+    lists = [a for a in args if isinstance(a, (list, tuple))]
+    idx = next((i for lst in lists for i, x in enumerate(lst) if x is bad), None)
+    if idx is None and outs:
+        idx = next((i for i, x in enumerate(outs) if x is bad), None)
+    if idx is not None:
+        for lst in lists:
+            if idx < len(lst) and isinstance(lst[idx], torch.Tensor) and id(lst[idx]) in names:
+                return names[id(lst[idx])]
+    for a in args:
+        if isinstance(a, torch.Tensor) and id(a) in names:
+            return names[id(a)]
+    return None
+
+
+def _named_tensors(batch: Any, key: str = "") -> list[tuple[str, torch.Tensor]]:
+    if isinstance(batch, torch.Tensor):
+        return [(key, batch)]
+    if isinstance(batch, (list, tuple)):
+        return [kv for i, x in enumerate(batch) for kv in _named_tensors(x, f"{key}[{i}]")]
+    if isinstance(batch, dict):
+        return [kv for k, x in batch.items() for kv in _named_tensors(x, f"{key}[{k!r}]")]
+    return []
