@@ -20,6 +20,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils.hooks import RemovableHandle
 
 from nanguard.pinpoint.attribution import Attribution
@@ -88,8 +92,8 @@ def armed(step: int, *, model: nn.Module | None = None, rank: int = 0) -> Iterat
             arm()
 
     try:
-        handles += [torch.optim.optimizer.register_optimizer_step_pre_hook(pre),
-                    torch.optim.optimizer.register_optimizer_step_post_hook(post)]
+        handles += [register_optimizer_step_pre_hook(pre),
+                    register_optimizer_step_post_hook(post)]
         if step == 0:
             arm()
         yield state

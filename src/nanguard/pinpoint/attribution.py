@@ -175,12 +175,12 @@ class Attribution:
             t = ref()
             fn = None if t is None else t.grad_fn
             if fn is not None:
-                fn.metadata.setdefault(TAG, info)
+                _metadata(fn).setdefault(TAG, info)
         self._pending.clear()
 
     def param_names(self) -> dict[int, str]:
         """id -> parameter name for the running optimizer's params, their grads and state."""
-        by_param = {}
+        by_param: dict[int, str] = {}
         for root in self.roots:
             for n, p in root.named_parameters(remove_duplicate=False):
                 by_param.setdefault(id(p), n)
@@ -202,7 +202,7 @@ class Attribution:
 
 def node_origin(node: Any) -> tuple[str | None, str | None]:
     """(module, forward source) recorded for an autograd node, or (None, None)."""
-    tag = node.metadata.get(TAG) if node is not None else None
+    tag = _metadata(node).get(TAG) if node is not None else None
     return (tag[0], tag[1]) if tag else (None, None)
 
 
@@ -211,11 +211,17 @@ def _tag_graph(output: Any, info: tuple[str | None, str | None]) -> None:
     todo = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
     while todo:
         node = todo.pop()
-        md = node.metadata
+        md = _metadata(node)
         if TAG in md:
             continue
         md[TAG] = info
         todo.extend(n for n, _ in node.next_functions if n is not None)
+
+
+def _metadata(node: Any) -> dict[str, Any]:
+    """`node.metadata` (a dict kept on the autograd node; typed loosely in torch's stubs)."""
+    md: dict[str, Any] = getattr(node, "metadata")  # noqa: B009
+    return md
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

@@ -127,7 +127,7 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     for t in tensors:
         if t.numel() == 0 or t.is_meta:
             continue
-        s = t.sum()
+        s = t.detach().sum()
         if s.is_complex():
             s = s.real + s.imag
         if math.isfinite(float(s)):
@@ -150,7 +150,8 @@ def nonfinite_rows(t: torch.Tensor, batch_size: int | None) -> list[int]:
     if not dims:
         return []
     bad = ~torch.isfinite(t.detach().movedim(dims[0], 0))
-    return bad.reshape(batch_size, -1).any(1).nonzero().flatten().tolist()  # type: ignore[no-any-return]
+    rows: list[int] = bad.reshape(batch_size, -1).any(1).nonzero().flatten().tolist()
+    return rows
 
 
 def input_ranges(tensors: list[torch.Tensor]) -> list[InputRange]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,15 +88,19 @@ def step_fingerprint(model: nn.Module, loss: Any = None) -> str:
     return h.hexdigest()
 
 
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+
+
 def run_checked(run_step: StepFn, *, model: nn.Module | None,
-                optimizer: torch.optim.Optimizer | None = None, batch: Any = None,
+                optimizer: Optimizers = None, batch: Any = None,
                 step: int | None = None, rank: int = 0) -> tuple[Origin | None, Any]:
     """Run `run_step()` under the checker; return (origin or None, what it returned)."""
     attr = Attribution(model=model, batch_size=_batch_size(batch)).install()
     checker = NonfiniteChecker(attr, step=step, rank=rank)
     try:
-        if optimizer is not None:
-            attr.hook_optimizer(optimizer)
+        opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer or []
+        for opt in opts:
+            attr.hook_optimizer(opt)
         if batch is not None:
             checker.seed_batch(batch)
         with checker:
@@ -107,15 +111,15 @@ def run_checked(run_step: StepFn, *, model: nn.Module | None,
 
 
 def find_origin(run_step: StepFn, *, model: nn.Module | None,
-                optimizer: torch.optim.Optimizer | None = None, batch: Any = None,
+                optimizer: Optimizers = None, batch: Any = None,
                 step: int | None = None) -> Origin | None:
     """Run one step under the checker (nothing restored first) and return the origin.
 
     Args:
         run_step: closure doing forward, loss, backward and `optimizer.step()`.
         model: the model, for module names (None: discovered as modules run).
-        optimizer: hooked to mark the optimizer phase; without it the step's ops count as
-            backward.
+        optimizer: hooked to mark the optimizer phase (or several, e.g. a GAN's two); without
+            it the optimizer's ops count as backward.
         batch: the step's batch (tensor / tuple / list / dict); a non-finite element is
             reported as the `data` phase with its rows, and sets the batch size for `samples`.
         step: written into the origin.
