@@ -25,6 +25,7 @@ import dataclasses
 import math
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,12 @@ class Guard:
         policy: `observe` (default, changes nothing), `raise` or `skip`; overrides `config`.
         out: run folder; None picks `nanguard_runs/<time>`, "" records nothing.
         activations: also watch per-module activation abs-max and headroom.
+        replay: `replay(batch) -> loss`, your forward and loss. When given, the first step whose
+            loss, gradients or activations go non-finite is replayed in process, before the
+            update, from the same parameters, RNG states and batch (the one handed to `watch`)
+            under the op-level checker; report.json's `first_nonfinite` then names the op,
+            module, source line and samples where the value was produced. Until then the guard
+            reads its statistics before the update too (one extra small read per step).
         config: full settings; the keyword arguments above override its fields.
 
     Raises:
@@ -87,6 +94,7 @@ class Guard:
         policy: str | None = None,
         out: str | Path | None = None,
         activations: bool | None = None,
+        replay: Callable[[Any], torch.Tensor] | None = None,
         config: GuardConfig | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -107,6 +115,7 @@ class Guard:
             cfg.record = dataclasses.replace(cfg.record, out=str(out))
         cfg.validate()
         self.config = cfg
+        self.replay = replay
         self.model = model
         self.optimizer = optimizer
 
@@ -257,14 +266,69 @@ class Guard:
             rng=self._step_rng,
         )
         self._loss = None
-        if cfg.policy == "observe":
+        replaying = self.replay is not None and self.first_nonfinite is None
+        if cfg.policy == "observe" and not replaying:
             return
-        # Acting policies decide before the update: read the pre-step statistics now.
+        # Acting policies decide before the update, and a replay needs the parameters as they
+        # were before it: read the pre-step statistics now.
         values = self._read(pre)
         stats = self._decode_pre(self._current, values)
         alarms = self._detect(stats, "pre", self._current.rng)
-        if self._should_act(stats, alarms):
+        if replaying and self.first_nonfinite is not None:
+            self._pinpoint(stats, self._current)
+        if cfg.policy != "observe" and self._should_act(stats, alarms):
             self._act(stats, alarms)
+
+    def _pinpoint(self, stats: StepStats, cur: _Pending) -> None:
+        """Replay this step's forward and backward under the op checker, before the update.
+
+        The parameters are still those the step started from; the RNG states go back to the
+        step's start and the same batch is used. The user's gradients are put back afterwards
+        and the parameters are not touched (forward and backward only), so observing stays
+        non-invasive. An origin inside `optimizer.step()` itself is not replayed here.
+        """
+        from nanguard.pinpoint import find_origin
+
+        assert self.replay is not None and self.first_nonfinite is not None
+        batch = self.batch_probe.last
+        replay = self.replay
+        grads = [p.grad for p in self.params]
+        now = rng.capture()
+        losses: list[torch.Tensor] = []
+
+        def run_step() -> None:
+            loss = replay(batch)
+            losses.append(loss.detach())
+            loss.backward()
+
+        for p in self.params:
+            p.grad = None
+        if self.act_probe:
+            self.act_probe.enabled = False
+        try:
+            if cur.rng is not None:
+                rng.restore(cur.rng)
+            origin = find_origin(run_step, model=self.model, batch=batch, step=stats.step)
+        except Exception as exc:  # noqa: BLE001 - a failing replay must not kill training
+            self.first_nonfinite["replay_error"] = f"{type(exc).__name__}: {exc}"
+            origin = None
+        finally:
+            for p, g in zip(self.params, grads, strict=True):
+                p.grad = g
+            if self.act_probe:
+                self.act_probe.enabled = True
+            rng.restore(now)
+        if origin is None:
+            return
+        found = origin.to_dict()
+        if losses and stats.loss is not None:
+            # Bit for bit: the replayed loss must equal the original (NaN counts as equal).
+            a, b = float(losses[0].reshape(-1)[0]), stats.loss
+            found["reproduced"] = (math.isnan(a) and math.isnan(b)) or a == b
+        signals = self.first_nonfinite.get("signals")
+        self.first_nonfinite.update({k: v for k, v in found.items() if v is not None})
+        self.first_nonfinite["signals"] = signals
+        self.store.write_finding(self.first_nonfinite)
 
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Runs inside `optimizer.step()`, right after the update."""
@@ -278,7 +342,8 @@ class Guard:
         cur.post, cur.post_layout = self.probe.post_step()
         self.step += 1
         self._pending.append(cur)
-        if cur.stats is not None or len(self._pending) >= self.config.watch.read_every:  # acting policy: pre already read, read the post part now
+        # Acting policy (pre already read): read the post part now; else every N steps.
+        if cur.stats is not None or len(self._pending) >= self.config.watch.read_every:
             self._flush()
         self._step_rng = rng.capture()
         if self.step % self.config.record.rng_every == 0:

@@ -39,6 +39,15 @@ def rule(fn: Rule) -> Rule:
     return fn
 
 
+_SINGULAR_NODES = ("Sqrt", "Rsqrt", "Pow", "Norm", "LinalgVectorNorm")
+
+
+def _singular_node(ev: Evidence) -> bool:
+    """The backward op ran inside the gradient of sqrt / pow / norm (its autograd node)."""
+    node = str((ev.first_nonfinite or {}).get("node") or "")
+    return node.startswith(_SINGULAR_NODES)
+
+
 def _any_input(ev: Evidence, key: str) -> bool:
     return any(i.get(key) for i in ev.inputs)
 
@@ -123,8 +132,8 @@ def division_by_zero(ev: Evidence) -> Cause | None:
     """Needs: origin op a division whose denominator holds zeros."""
     if not ev.op.startswith(("aten.div", "aten.reciprocal", "aten._foreach_div")):
         return None
-    if ev.phase == "optimizer":
-        return None  # optimizer_state_nonfinite explains it better
+    if ev.phase == "optimizer" or _singular_node(ev):
+        return None  # optimizer_state_nonfinite / singular_gradient explain it better
     zero = len(ev.inputs) > 1 and bool(ev.inputs[1].get("has_zero"))
     if not zero and ev.phase == "backward":
         return None  # singular_gradient
@@ -145,12 +154,13 @@ def singular_gradient(ev: Evidence) -> Cause | None:
     if not (
         ev.op.startswith(_SINGULAR_OPS)
         or fwd.startswith(_SINGULAR_OPS)
+        or _singular_node(ev)
         or ev.op.startswith(("aten.div", "aten.mul", "aten.reciprocal"))
     ):
         return None
     return Cause(
         cause="singular_gradient",
-        confidence=0.85,
+        confidence=0.9 if _singular_node(ev) else 0.7,
         evidence=f"{_where(ev)}: the forward was finite, its gradient is not — sqrt / norm / "
         "pow(x, p<1) at exactly 0 have an infinite derivative",
         fix="`torch.sqrt(x + 1e-12)`; for a norm, `torch.sqrt((v * v).sum(-1) + 1e-12)`",
