@@ -38,6 +38,7 @@ from nanguard.config import GuardConfig
 from nanguard.detect import Alarm, default_detectors
 from nanguard.detect.detectors import Detector
 from nanguard.errors import NanguardError
+from nanguard.integrations import distributed
 from nanguard.record.report import Report, build_report
 from nanguard.record.store import NullStore, RunStore
 from nanguard.watch import rng
@@ -276,7 +277,7 @@ class Guard:
         alarms = self._detect(stats, "pre", self._current.rng)
         if replaying and self.first_nonfinite is not None:
             self._pinpoint(stats, self._current)
-        if cfg.policy != "observe" and self._should_act(stats, alarms):
+        if cfg.policy != "observe" and self._decide(stats, alarms):
             self._act(stats, alarms)
 
     def _pinpoint(self, stats: StepStats, cur: _Pending) -> None:
@@ -381,7 +382,7 @@ class Guard:
             self.probe.decode_post(values[pos : pos + n], p.post_layout, stats)
             pos += n
             alarms = self._detect(stats, "post", p.rng)
-            if self.config.policy != "observe" and self._should_act(stats, alarms, post=True):
+            if self.config.policy != "observe" and self._decide(stats, alarms, post=True):
                 self._act(stats, alarms, post=True)
             self._record(stats, p)
 
@@ -420,6 +421,18 @@ class Guard:
         stats.alarms += alarms
         return alarms
 
+    def _decide(self, stats: StepStats, alarms: list[Alarm], post: bool = False) -> bool:
+        """This rank's verdict, agreed with every other rank under torch.distributed: all ranks
+        act in the same step, or none does (one small int32 all-reduce)."""
+        act = self._should_act(stats, alarms, post)
+        if not distributed.active():
+            return act
+        device = self.params[0].device if self.params else torch.device("cpu")
+        act, bad_rank = distributed.agree(act, bool(stats.nonfinite_signals()), device)
+        if bad_rank is not None:
+            stats.agreed_bad_rank = bad_rank
+        return act
+
     def _should_act(self, stats: StepStats, alarms: list[Alarm], post: bool = False) -> bool:
         act_on = self.config.act_on
         if "nonfinite" in act_on:
@@ -436,6 +449,10 @@ class Guard:
         why = ", ".join(sorted({f"{a.kind}:{a.signal}" for a in alarms})) or ", ".join(
             stats.nonfinite_signals()
         )
+        if stats.agreed_bad_rank is not None:
+            why = f"{why or 'agreed'}; non-finite first on rank {stats.agreed_bad_rank}"
+        elif not why:
+            why = "another rank's alarm"
         if policy == "skip" and not post:
             # Optimizers leave a parameter whose .grad is None untouched: no update, no state
             # change, no step-counter increment. The post-hook puts the gradients back.
@@ -494,7 +511,8 @@ class Guard:
             param = self.param_names[min(bad)] if bad else None
             module = _owner(param) if param else None
         return {"step": stats.step, "phase": phase, "module": module, "op": None,
-                "source": None, "samples": samples, "rank": 0, "signals": signals,
+                "source": None, "samples": samples, "rank": distributed.rank(),
+                "signals": signals,
                 "param": param}
 
     def _record(self, stats: StepStats, p: _Pending) -> None:

@@ -52,6 +52,8 @@ class StepStats:
     """Parameters whose gradient norm overflowed float32 although every element is finite."""
     nonfinite_grads: set[int] = field(default_factory=set)
     skipped: bool = False
+    agreed_bad_rank: int | None = None
+    """Under torch.distributed: the lowest rank that saw a non-finite value this step."""
     alarms: list[Any] = field(default_factory=list)
     """Alarms raised on this step (filled by the guard)."""
 

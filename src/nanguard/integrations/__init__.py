@@ -1,0 +1,1 @@
+"""Integrations: adapters from frameworks and launchers onto the framework-free core."""
