@@ -10,8 +10,12 @@ CSV and Parquet go through pyarrow's streaming readers; no hand-written parsing.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
+import mmap
 import os
+import threading
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -57,6 +61,67 @@ def check_file(path: str) -> None:
         raise AuditInputError(f"{path}: is a directory, expected a data file")
     if os.path.getsize(path) == 0:
         raise AuditInputError(f"{path}: empty file (0 bytes)")
+
+
+class _PacedFile(io.RawIOBase):
+    """A read-only file that keeps pyarrow's background reader at most `ahead` bytes ahead
+    of the batches consumed so far.
+
+    pyarrow's streaming CSV reader reads ahead as fast as the disk allows; on a fast disk it
+    buffers hundreds of MB of a large file before the first batches are consumed. Reads
+    block here until the consumer catches up, except while the consumer is itself waiting
+    for a batch (then blocking would deadlock), so memory stays at a few blocks.
+    """
+
+    def __init__(self, path: str, ahead: int) -> None:
+        super().__init__()
+        self._f = open(path, "rb")  # noqa: SIM115 - closed in close()
+        self._ahead = ahead
+        self._cond = threading.Condition()
+        self._consumed = 0
+        self._waiting = False
+        self._closed = False
+        self.position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        def may_read() -> bool:
+            lead = self.position - self._consumed
+            # A consumer blocked on the next batch gets one extra window, never unbounded.
+            return self._closed or lead < self._ahead or (self._waiting and lead < 2 * self._ahead)
+
+        with self._cond:
+            while not self._cond.wait_for(may_read, timeout=1.0):
+                if self._waiting:
+                    break  # the reader needs more than the window for one batch: let it
+        n = self._f.readinto(buf)
+        self.position += n
+        return n
+
+    def consumed(self, nbytes: int) -> None:
+        with self._cond:
+            self._consumed += nbytes
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def consumer_waiting(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting = True
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._waiting = False
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True  # release a blocked reader thread for good
+            self._cond.notify_all()
+        self._f.close()
+        super().close()
 
 
 def _arrow_column(col: Any) -> tuple[np.ndarray, np.ndarray | None]:
@@ -124,13 +189,18 @@ def read_csv(path: str, delimiter: str = ",") -> list[Table]:
 
     def chunks() -> Iterator[Chunk]:
         start = 0
-        with open(path, "rb") as f:
+        with _PacedFile(path, ahead=4 * read_opts.block_size) as f:
             try:
                 reader = pcsv.open_csv(
                     f, read_options=read_opts, parse_options=parse_opts, convert_options=convert
                 )
-                for batch in reader:
-                    state["pos"] = float(f.tell())
+                while True:
+                    with f.consumer_waiting():
+                        batch = next(reader, None)
+                    if batch is None:
+                        break
+                    f.consumed(read_opts.block_size)
+                    state["pos"] = float(f.position)
                     if batch.num_rows:
                         yield _arrow_chunk(batch, start)
                         start += batch.num_rows
@@ -214,6 +284,16 @@ def arrays_to_tables(label: str, members: list[tuple[str | None, Any]]) -> list[
     return tables
 
 
+def _release(arr: Any) -> None:
+    """Drop the pages of a memory-mapped array that were read so far from this process's
+    resident set: they are clean file pages, so the kernel can re-read them if needed, and
+    RSS stays at one chunk instead of growing to the file size."""
+    mm = getattr(arr, "_mmap", None)
+    if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+        with contextlib.suppress(OSError, ValueError):  # only an optimisation
+            mm.madvise(mmap.MADV_DONTNEED)
+
+
 def _to_numpy(block: Any) -> np.ndarray:
     if not isinstance(block, np.ndarray):  # a torch tensor
         import torch
@@ -239,6 +319,8 @@ def _array_table(
                 raise AuditInputError(f"{label}: cannot read rows ({one_line(exc)})") from None
             state["pos"] = float(min(start + step, nrows))
             yield Chunk(start=start, values=np.concatenate(parts, axis=1))
+            for _, arr in group:
+                _release(arr)
 
     names = [n for n, _ in group if n is not None]
     title = f"{label} [{', '.join(names)}]" if names else label
@@ -252,7 +334,14 @@ def _array_table(
     )
 
 
+def _check_magic(path: str, magic: bytes, what: str) -> None:
+    with open(path, "rb") as f:
+        if f.read(len(magic)) != magic:
+            raise AuditInputError(f"{path}: not a {what} file (bad magic bytes)")
+
+
 def read_npy(path: str) -> list[Table]:
+    _check_magic(path, b"\x93NUMPY", ".npy")
     try:
         # mmap: rows are paged in chunk by chunk, never the whole array.
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -264,6 +353,7 @@ def read_npy(path: str) -> list[Table]:
 
 
 def read_npz(path: str) -> list[Table]:
+    _check_magic(path, b"PK", ".npz (zip)")
     try:
         with np.load(path, allow_pickle=False) as npz:
             members = [(name, npz[name]) for name in npz.files]

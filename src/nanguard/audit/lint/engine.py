@@ -209,7 +209,9 @@ def read_python(path: str) -> str:
         encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
         return data.decode(encoding)
     except (SyntaxError, UnicodeDecodeError, LookupError) as exc:
-        raise AuditInputError(f"{path}: not valid UTF-8 / declared encoding ({exc})") from None
+        raise AuditInputError(
+            f"{path}: cannot decode as UTF-8 or its declared encoding ({exc})"
+        ) from None
 
 
 def iter_python_files(paths: list[str]) -> Iterator[str]:

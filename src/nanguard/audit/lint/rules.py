@@ -143,6 +143,8 @@ def _floored(ctx: Context, expr: ast.expr, depth: int = 0) -> bool:
         return bool(lows) and (low is None or low > 0)
     if _op(ctx, expr, _POSITIVE):
         return True
+    if _op(ctx, expr, {"add", "add_"}) and expr.args and _eps_like(ctx, expr.args[-1]):
+        return True  # x.add(eps), torch.add(x, eps)
     if _op(ctx, expr, _SQRTS):  # sqrt(var + eps) is as far from 0 as its argument
         arg = _first_arg(expr)
         return arg is not None and _floored(ctx, arg, depth + 1)
