@@ -89,6 +89,8 @@ class Attribution:
         self._depth = 0
         self._pending: list[tuple[weakref.ref[torch.Tensor], tuple[str | None, str | None]]] = []
         self._handles: list[RemovableHandle] = []
+        self.on_optimizer: list[Any] = []
+        """Called with the optimizer when its step starts (the checker scans its state)."""
 
     # ------------------------------------------------------------------ hooks
 
@@ -113,6 +115,8 @@ class Attribution:
     def optimizer_pre(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self.flush_pending()
         self.optimizer = optimizer
+        for fn in self.on_optimizer:
+            fn(optimizer)
 
     def optimizer_post(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self.optimizer = None

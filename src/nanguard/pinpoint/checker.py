@@ -103,6 +103,7 @@ class NonfiniteChecker(TorchDispatchMode):
         self._cands: list[_Candidate] = []
         self._taint: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._intended: dict[int, weakref.ref[torch.Tensor]] = {}
+        attribution.on_optimizer.append(self._scan_state)
 
     # ------------------------------------------------------------------ public
 
@@ -130,6 +131,25 @@ class NonfiniteChecker(TorchDispatchMode):
         super().__exit__(*exc)
         self.finish()
 
+    def _scan_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """At the start of `optimizer.step()`: a parameter or state tensor that is already
+        non-finite (and untracked) opens a `state` candidate."""
+        if self.done:
+            return
+        ts = [p for g in optimizer.param_groups for p in g["params"]]
+        ts += [v for p in ts for v in optimizer.state.get(p, {}).values()
+               if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim()]
+        ts = [t for t in ts if not self._known(t)]
+        with torch.no_grad():
+            sums = [t.detach().sum().float() for t in ts if t.numel()]
+            if sums and all_finite([torch.stack(sums)]):
+                return
+        names = self.attr.param_names()
+        for t in ts:
+            if not all_finite([t]):
+                self._open(Origin(step=self.step, rank=self.rank, phase="optimizer",
+                                  kind="state", param=names.get(id(t))), [t], persists=False)
+
     # ------------------------------------------------------------------ dispatch
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
@@ -145,8 +165,10 @@ class NonfiniteChecker(TorchDispatchMode):
             attr.seen_backward = True
         mutated = _mutated(func)
         targets = float_tensors([args[i] for i in mutated if i < len(args)]) if mutated else []
-        pre_bad = {id(t) for t in targets
-                   if not self._known(t) and not all_finite([t])} if targets else set()
+        # What an in-place op overwrites must be checked first. Inside optimizer.step() the
+        # parameters and state were scanned once at its start (`_scan_state`) instead.
+        pre_bad = {id(t) for t in targets if not self._known(t) and not all_finite([t])
+                   } if targets and attr.optimizer is None else set()
         out = func(*args, **kwargs)
         outs = float_tensors(out) if out is not None else []
         if targets:
