@@ -428,7 +428,8 @@ class Guard:
         if not distributed.active():
             return act
         device = self.params[0].device if self.params else torch.device("cpu")
-        act, bad_rank = distributed.agree(act, bool(stats.nonfinite_signals()), device)
+        phase = self._locate(stats)["phase"] or "" if stats.nonfinite_signals() else None
+        act, bad_rank = distributed.agree(act, phase, device)
         if bad_rank is not None:
             stats.agreed_bad_rank = bad_rank
         return act
