@@ -10,9 +10,9 @@ import pickle
 
 import pytest
 import torch
+from audit_helpers import assert_one_line_error, run_subprocess
 from torch import nn
 
-from conftest import assert_one_line_error, run_subprocess
 from nanguard.audit import UnsafeCheckpointError, audit_checkpoint, ckpt_load, diff_checkpoints
 
 

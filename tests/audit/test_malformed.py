@@ -11,8 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from conftest import assert_one_line_error, run_subprocess
+from audit_helpers import assert_one_line_error, run_subprocess
 
 
 def _pt(p: Path) -> None:
