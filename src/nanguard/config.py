@@ -52,6 +52,12 @@ class DetectConfig:
     spike_hard_ratio: float = 30.0
     """A grad norm this many times the recent median is a spike whatever its z-score."""
 
+    level_floor: float = 0.1
+    """Spikes and cascades must also reach this fraction of the highest typical (median) level
+    the signal has had in the run. Once a model has converged and its gradients have fallen by
+    decades, their norm is heavy-tailed (rare hard samples dominate it): a 100x jump that stays
+    far below the run's normal scale is one hard sample, not an instability."""
+
     lead_window: int = 10
     """report.json's `first_warning` is the first alarm within this many steps before the first
     non-finite value (an unrelated spike long before does not count as a warning of it)."""

@@ -20,6 +20,8 @@ from nanguard.watch.stats import StepStats
 FLOAT32_MAX = 3.4028234663852886e38
 # A float32 sum of squares overflows once the norm passes sqrt(float32 max).
 FLOAT32_NORM_LIMIT = math.sqrt(FLOAT32_MAX)
+# Healthy steps of history before a signal's median counts as a typical level (see `peak`).
+_LEVEL_MIN_STEPS = 5
 
 
 def _log10(x: float) -> float:
@@ -47,7 +49,12 @@ class Detector:
         raise NotImplementedError
 
     def _fire(
-        self, stats: StepStats, kind: str, signal: str, value: float, msg: str,
+        self,
+        stats: StepStats,
+        kind: str,
+        signal: str,
+        value: float,
+        msg: str,
         escalates: bool = True,
     ) -> list[Alarm]:
         """Emit one alarm unless the same (kind, signal) fired within the cooldown.
@@ -57,9 +64,14 @@ class Detector:
         the median 40 steps after a 20x one is news.
         """
         last = self._last_fired.get((kind, signal))
-        if last is not None and stats.step - last[0] < self.cooldown:
-            if not (escalates and math.isfinite(value) and abs(value) >= 10 * abs(last[1])):
-                return []
+        escalated = (
+            escalates
+            and last is not None
+            and math.isfinite(value)
+            and abs(value) >= 10 * abs(last[1])
+        )
+        if last is not None and stats.step - last[0] < self.cooldown and not escalated:
+            return []
         self._last_fired[(kind, signal)] = (stats.step, value)
         return [Alarm(step=stats.step, kind=kind, signal=signal, value=value, message=msg)]
 
@@ -129,6 +141,20 @@ class _SeriesDetector(Detector):
         self.history: dict[str, deque[float]] = {
             s: deque(maxlen=config.window) for s in self.signals
         }
+        # Highest typical (median) level each signal has had: the run's normal scale. Noted from
+        # the first few steps on (not after `warmup_steps`): a model that converges within its
+        # first 20 steps has already left its normal scale by then.
+        self.peak: dict[str, float] = {}
+
+    def _note_level(self, signal: str, med: float) -> None:
+        """Note `med`, the recent median of `signal` in linear units, as a typical level."""
+        if len(self.history[signal]) >= _LEVEL_MIN_STEPS:
+            self.peak[signal] = max(self.peak.get(signal, med), med)
+
+    def _reaches_level(self, signal: str, x: float) -> bool:
+        """Is `x` within `level_floor` of the highest typical level? A jump that stays far below
+        the run's normal scale (a converged model's rare hard sample) is not an instability."""
+        return x >= self.config.level_floor * self.peak.get(signal, 0.0)
 
     @staticmethod
     def value(stats: StepStats, signal: str) -> float | None:
@@ -136,12 +162,17 @@ class _SeriesDetector(Detector):
         return None if v is None else float(v)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "history": {k: list(v) for k, v in self.history.items()}}
+        return {
+            **super().state_dict(),
+            "history": {k: list(v) for k, v in self.history.items()},
+            "peak": dict(self.peak),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         for k, values in state["history"].items():
             self.history[k] = deque(values, maxlen=self.config.window)
+        self.peak = dict(state.get("peak", {}))
 
 
 class SpikeDetector(_SeriesDetector):
@@ -163,13 +194,17 @@ class SpikeDetector(_SeriesDetector):
         lx = math.log10(x)
         alarms: list[Alarm] = []
         is_spike = False
+        if hist:
+            self._note_level("grad_norm", 10 ** median(hist))
         if len(hist) >= self.config.warmup_steps:
             z, med = _robust_z(lx, hist, floor=0.05)
             ratio = 10 ** (lx - med)
             # The z-score adapts to noisy histories; a jump of `spike_hard_ratio` x the median
-            # is a spike however noisy the history was.
-            if ratio >= self.config.spike_ratio and (
-                z >= self.config.spike_z or ratio >= self.config.spike_hard_ratio
+            # is a spike however noisy the history was (unless it stays far below the run's scale).
+            if (
+                self._reaches_level("grad_norm", x)
+                and ratio >= self.config.spike_ratio
+                and (z >= self.config.spike_z or ratio >= self.config.spike_hard_ratio)
             ):
                 is_spike = True
                 alarms = self._fire(
@@ -209,20 +244,24 @@ class CascadeDetector(_SeriesDetector):
             hist = self.history[signal]
             if self.run[signal] == 0:
                 hist.append(x)
+            if not hist:
+                continue
+            med = median(hist)
+            self._note_level(signal, med)
             if (
                 self.run[signal] >= self.config.cascade_steps
                 and len(hist) >= self.config.warmup_steps
+                and x >= self.config.cascade_ratio * med
+                and self._reaches_level(signal, x)
             ):
-                med = median(hist)
-                if x >= self.config.cascade_ratio * med:
-                    alarms += self._fire(
-                        stats,
-                        "cascade",
-                        signal,
-                        x,
-                        f"{signal} grew {self.run[signal]} steps in a row to {x:.3g} "
-                        f"({x / med:.3g}x its recent median): amplification cascade",
-                    )
+                alarms += self._fire(
+                    stats,
+                    "cascade",
+                    signal,
+                    x,
+                    f"{signal} grew {self.run[signal]} steps in a row to {x:.3g} "
+                    f"({x / med:.3g}x its recent median): amplification cascade",
+                )
         return alarms
 
     def state_dict(self) -> dict[str, Any]:
