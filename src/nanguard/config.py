@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-POLICIES = ("observe", "raise", "skip")
+POLICIES = ("observe", "raise", "skip", "rollback")
 
 
 @dataclass(kw_only=True)
@@ -112,13 +112,67 @@ class RecordConfig:
 
 
 @dataclass(kw_only=True)
+class RecoverConfig:
+    """The `rollback` policy."""
+
+    snapshot_every: int = 50
+    """Refresh the last good state (host copy of model + optimizer state) every K steps."""
+
+    quiet_steps: int = 10
+    """...only from a state with no warning in the last this many steps (never from inside a
+    cascade)."""
+
+    backoff_factor: float = 0.5
+    """After a rollback, the LR is multiplied by this..."""
+
+    backoff_steps: int = 100
+    """...for this many steps, then the scheduler's LR is used again."""
+
+    max_rollbacks: int = 3
+    """Give up (stop with the report, like `raise`) after this many rollbacks..."""
+
+    window: int = 1000
+    """...within this many steps."""
+
+
+@dataclass(kw_only=True)
+class ClipConfig:
+    """Adaptive clipping: scale gradients down to mean + z * std of the recent grad norms."""
+
+    z: float = 3.0
+    """Threshold in standard deviations of the EMA of the grad norm."""
+
+    ema: float = 0.02
+    """EMA factor of the mean and variance."""
+
+    warmup_steps: int = 25
+    """Steps of statistics before clipping starts (a plain running mean meanwhile)."""
+
+
+@dataclass(kw_only=True)
+class AmpConfig:
+    """GradScaler awareness (when a scaler is given to the guard)."""
+
+    min_scale: float = 1.0
+    """A loss scale below this is a collapse alarm."""
+
+    max_halvings: int = 8
+    """So are this many overflow back-offs in a row without the scale growing again."""
+
+    stall_steps: int = 20
+    """`watch()` calls without an optimizer step (every step skipped by the scaler) after which
+    the scale is read to check for a collapse."""
+
+
+@dataclass(kw_only=True)
 class GuardConfig:
     """Everything a Guard can be told. `Guard(model, opt, policy="skip")` covers most uses."""
 
     policy: str = "observe"
     """What to do on an alarm: `observe` (change nothing), `raise` (stop with NanguardError
     carrying the report), `skip` (discard this step's update: parameters and optimizer state,
-    step counters included, stay unchanged)."""
+    step counters included, stay unchanged), `rollback` (restore the last good state, go on
+    with the next batches at a backed-off LR)."""
 
     act_on: tuple[str, ...] = ("nonfinite",)
     """Alarm kinds that trigger the policy. Others are recorded and shown only."""
@@ -132,6 +186,15 @@ class GuardConfig:
     record: RecordConfig = field(default_factory=RecordConfig)
     """Run store settings."""
 
+    recover: RecoverConfig = field(default_factory=RecoverConfig)
+    """Rollback settings (policy `rollback`)."""
+
+    clip: ClipConfig | None = None
+    """Adaptive, NaN-safe gradient clipping; None (default) clips nothing."""
+
+    amp: AmpConfig = field(default_factory=AmpConfig)
+    """GradScaler thresholds."""
+
     def validate(self) -> None:
         """Raise ValueError with a one-line message for settings that cannot work."""
         if self.policy not in POLICIES:
@@ -141,7 +204,11 @@ class GuardConfig:
                 raise ValueError(f"watch.{name} must be >= 1, got {getattr(self.watch, name)}")
         if self.watch.update_ratio_every < 0:
             raise ValueError("watch.update_ratio_every must be >= 0 (0 disables it)")
-        if self.policy != "observe" and self.watch.read_every != 1:
+        r = self.recover
+        if r.snapshot_every < 1 or r.max_rollbacks < 1 or not 0 < r.backoff_factor <= 1:
+            raise ValueError("recover: snapshot_every and max_rollbacks must be >= 1 and "
+                             "backoff_factor in (0, 1]")
+        if (self.policy != "observe" or self.clip is not None) and self.watch.read_every != 1:
             raise ValueError(
                 f"policy {self.policy!r} decides every step, so watch.read_every must be 1"
             )

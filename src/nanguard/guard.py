@@ -41,6 +41,7 @@ from nanguard.errors import NanguardError
 from nanguard.integrations import distributed
 from nanguard.record.report import Report, build_report
 from nanguard.record.store import NullStore, RunStore
+from nanguard.recover.policy import Recovery
 from nanguard.watch import rng
 from nanguard.watch.activations import ActivationProbe, dtype_max
 from nanguard.watch.batch import BatchProbe
@@ -63,6 +64,8 @@ class _Pending:
     stats: StepStats | None = None
     rng: dict[str, Any] | None = None
     """RNG states at the start of the step (kept by reference; serialized only on alarm)."""
+    has_scale: bool = False
+    """The pre-step tensor ends with the GradScaler's scale."""
 
 
 class Guard:
@@ -80,6 +83,9 @@ class Guard:
             under the op-level checker; report.json's `first_nonfinite` then names the op,
             module, source line and samples where the value was produced. Until then the guard
             reads its statistics before the update too (one extra small read per step).
+        scheduler: the LR scheduler, if any: `rollback` restores its state with the rest.
+        scaler: the `torch.amp.GradScaler`, if any: overflow steps it skips are counted (never
+            an alarm), a collapsing scale is an alarm, and `rollback` restores its state.
         config: full settings; the keyword arguments above override its fields.
 
     Raises:
@@ -96,6 +102,8 @@ class Guard:
         out: str | Path | None = None,
         activations: bool | None = None,
         replay: Callable[[Any], torch.Tensor] | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
         config: GuardConfig | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -145,7 +153,9 @@ class Guard:
         self._stashed_grads: list[torch.Tensor | None] | None = None
         self._step_rng = rng.capture()
         self._closed = False
+        self._watch_calls = 0  # watch(loss=...) calls since the last optimizer step
         self.report: Report | None = None
+        self.recovery = Recovery(self, scheduler=scheduler, scaler=scaler)
 
         self.store = self._open_store(cfg.record.out)
         self.store.write_meta(
@@ -182,6 +192,10 @@ class Guard:
         if loss is not None:
             t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
             self._loss = t.reshape(-1)[:1].double()
+            self._watch_calls += 1
+            if self._watch_calls > self.config.amp.stall_steps:
+                # No optimizer step for a while: a GradScaler may be skipping every step.
+                self.recovery.check_stall(self.step)
         if batch is not None:
             self.batch_probe.observe(batch)
 
@@ -226,6 +240,7 @@ class Guard:
             "alarms": [a.to_dict() for a in self.alarms],
             "actions": list(self.actions),
             "first_nonfinite": self.first_nonfinite,
+            "recovery": self.recovery.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -238,6 +253,8 @@ class Guard:
         self.alarms = [Alarm(**a) for a in state["alarms"]]
         self.actions = list(state["actions"])
         self.first_nonfinite = state["first_nonfinite"]
+        if "recovery" in state:
+            self.recovery.load_state_dict(state["recovery"])
 
     # ------------------------------------------------------------------ hooks
 
@@ -259,16 +276,20 @@ class Guard:
         batch_size, batch_vec = self.batch_probe.collect()
         if batch_vec is not None:
             parts.append(batch_vec)
+        scale = self.recovery.scale_tensor()
+        if scale is not None:  # the GradScaler's scale rides along at the end
+            parts.append(scale)
         device = self.params[0].device if self.params else torch.device("cpu")
         pre = torch.cat([p.to(device) for p in parts]) if parts else torch.zeros(0, device=device)
         self._current = _Pending(
             step=self.step, lr=_lr(optimizer), pre=pre, grad_layout=layout,
             act_names=act_names, batch_size=batch_size, has_loss=self._loss is not None,
-            rng=self._step_rng,
+            rng=self._step_rng, has_scale=scale is not None,
         )
         self._loss = None
+        self._watch_calls = 0
         replaying = self.replay is not None and self.first_nonfinite is None
-        if cfg.policy == "observe" and not replaying:
+        if cfg.policy == "observe" and not replaying and cfg.clip is None:
             return
         # Acting policies decide before the update, and a replay needs the parameters as they
         # were before it: read the pre-step statistics now.
@@ -279,6 +300,8 @@ class Guard:
             self._pinpoint(stats, self._current)
         if cfg.policy != "observe" and self._decide(stats, alarms):
             self._act(stats, alarms)
+        if not stats.skipped:
+            self.recovery.before_update(stats)
 
     def _pinpoint(self, stats: StepStats, cur: _Pending) -> None:
         """Replay this step's forward and backward under the op checker, before the update.
@@ -336,6 +359,7 @@ class Guard:
         cur = self._current
         assert cur is not None, "post-step hook without a pre-step hook"
         self._current = None
+        self.recovery.after_update()  # the scheduler's LR back before anything reads it
         if self._stashed_grads is not None:  # `skip`: give the user their gradients back
             for p, g in zip(self.params, self._stashed_grads, strict=True):
                 p.grad = g
@@ -346,6 +370,8 @@ class Guard:
         # Acting policy (pre already read): read the post part now; else every N steps.
         if cur.stats is not None or len(self._pending) >= self.config.watch.read_every:
             self._flush()
+        if cur.stats is not None:
+            self.recovery.maybe_snapshot(cur.stats)
         self._step_rng = rng.capture()
         if self.step % self.config.record.rng_every == 0:
             self.store.write_rng(self.step, rng.dumps(self._step_rng))
@@ -398,6 +424,9 @@ class Guard:
         stats.activations = dict(zip(p.act_names, values[pos : pos + len(p.act_names)],
                                      strict=True))
         pos += len(p.act_names)
+        if p.has_scale:
+            stats.amp_scale = values[-1]
+            values = values[:-1]
         self.batch_probe.decode(values[pos:], p.batch_size, stats)
         if any(math.isinf(stats.grad_norms[i]) for i in stats.nonfinite_grads):
             self.probe.resolve_overflow(stats)  # rare: an extra read only here
@@ -411,6 +440,8 @@ class Guard:
         for d in self.detectors:
             if d.phase == phase:
                 alarms += d.check(stats)
+        if phase == "pre":
+            alarms += self.recovery.check_amp(stats)
         if stats.nonfinite_signals() and self.first_nonfinite is None:
             self.first_nonfinite = self._locate(stats)
             self.failing_stats = stats
@@ -455,13 +486,11 @@ class Guard:
         elif not why:
             why = "another rank's alarm"
         if policy == "skip" and not post:
-            # Optimizers leave a parameter whose .grad is None untouched: no update, no state
-            # change, no step-counter increment. The post-hook puts the gradients back.
-            self._stashed_grads = [p.grad for p in self.params]
-            for p in self.params:
-                p.grad = None
-            stats.skipped = True
+            self.discard_update(stats)
             self._action(stats.step, "skip", f"update discarded ({why})")
+            return
+        if policy == "rollback":
+            self.recovery.rollback(stats, why, post)
             return
         if policy == "skip":
             # The update itself produced the non-finite value; undoing it needs a saved copy,
@@ -470,12 +499,25 @@ class Guard:
             return
         if policy == "raise":
             self._action(stats.step, "raise", f"stopped ({why})")
-            if not post and self._current is not None:
-                # Stopped before the update: record what the step had, then close.
-                self._record(stats, self._current)
-                self._current = None
-            report = self.close()
-            raise NanguardError(f"nanguard stopped training at step {stats.step}: {why}", report)
+            self.stop(stats, why)
+
+    def discard_update(self, stats: StepStats) -> None:
+        """Make the coming `optimizer.step()` a no-op: optimizers leave a parameter whose .grad
+        is None untouched (no update, no state change, no step-counter increment). The
+        post-hook puts the gradients back."""
+        if self._stashed_grads is None:
+            self._stashed_grads = [p.grad for p in self.params]
+            for p in self.params:
+                p.grad = None
+        stats.skipped = True
+
+    def stop(self, stats: StepStats, why: str) -> None:
+        """Close the run and raise NanguardError with the report (the `raise` policy's end)."""
+        if self._current is not None:
+            self._record(stats, self._current)
+            self._current = None
+        report = self.close()
+        raise NanguardError(f"nanguard stopped training at step {stats.step}: {why}", report)
 
     def _action(self, step: int, action: str, detail: str) -> None:
         self.actions.append({"step": step, "action": action, "detail": detail})

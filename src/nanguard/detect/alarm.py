@@ -13,6 +13,7 @@ ALARM_KINDS = (
     "forecast",  # extrapolated growth reaches the dtype's largest value within a few steps
     "divergence",  # the loss climbs far above its recent level
     "vanishing",  # gradients vanish against the parameters for many steps
+    "amp_collapse",  # the GradScaler's scale keeps backing off: fp16 overflows at any scale
 )
 
 

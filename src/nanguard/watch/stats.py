@@ -52,6 +52,8 @@ class StepStats:
     """Parameters whose gradient norm overflowed float32 although every element is finite."""
     nonfinite_grads: set[int] = field(default_factory=set)
     skipped: bool = False
+    amp_scale: float | None = None
+    """The GradScaler's loss scale at this step (when a scaler was given to the guard)."""
     agreed_bad_rank: int | None = None
     """Under torch.distributed: the lowest rank that saw a non-finite value this step."""
     alarms: list[Any] = field(default_factory=list)

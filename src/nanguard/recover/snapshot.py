@@ -1,0 +1,120 @@
+"""The last good state, in host memory: one copy of parameters, buffers and optimizer state.
+
+Buffers are allocated once (pinned when the model lives on a GPU, so the device-to-host copy is
+asynchronous) and refreshed in place; a snapshot never holds more than one extra copy of the
+model and optimizer state. Small state (step counters, LR scheduler, GradScaler, RNG) is kept
+by value.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanguard.watch import rng
+
+
+class HostSnapshot:
+    """Copies of `model` and `optimizer` state (plus optional scheduler / scaler) on the host.
+
+    Args:
+        model: the trained model (parameters and buffers are kept).
+        optimizer: its optimizer (tensor state kept in host buffers, the rest by value).
+        extras: objects with `state_dict` / `load_state_dict` (LR scheduler, GradScaler).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extras: dict[str, Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.extras = {k: v for k, v in (extras or {}).items() if v is not None}
+        self.step: int | None = None
+        self._tensors: list[torch.Tensor] = []  # live tensors, in a fixed order
+        self._host: list[torch.Tensor] = []
+        self._opt_meta: dict[int, dict[str, Any]] = {}  # per param: non-tensor state by value
+        self._opt_keys: dict[int, list[str]] = {}  # per param: tensor state keys, in order
+        self._extras_state: dict[str, Any] = {}
+        self._rng: dict[str, Any] | None = None
+
+    def _live(self) -> tuple[list[torch.Tensor], dict[int, list[str]], dict[int, dict[str, Any]]]:
+        tensors = [p.detach() for p in self.model.parameters()]
+        tensors += [b for b in self.model.buffers()]
+        keys: dict[int, list[str]] = {}
+        meta: dict[int, dict[str, Any]] = {}
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            state = self.optimizer.state.get(p)
+            if not state:
+                continue
+            keys[i] = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
+            meta[i] = {
+                k: copy.deepcopy(v) for k, v in state.items() if not isinstance(v, torch.Tensor)
+            }
+            tensors += [state[k] for k in keys[i]]
+        return tensors, keys, meta
+
+    def capture(self, step: int) -> None:
+        """Copy the current state into the host buffers (the state at the start of `step`)."""
+        tensors, keys, meta = self._live()
+        shapes = [(t.shape, t.dtype) for t in tensors]
+        if shapes != [(h.shape, h.dtype) for h in self._host]:
+            # First capture, or the optimizer state appeared / changed layout: allocate again.
+            pin = any(t.is_cuda for t in tensors) and torch.cuda.is_available()
+            self._host = [
+                torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for t in tensors
+            ]
+        with torch.no_grad():
+            for h, t in zip(self._host, tensors, strict=True):
+                h.copy_(t, non_blocking=True)
+        if any(t.is_cuda for t in tensors):
+            torch.cuda.current_stream().synchronize()  # the copies must land before training
+        self._opt_keys, self._opt_meta = keys, meta
+        self._extras_state = {k: copy.deepcopy(v.state_dict()) for k, v in self.extras.items()}
+        self._rng = rng.capture()
+        self.step = step
+
+    def restore(self) -> int:
+        """Put the captured state back in place (same tensor objects); return its step."""
+        assert self.step is not None and self._rng is not None, "restore() before capture()"
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        model_tensors = [p.detach() for p in self.model.parameters()]
+        model_tensors += list(self.model.buffers())
+        n = len(model_tensors)
+        with torch.no_grad():
+            for live, h in zip(model_tensors, self._host[:n], strict=True):
+                live.copy_(h, non_blocking=True)
+        pos = n
+        kept = set(self._opt_keys)
+        for i, p in enumerate(params):
+            if i not in kept:
+                # No state at capture time (e.g. before the first step): none now either.
+                self.optimizer.state.pop(p, None)
+                continue
+            state = self.optimizer.state.setdefault(p, {})
+            for k in self._opt_keys[i]:
+                h = self._host[pos]
+                pos += 1
+                cur = state.get(k)
+                if isinstance(cur, torch.Tensor) and cur.shape == h.shape:
+                    with torch.no_grad():
+                        cur.copy_(h, non_blocking=True)
+                else:
+                    device = "cpu" if k == "step" and h.dim() == 0 else p.device
+                    state[k] = h.to(device, copy=True)
+            state.update(copy.deepcopy(self._opt_meta[i]))
+        for k, obj in self.extras.items():
+            obj.load_state_dict(copy.deepcopy(self._extras_state[k]))
+        rng.restore(self._rng)
+        return self.step
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory held by the snapshot's tensor buffers."""
+        return sum(h.numel() * h.element_size() for h in self._host)
