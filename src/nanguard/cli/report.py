@@ -10,8 +10,7 @@ from rich.console import Console
 
 from nanguard.record.report import load_report
 from nanguard.record.store import dec, open_run
-from nanguard.show.summary import print_summary
-from nanguard.watch.stats import StepStats
+from nanguard.show.summary import print_last_steps, print_summary
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,25 +22,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _last_steps(folder: str, until: int | None, n: int = 24) -> list[StepStats]:
+def _last_steps(folder: str, until: int | None, n: int = 24) -> list[dict[str, float | None]]:
     """The `n` steps up to `until` (the first non-finite step + 1) or the end of the run."""
     db = open_run(folder)
     try:
         rows = db.execute(
-            "SELECT step, loss, grad_norm FROM steps WHERE step <= ? ORDER BY step DESC LIMIT ?",
+            "SELECT step, loss, grad_norm, act_max, momentum_norm FROM steps WHERE step <= ? "
+            "ORDER BY step DESC LIMIT ?",
             (until if until is not None else 2**62, n),
         ).fetchall()
     except sqlite3.DatabaseError:
         return []
     finally:
         db.close()
-    out = []
-    for step, loss, grad_norm in reversed(rows):
-        s = StepStats(step=step, loss=dec(loss))
-        g = dec(grad_norm)
-        s.grad_norms = {0: g} if g is not None else {}
-        out.append(s)
-    return out
+    keys = ("loss", "grad_norm", "act_max", "momentum_norm")
+    return [
+        {"step": r[0], **{k: dec(v) for k, v in zip(keys, r[1:], strict=True)}}
+        for r in reversed(rows)
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,5 +49,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         first = report.first_nonfinite
         until = first["step"] + 1 if first else None
-        print_summary(report, _last_steps(args.run, until), console=Console())
+        console = Console()
+        print_summary(report, console=console)
+        print_last_steps(console, _last_steps(args.run, until))
     return 1 if report.status == "failed" else 0

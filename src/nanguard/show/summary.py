@@ -82,9 +82,38 @@ def print_summary(
     for act in report.actions[:8]:
         console.print(f"  action at step {act['step']}: {act['action']} — {act['detail']}")
     if history:
-        last = list(history)[-24:]
-        console.print(
-            f"  last {len(last)} steps (log scale, ! = non-finite):\n"
-            f"    loss      {sparkline([s.loss for s in last])}\n"
-            f"    grad norm {sparkline([s.grad_norm for s in last])}"
-        )
+        print_last_steps(console, [step_row(s) for s in history])
+
+
+SERIES = ("loss", "grad_norm", "act_max", "momentum_norm")
+
+
+def step_row(stats: StepStats) -> dict[str, float | None]:
+    """The series the summary shows for one step."""
+    return {
+        "step": stats.step,
+        "loss": stats.loss,
+        "grad_norm": stats.grad_norm,
+        "act_max": stats.act_max,
+        "momentum_norm": stats.momentum_norm,
+    }
+
+
+def print_last_steps(console: Console, rows: Sequence[dict[str, float | None]]) -> None:
+    """Sparklines of the last 24 steps, then the last 6 as numbers (non-finite kept, as '!')."""
+    last = list(rows)[-24:]
+    if not last:
+        return
+    console.print(f"  last {len(last)} steps before the end (log scale, ! = non-finite):")
+    for key in SERIES:
+        values = [r.get(key) for r in last]
+        if any(v is not None for v in values):
+            console.print(f"    {key:<14}{sparkline(values)}")
+    table = Table(show_edge=False, box=None, padding=(0, 1))
+    table.add_column("step", justify="right")
+    shown = [k for k in SERIES if any(r.get(k) is not None for r in last)]
+    for key in shown:
+        table.add_column(key, justify="right")
+    for r in last[-6:]:
+        table.add_row(str(r["step"]), *("-" if r.get(k) is None else f"{r[k]:.3g}" for k in shown))
+    console.print(table)
