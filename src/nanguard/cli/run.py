@@ -1,0 +1,52 @@
+"""`nanguard run [OPTIONS] SCRIPT [ARGS...]`: run an unmodified training script under nanguard.
+
+Every optimizer the script steps gets a guard (found through PyTorch's global hooks, with its
+model, loss and batch); the run is recorded in --out (one folder per optimizer when there are
+several, one per rank under torchrun, with a merged report.json on top). On a non-finite value
+the script is re-run in a subprocess with the op checker armed at the failing step (within
+--replay-budget seconds) to pinpoint its origin. Works under
+`torchrun --nproc-per-node N -m nanguard run train.py ...`.
+
+Options go before SCRIPT; everything after SCRIPT is the script's own. The script's output and
+exit code are kept; otherwise the exit code is 1 when training failed (a non-finite value, or
+stopped by --policy raise), else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from nanguard.config import POLICIES
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="run a training script unmodified, watched by nanguard (also under torchrun)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--out", default=None,
+                   help="run folder (default: nanguard_runs/<time>; under torchrun "
+                        "nanguard_runs/torchrun-<run id>)")
+    p.add_argument("--policy", default="observe", choices=list(POLICIES),
+                   help="what to do on a non-finite value (default: observe)")
+    p.add_argument("--replay-budget", type=float, default=120.0, metavar="SECONDS",
+                   help="time allowed for the re-run that pinpoints the origin "
+                        "(default 120; 0 turns it off)")
+    p.add_argument("--merge-wait", type=float, default=30.0, metavar="SECONDS",
+                   help="under torchrun: how long rank 0 waits for the other ranks' reports "
+                        "(default 30)")
+    p.add_argument("script", help="the training script (a .py file)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from nanguard.integrations.runner import RunOptions
+    from nanguard.integrations.runner import run as run_script
+
+    return run_script(RunOptions(
+        script=args.script, args=list(args.args), out=args.out, policy=args.policy,
+        replay_budget=args.replay_budget, merge_wait=args.merge_wait,
+    ))

@@ -1,0 +1,47 @@
+"""Helpers for the `nanguard run` tests: real subprocesses with the package importable."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), e.get("PYTHONPATH")) if p)
+    e["OMP_NUM_THREADS"] = "1"
+    e["PYTHONUNBUFFERED"] = "1"
+    return e
+
+
+def run(args: list[str], cwd: Path, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    """`python ARGS` in `cwd`; kills it (by pid, through `subprocess.run`) past `timeout`."""
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def nanguard_run(out: Path, script: str | Path, *script_args: str, options: tuple[str, ...] = (),
+                 cwd: Path | None = None, timeout: float = 90
+                 ) -> subprocess.CompletedProcess[str]:
+    return run(["-m", "nanguard", "run", "--out", str(out), *options, str(script),
+                *script_args], cwd=cwd or out.parent, timeout=timeout)
+
+
+def report(folder: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((folder / "report.json").read_text())
+    return data
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
