@@ -113,7 +113,8 @@ class Guard:
             )
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+                "pass the optimizer whose step() trains the model"
             )
         cfg = dataclasses.replace(config) if config else GuardConfig()
         if policy is not None:
@@ -127,6 +128,8 @@ class Guard:
         self.replay = replay
         self.model = model
         self.optimizer = optimizer
+        # Before any hook is registered: an unwritable folder must leave the model untouched.
+        self.store = self._open_store(cfg.record.out)
 
         names = {id(p): n for n, p in model.named_parameters()}
         self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
@@ -157,7 +160,6 @@ class Guard:
         self.report: Report | None = None
         self.recovery = Recovery(self, scheduler=scheduler, scaler=scaler)
 
-        self.store = self._open_store(cfg.record.out)
         self.store.write_meta(
             version=__version__, policy=cfg.policy, model=type(model).__name__,
             optimizer=type(optimizer).__name__, started=time.time(),
