@@ -16,6 +16,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from torch.nn.functional import mse_loss
 
 from nanguard.config import GuardConfig, RecordConfig
 from nanguard.errors import NanguardError
@@ -57,8 +58,20 @@ def _train(
 
     def factory(model: Any, optimizer: Any) -> Guard:
         config = GuardConfig(act_on=act_on, record=RecordConfig(summary=False))
+
+        def replay(batch: Any) -> Any:  # the step's forward and loss, for the op-level replay
+            return mse_loss(model(batch[0]), batch[1])
+
         guards.append(
-            Guard(model, optimizer, policy=policy, out=str(folder), activations=True, config=config)
+            Guard(
+                model,
+                optimizer,
+                policy=policy,
+                out=str(folder),
+                activations=True,
+                replay=replay,
+                config=config,
+            )
         )
         return guards[0]
 
@@ -68,8 +81,12 @@ def _train(
     return report, losses
 
 
-def _policy_outcomes(seed: int, steps: int, out: Path) -> tuple[str, str]:
-    """Run the failing seed again under `raise` and under `skip`; describe what happened."""
+def _final(losses: list[float]) -> str:
+    return f"{losses[-1]:.2g}" if math.isfinite(losses[-1]) else "NaN"
+
+
+def _policy_outcomes(seed: int, steps: int, out: Path) -> tuple[str, str, str]:
+    """Run a failing seed again under `raise`, `skip` and `rollback`; say what happened."""
     try:
         _train(seed, steps, out / f"seed-{seed}-raise", "raise")
         raised = "no stop"
@@ -78,9 +95,15 @@ def _policy_outcomes(seed: int, steps: int, out: Path) -> tuple[str, str]:
         raised = f"stop@{first['step']}" if first else "stops"
     report, losses = _train(seed, steps, out / f"seed-{seed}-skip", "skip", SKIP_ON)
     skipped = sum(1 for a in report.actions if a["action"] == "skip")
-    # Skipping an update leaves the momentum that a cascade has built: `rollback` restores it.
-    state = f"loss {losses[-1]:.2g}" if math.isfinite(losses[-1]) else "NaN"
-    return raised, f"{skipped} skipped, {state}"
+    # Skipping an update keeps the momentum a cascade has built; rollback restores it too.
+    skip = f"{skipped} -> {_final(losses)}"
+    try:
+        report, losses = _train(seed, steps, out / f"seed-{seed}-rollback", "rollback")
+        n = sum(1 for a in report.actions if a["action"] == "rollback")
+        rolled = f"{n} -> {_final(losses)}"
+    except NanguardError:
+        rolled = "gave up"
+    return raised, skip, rolled
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,40 +125,46 @@ def run(args: argparse.Namespace) -> int:
         "warn@",
         "nan@",
         "lead",
-        "phase",
-        "module",
+        "where (phase:module:op)",
         "raise",
-        "skip on warnings",
+        "skip: n -> loss",
+        "rollback: n -> loss",
     ):
         table.add_column(col, no_wrap=True)
     leads: list[int] = []
     failed = 0
+    example: tuple[int, Report] | None = None  # the first failing seed, explained below
     for seed in range(args.seeds):
         report, _ = _train(seed, args.steps, out / f"seed-{seed}")
         first = report.first_nonfinite
         if first is None:
             warn = "-" if report.first_warning is None else str(report.first_warning)
-            table.add_row(str(seed), report.status, warn, "-", "-", "-", "-", "-", "-")
+            table.add_row(str(seed), report.status, warn, *["-"] * 6)
             continue
         failed += 1
+        example = example or (seed, report)
         if report.lead_steps is not None:
             leads.append(report.lead_steps)
-        raised, skipped = _policy_outcomes(seed, args.steps, out)
+        raised, skipped, rolled = _policy_outcomes(seed, args.steps, out)
         table.add_row(
             str(seed),
             f"[red]{report.status}[/]",
             "-" if report.first_warning is None else str(report.first_warning),
             str(first["step"]),
             "-" if report.lead_steps is None else f"[bold]{report.lead_steps}[/]",
-            str(first.get("phase")),
-            str(first.get("module") or ""),
+            ":".join(
+                str(first.get(k) or "").replace("aten.", "") for k in ("phase", "module", "op")
+            ).rstrip(":"),
             raised,
             skipped,
+            rolled,
         )
     console.print(table)
     console.print(
         "warn@ / nan@: step of the first warning and of the first non-finite value; "
-        "lead: steps between them; phase, module: where it first showed."
+        "lead: steps between them; where: phase, module and op where it first showed (the op "
+        "from an in-process replay of the step under the op checker); raise / skip / rollback: "
+        "the same seed under those policies (skip acts on warnings too), with the final loss."
     )
     if failed:
         console.print(
@@ -145,6 +174,14 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         console.print(f"none of {args.seeds} seeds failed; try --seeds 20")
+    if example and example[1].diagnosis:
+        seed, report = example
+        cause = report.diagnosis[0]
+        console.print(
+            f"\n[bold]Diagnosis of seed {seed}[/]: {cause['cause']} "
+            f"({cause['confidence']:.0%})\n  why: {cause['evidence']}\n"
+            f"  fix: {cause['fix']}"
+        )
     console.print(
         f"Each run folder holds run.db and report.json: `nanguard report {out}/seed-N` prints one."
     )

@@ -254,8 +254,7 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
         f"{mom} at {lr} amplified a gradient spike step after step{growth}",
         fix=f"lower the LR ({lr} -> {new_lr}), clip: "
         f"`torch.nn.utils.clip_grad_norm_(model.parameters(), {clip})`, and add a warm-up; "
-        "or train with `Guard(..., policy='skip', config=GuardConfig(act_on=('nonfinite', "
-        "'spike')))`",
+        "or let nanguard recover: `Guard(..., policy='rollback')`",
     )
 
 
