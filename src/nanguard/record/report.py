@@ -3,7 +3,9 @@
 status          "healthy" | "warned" | "failed" | "recovered"
 steps           number of optimizer steps recorded
 alarms          [{step, kind, signal, value, message}]
-first_nonfinite null | {step, phase, module, op, source, samples, rank, signals}
+first_nonfinite null | {step, phase, module, op, source, samples, rank, signals, param};
+                after an op-level replay also reproduced, node, inputs, kind, output,
+                propagated_by, batch_item (see nanguard.pinpoint.Origin)
 diagnosis       [{cause, confidence, evidence, fix}], best first
 actions         [{step, action, detail}]
 first_warning   null | step of the first alarm that is not `nonfinite` (on a failed run:
