@@ -408,6 +408,7 @@ class Guard:
             assert p.post is not None
             n = p.post.numel()
             self.probe.decode_post(values[pos : pos + n], p.post_layout, stats)
+            self.probe.resolve_post_overflow(stats)  # an extra read only on an infinite norm
             pos += n
             alarms = self._detect(stats, "post", p.rng)
             if self.config.policy != "observe" and self._decide(stats, alarms, post=True):

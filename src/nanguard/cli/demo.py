@@ -73,6 +73,8 @@ def _train(
                 config=config,
             )
         )
+        # How to run it again, for `nanguard replay`.
+        guards[0].store.write_meta(scenario={"name": "cascade", "seed": seed, "steps": steps})
         return guards[0]
 
     _, losses = train_cascade(seed, factory, steps=steps)

@@ -17,6 +17,16 @@ from typing import Any
 
 import torch
 
+_DTENSOR: type | None
+try:  # sharded parameters (FSDP2, tensor parallel)
+    from torch.distributed.tensor import DTensor as _DTENSOR
+except ImportError:  # pragma: no cover - torch built without distributed
+    _DTENSOR = None
+
+
+def _is_dtensor(t: Any) -> bool:
+    return _DTENSOR is not None and isinstance(t, _DTENSOR)
+
 # Optimizer state entries that are tensors shaped like the parameter, by meaning.
 FIRST_MOMENT_KEYS = ("momentum_buffer", "exp_avg")
 SECOND_MOMENT_KEYS = ("exp_avg_sq", "square_avg", "sum")
@@ -107,6 +117,47 @@ class StepStats:
         return out
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; any other tensor as it is."""
+    return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def foreach_norms(tensors: list[torch.Tensor], like: list[torch.Tensor] | None = None
+                  ) -> torch.Tensor:
+    """Stacked L2 norms of `tensors` (fused), on their device.
+
+    DTensors (FSDP2, tensor parallel): the norms of the local shards, combined into the norm of
+    the whole tensor by one sum-of-squares all-reduce per group of sharded mesh dimensions
+    (usually one collective per call); replicated dimensions need none. `like` gives, for plain
+    local tensors (e.g. local update differences), the DTensors whose sharding they follow.
+    Every rank must call this with the same tensors, as it does for gradients, parameters and
+    optimizer state of one optimizer.
+    """
+    specs = like if like is not None else tensors
+    dts: list[Any] = [t if _is_dtensor(t) else None for t in specs]
+    if not any(d is not None for d in dts):
+        return torch.stack(torch._foreach_norm(tensors))
+    norms = torch.stack(torch._foreach_norm([_local(t) for t in tensors])).float()
+    groups: dict[tuple[int, tuple[int, ...]], tuple[Any, list[int]]] = {}
+    for i, d in enumerate(dts):
+        if d is None:
+            continue
+        dims = tuple(k for k, p in enumerate(d.placements) if p.is_shard())
+        if dims:
+            groups.setdefault((id(d.device_mesh), dims), (d.device_mesh, []))[1].append(i)
+    if not groups:
+        return norms
+    import torch.distributed as dist
+
+    squares = norms.pow(2)
+    for (_, dims), (mesh, ids) in groups.items():
+        part = squares[ids]
+        for k in dims:
+            dist.all_reduce(part, group=mesh.get_group(k))
+        squares[ids] = part
+    return squares.sqrt()
+
+
 class StepProbe:
     """Computes the per-step statistics of one optimizer's parameters on their device.
 
@@ -133,18 +184,18 @@ class StepProbe:
         self._with_update = snapshot_update and bool(idx)
         if self._with_update:
             if self._update_buf is None:
-                self._update_buf = [torch.empty_like(p) for p in self.params]
+                self._update_buf = [torch.empty_like(_local(p)) for p in self.params]
             with torch.no_grad():
-                torch._foreach_copy_(self._update_buf, [p.detach() for p in self.params])
+                torch._foreach_copy_(self._update_buf, [_local(p.detach()) for p in self.params])
         if not idx:
             return None, idx
         grads = [self.params[i].grad for i in idx]
-        return torch.stack(torch._foreach_norm(grads)).float(), idx  # type: ignore[arg-type]
+        return foreach_norms(grads).float(), idx  # type: ignore[arg-type]
 
     def post_step(self) -> tuple[torch.Tensor, list[tuple[str, list[int]]]]:
         """Runs right after `optimizer.step()`: parameter norms, optimizer-state norms and,
         on sampled steps, the update norm. Returns one float32 device tensor and its layout."""
-        parts = [torch.stack(torch._foreach_norm([p.detach() for p in self.params]))]
+        parts = [foreach_norms([p.detach() for p in self.params])]
         layout: list[tuple[str, list[int]]] = [("param", list(range(len(self.params))))]
         by_key: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
         for i, p in enumerate(self.params):
@@ -157,13 +208,14 @@ class StepProbe:
                     ids.append(i)
                     tensors.append(value)
         for key, (ids, tensors) in by_key.items():
-            parts.append(torch.stack(torch._foreach_norm(tensors)))
+            parts.append(foreach_norms(tensors))
             layout.append((key, ids))
         if self._with_update:
             assert self._update_buf is not None
             with torch.no_grad():
-                diffs = torch._foreach_sub(self._update_buf, [p.detach() for p in self.params])
-            norms = torch.stack(torch._foreach_norm(diffs))
+                diffs = torch._foreach_sub(self._update_buf,
+                                           [_local(p.detach()) for p in self.params])
+            norms = foreach_norms(list(diffs), like=self.params)
             parts.append(norms.double().pow(2).sum().sqrt().reshape(1))
             layout.append(("update", [0]))
         self._with_update = False
@@ -193,6 +245,26 @@ class StepProbe:
             else:
                 stats.state_norms[key] = dict(zip(ids, chunk, strict=True))
 
+    def resolve_post_overflow(self, stats: StepStats) -> None:
+        """Same as `resolve_overflow`, for parameter and optimizer-state norms after the step.
+
+        Parameters of ~1e20 have an infinite float32 norm while every value is finite (one step
+        before the NaN in the cascade); calling them non-finite would blame the optimizer for
+        a value it has not produced yet. Runs only when such a norm came back infinite.
+        """
+        groups: list[tuple[dict[int, float], str | None]] = [(stats.param_norms, None)]
+        groups += [(norms, key) for key, norms in stats.state_norms.items()]
+        for norms, key in groups:
+            for i, v in list(norms.items()):
+                if not math.isinf(v):
+                    continue
+                p = self.params[i]
+                t = p.detach() if key is None else self.optimizer.state[p][key]
+                t64 = t.detach().double()
+                if bool(torch.isfinite(t64).all()):
+                    norms[i] = float(torch.linalg.vector_norm(t64))
+                    stats.overflowed.add(i)
+
     def resolve_overflow(self, stats: StepStats) -> None:
         """Tell "the float32 sum of squares overflowed" from "an element is infinite".
 
@@ -205,6 +277,8 @@ class StepProbe:
             grad = self.params[i].grad
             if grad is None:
                 continue
+            if _is_dtensor(grad):
+                grad = grad.full_tensor()  # type: ignore[attr-defined]  # every rank is here: the norms were all-reduced
             g = grad.detach().double()
             if bool(torch.isfinite(g).all()):
                 stats.grad_norms[i] = float(torch.linalg.vector_norm(g))

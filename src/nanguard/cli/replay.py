@@ -1,0 +1,140 @@
+"""`nanguard replay RUN [--step N]`: re-run a recorded run with the op checker armed at step N.
+
+The run must say how to run it again: runs of `nanguard demo` record their scenario and seed,
+runs of `nanguard run` record the script, its arguments and working directory. The re-run is
+deterministic (seeded training on the same machine), so the armed step is the recorded one; the
+command prints the origin (phase, module, op, source, samples), whether it matches the record,
+and the diagnosis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from nanguard.cli.main import UserError
+from nanguard.explain import Evidence, diagnose
+from nanguard.record.report import load_report
+from nanguard.record.store import open_run
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "replay",
+        help="re-run a recorded run with the op checker armed",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run", help="a run folder recorded by `nanguard demo` or `nanguard run`")
+    p.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="step to check (default: the recorded first non-finite step)",
+    )
+    p.add_argument("--json", action="store_true", help="print the origin as JSON")
+    p.set_defaults(func=run)
+
+
+def _meta(folder: str) -> dict[str, Any]:
+    db = open_run(folder)
+    try:
+        return {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM meta")}
+    finally:
+        db.close()
+
+
+def _rerun(meta: dict[str, Any]) -> None:
+    """Run the recorded training again, in this process, with nothing guarding it."""
+    scenario = meta.get("scenario")
+    if isinstance(scenario, dict) and scenario.get("name") == "cascade":
+        from nanguard.scenarios.cascade import train_cascade
+
+        train_cascade(int(scenario["seed"]), steps=int(scenario.get("steps", 300)))
+        return
+    script = meta.get("script")
+    if isinstance(script, str):
+        if not Path(script).is_file():
+            raise UserError(f"the recorded script {script!r} no longer exists")
+        old_argv, old_cwd = sys.argv[:], os.getcwd()
+        sys.argv = [script, *meta.get("argv", [])]
+        try:
+            os.chdir(meta.get("cwd") or old_cwd)
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit:
+            pass
+        finally:
+            sys.argv = old_argv
+            os.chdir(old_cwd)
+        return
+    raise UserError(
+        "this run does not record how to run it again (only runs of "
+        "`nanguard demo` and `nanguard run` do); use nanguard.pinpoint.armed(step) "
+        "around your training code"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from nanguard.pinpoint import armed
+
+    report = load_report(args.run)
+    meta = _meta(args.run)
+    recorded = report.first_nonfinite or {}
+    step = args.step if args.step is not None else recorded.get("step")
+    if step is None:
+        raise UserError("the run never went non-finite; pass --step N to check a step")
+    if step < 0 or step >= max(report.steps, 1):
+        raise UserError(f"--step {step} is outside the run's {report.steps} steps")
+    console = Console()
+    with armed(int(step)) as a:
+        _rerun(meta)
+    if not a.ran:
+        console.print(f"the re-run never reached step {step}")
+        return 1
+    origin = a.origin
+    if args.json:
+        print(json.dumps(origin.to_dict() if origin else None, indent=2))
+        return 0 if origin is None else 1
+    if origin is None:
+        console.print(
+            f"step {step} ran clean under the op checker: no non-finite value "
+            "(a failure that does not reproduce suggests non-determinism)"
+        )
+        return 0
+    found = origin.to_dict()
+    console.print(
+        f"[bold]step {step}[/]: first non-finite value produced by [bold]{found['op']}"
+        f"[/] in the {found['phase']} phase, module {found['module']!r}"
+    )
+    if found.get("source"):
+        console.print(f"  source: {found['source']}")
+    if found.get("samples"):
+        console.print(f"  samples: {found['samples'][:16]}")
+    if found.get("propagated_by"):
+        p = found["propagated_by"]
+        console.print(
+            f"  then carried on by {p.get('op')} ({p.get('phase')}): what a tool that "
+            "names the first non-finite output would blame"
+        )
+    if recorded and recorded.get("step") == step:
+        same = all(recorded.get(k) in (None, found.get(k)) for k in ("phase", "module"))
+        console.print(
+            "  matches the recorded finding"
+            if same
+            else f"  recorded: phase {recorded.get('phase')}, module "
+            f"{recorded.get('module')!r} (seen from the watched signals)"
+        )
+    evidence = Evidence(
+        first_nonfinite={**recorded, **{k: v for k, v in found.items() if v is not None}},
+        alarms=report.alarms,
+    )
+    for cause in diagnose(evidence)[:2]:
+        console.print(f"  cause: [bold]{cause.cause}[/] — fix: {cause.fix}")
+    return 1
