@@ -38,7 +38,8 @@ class Recovery:
             snapshot = HostSnapshot(
                 guard.model, guard.optimizer, extras={"scheduler": scheduler, "scaler": scaler}
             )
-            snapshot.capture(guard.step)  # the initial state is the first "last good" one
+            # The initial state is the first "last good" one (taken between steps).
+            snapshot.capture(guard.step, in_step=False)
             self.rollbacker = Rollback(cfg.recover, snapshot, guard.optimizer)
         self.clipper = AdaptiveClipper(cfg.clip) if cfg.clip is not None else None
         self.amp = ScalerWatch(scaler, cfg.amp) if scaler is not None else None

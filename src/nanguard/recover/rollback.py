@@ -1,8 +1,9 @@
 """The `rollback` policy's bookkeeping: when to refresh the snapshot, the LR backoff, giving up.
 
-The guard calls, per step: `backoff_on` in its pre-hook (scales this step's LR), `backoff_off`
-in its post-hook (puts the scheduler's LR back, so schedulers keep working), `maybe_capture`
-once the step is known healthy, and `rollback` on an alarm that the policy acts on.
+The guard calls, per step: `backoff_on` in its pre-hook (scales this step's LR; first settles a
+rollback to the initial snapshot), `backoff_off` in its post-hook (puts the scheduler's LR back,
+so schedulers keep working), `maybe_capture` once the step is known healthy, and `rollback` on an
+alarm that the policy acts on.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Rollback:
         self.factor = 1.0
         self._saved_lrs: list[Any] | None = None
         self.last_unhealthy = -(10**9)
+        self._reapply = False  # restored a between-steps snapshot: settle it at the next update
 
     def maybe_capture(self, next_step: int, healthy: bool) -> bool:
         """After a step: refresh the snapshot every `snapshot_every` steps, but only from a state
@@ -62,14 +64,23 @@ class Rollback:
             )
         self.history.append(step)
         restored = self.snapshot.restore()
-        self.backoff_until = step + self.config.backoff_steps
+        self._reapply = not self.snapshot.in_step
+        # Step `step` makes no update: the next `backoff_steps` steps are backed off.
+        self.backoff_until = step + 1 + self.config.backoff_steps
         # Compounding: a second failure within the window backs off further (x0.25, ...).
         self.factor = self.config.backoff_factor ** len(self.history)
         self.last_unhealthy = step
         return restored
 
     def backoff_on(self, step: int) -> None:
-        """Pre-hook: scale this step's LR while backing off (the scheduler's value is kept)."""
+        """Pre-hook: scale this step's LR while backing off (the scheduler's value is kept).
+
+        First, after a rollback to a snapshot taken between steps, put its schedule back once
+        more: the user's `scheduler.step()` after the rolled-back step moved it one step on.
+        """
+        if self._reapply:
+            self._reapply = False
+            self.snapshot.reapply()
         if step >= self.backoff_until or self.factor == 1.0:
             return
         self._saved_lrs = [g["lr"] for g in self.optimizer.param_groups]

@@ -2,8 +2,17 @@
 
 Buffers are allocated once (pinned when the model lives on a GPU, so the device-to-host copy is
 asynchronous) and refreshed in place; a snapshot never holds more than one extra copy of the
-model and optimizer state. Small state (step counters, LR scheduler, GradScaler, RNG) is kept
-by value.
+model and optimizer state. Small state (step counters, the optimizer's param-group
+hyperparameters, LR scheduler, GradScaler, RNG) is kept by value.
+
+When: the guard captures in its post-hook (inside `optimizer.step()` of step n-1, before the
+user's `scheduler.step()` / `scaler.update()`) and restores inside the failing step's
+`optimizer.step()`, before that step's `scheduler.step()`. The scheduler state kept is the one
+from before the `scheduler.step()` that leads into step n, and the user's next call brings it
+there. A capture made between steps (the initial one, `in_step=False`) already holds the state
+of step n itself, and no step -1 exists to go back to: after restoring it, `reapply` puts the
+param-group hyperparameters, scheduler and scaler back once more at the next update, after the
+user's `scheduler.step()` has moved them on.
 """
 
 from __future__ import annotations
@@ -36,10 +45,12 @@ class HostSnapshot:
         self.optimizer = optimizer
         self.extras = {k: v for k, v in (extras or {}).items() if v is not None}
         self.step: int | None = None
+        self.in_step = True
         self._tensors: list[torch.Tensor] = []  # live tensors, in a fixed order
         self._host: list[torch.Tensor] = []
         self._opt_meta: dict[int, dict[str, Any]] = {}  # per param: non-tensor state by value
         self._opt_keys: dict[int, list[str]] = {}  # per param: tensor state keys, in order
+        self._groups: list[dict[str, Any]] = []  # param-group hyperparameters (lr, ...)
         self._extras_state: dict[str, Any] = {}
         self._rng: dict[str, Any] | None = None
 
@@ -60,8 +71,13 @@ class HostSnapshot:
             tensors += [state[k] for k in keys[i]]
         return tensors, keys, meta
 
-    def capture(self, step: int) -> None:
-        """Copy the current state into the host buffers (the state at the start of `step`)."""
+    def capture(self, step: int, *, in_step: bool = True) -> None:
+        """Copy the current state into the host buffers (the state at the start of `step`).
+
+        `in_step`: called from inside `optimizer.step()` of step `step - 1` (the guard's
+        post-hook), before the user's `scheduler.step()`; False for a capture between steps (see
+        the module docstring).
+        """
         tensors, keys, meta = self._live()
         shapes = [(t.shape, t.dtype) for t in tensors]
         if shapes != [(h.shape, h.dtype) for h in self._host]:
@@ -76,7 +92,12 @@ class HostSnapshot:
         if any(t.is_cuda for t in tensors):
             torch.cuda.current_stream().synchronize()  # the copies must land before training
         self._opt_keys, self._opt_meta = keys, meta
+        self._groups = [
+            {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+            for g in self.optimizer.param_groups
+        ]
         self._extras_state = {k: copy.deepcopy(v.state_dict()) for k, v in self.extras.items()}
+        self.in_step = in_step
         self._rng = rng.capture()
         self.step = step
 
@@ -109,10 +130,17 @@ class HostSnapshot:
                     device = "cpu" if k == "step" and h.dim() == 0 else p.device
                     state[k] = h.to(device, copy=True)
             state.update(copy.deepcopy(self._opt_meta[i]))
-        for k, obj in self.extras.items():
-            obj.load_state_dict(copy.deepcopy(self._extras_state[k]))
+        self.reapply()
         rng.restore(self._rng)
         return self.step
+
+    def reapply(self) -> None:
+        """Put the param-group hyperparameters (lr & co: chainable schedulers build on them),
+        the scheduler and the scaler back as captured."""
+        for g, saved in zip(self.optimizer.param_groups, self._groups, strict=True):
+            g.update(copy.deepcopy(saved))
+        for k, obj in self.extras.items():
+            obj.load_state_dict(copy.deepcopy(self._extras_state[k]))
 
     @property
     def nbytes(self) -> int:
