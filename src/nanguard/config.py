@@ -206,8 +206,10 @@ class GuardConfig:
             raise ValueError("watch.update_ratio_every must be >= 0 (0 disables it)")
         r = self.recover
         if r.snapshot_every < 1 or r.max_rollbacks < 1 or not 0 < r.backoff_factor <= 1:
-            raise ValueError("recover: snapshot_every and max_rollbacks must be >= 1 and "
-                             "backoff_factor in (0, 1]")
+            raise ValueError(
+                "recover: snapshot_every and max_rollbacks must be >= 1 and "
+                "backoff_factor in (0, 1]"
+            )
         if (self.policy != "observe" or self.clip is not None) and self.watch.read_every != 1:
             raise ValueError(
                 f"policy {self.policy!r} decides every step, so watch.read_every must be 1"

@@ -149,6 +149,7 @@ class Guard:
         self.first_nonfinite: dict[str, Any] | None = None
         self.failing_stats: StepStats | None = None  # the step where it first showed
         self.history: list[StepStats] = []  # the last few steps, for the summary
+        self._last_stats: StepStats | None = None
         self.host_reads = 0
         self._loss: torch.Tensor | None = None
         self._pending: list[_Pending] = []
@@ -562,6 +563,7 @@ class Guard:
                 "param": param}
 
     def _record(self, stats: StepStats, p: _Pending) -> None:
+        self._last_stats = stats
         # Keep the steps up to the first non-finite value: what led into it is the story.
         if self.first_nonfinite is None or stats.step <= self.first_nonfinite["step"] + 1:
             self.history.append(stats)
@@ -596,6 +598,8 @@ class Guard:
             actions=list(self.actions),
             first_nonfinite=self.first_nonfinite,
             diagnosis=[c.to_dict() for c in causes],
+            # Ended non-finite: the last recorded step still holds a NaN/Inf somewhere.
+            failed=bool(self._last_stats and self._last_stats.nonfinite_signals()),
             lead_window=self.config.detect.lead_window,
             run={"folder": str(self.folder) if self.folder else None,
                  "policy": self.config.policy, "model": type(self.model).__name__,

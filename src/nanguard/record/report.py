@@ -87,12 +87,17 @@ def build_report(
         lead = None if first_warning is None else nf - first_warning
     else:
         first_warning = min(warnings) if warnings else None
+    # `failed`: the run ended non-finite (or was stopped). Unknown (a store rebuilt after a
+    # crash): a non-finite value with no recovery action counts as a failure.
+    kinds = {a["action"] for a in actions}
+    stopped = bool(kinds & {"raise", "give_up"})
+    recovering = bool(kinds & {"skip", "rollback"})
     if failed is None:
-        failed = first_nonfinite is not None
-    if failed and actions and not any(a["action"] == "raise" for a in actions):
-        status = "recovered"
-    elif failed:
+        failed = first_nonfinite is not None and not recovering
+    if first_nonfinite is not None and (failed or stopped or not recovering):
         status = "failed"
+    elif first_nonfinite is not None:
+        status = "recovered"
     elif alarms:
         status = "warned"
     else:

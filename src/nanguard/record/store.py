@@ -2,8 +2,8 @@
 
 Crash safety: WAL journal, one transaction per recorded step. A process killed with SIGKILL
 loses at most the step it was writing; the database opens and holds every completed step.
-NaN is not representable in SQLite (it is stored as NULL), so non-finite floats are encoded as
-text ('nan', 'inf', '-inf') and decoded back: the record never drops a NaN point.
+NaN is not representable in SQLite (it is stored as NULL), so NaN is encoded as the text 'nan'
+and decoded back (infinities are stored as REAL): the record never drops a NaN point.
 """
 
 from __future__ import annotations
