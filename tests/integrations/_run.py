@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -45,3 +46,21 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def torchrun(out: Path, nproc: int, options: tuple[str, ...], script: Path, *script_args: str,
+             timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    """`python -m torch.distributed.run ... -m nanguard run ...` on a free port. Past `timeout`
+    the launcher and its workers (its own session) are killed and TimeoutExpired is raised."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "nanguard", "run", "--out", str(out), *options, str(script), *script_args]
+    proc = subprocess.Popen(cmd, cwd=out.parent, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

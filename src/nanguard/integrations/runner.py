@@ -64,7 +64,8 @@ class ScriptOutcome:
 
     kind: str = "ok"
     """`ok`, `exit` (SystemExit with a non-zero code), `error` (an exception of its own),
-    `stopped` (nanguard's `raise` policy) or `interrupted`."""
+    `stopped` (nanguard's `raise` policy), `internal` (an error inside nanguard's own hooks) or
+    `interrupted`."""
     code: int = 0
     message: str | None = None
 
@@ -160,6 +161,9 @@ def _run_script(script: Path, args: list[str], disc: Discovery) -> ScriptOutcome
         stop = _nanguard_error(exc)
         if stop is not None:
             outcome = ScriptOutcome("stopped", 1, str(stop))
+        elif _raised_in_nanguard(exc, script):
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+            outcome = ScriptOutcome("internal", 1, f"{type(exc).__name__}: {exc}")
         else:
             _print_script_traceback(exc, script)
             outcome = ScriptOutcome("error", 1, f"{type(exc).__name__}: {exc}")
@@ -191,6 +195,22 @@ def _nanguard_error(exc: BaseException) -> NanguardError | None:
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__
     return None
+
+
+def _raised_in_nanguard(exc: BaseException, script: Path) -> bool:
+    """The exception came out of nanguard's own code (its hooks), not the script's."""
+    package = Path(__file__).resolve().parents[1]
+    target = script.resolve()
+    tb, in_script = exc.__traceback__, False
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        path = Path(code.co_filename).resolve()
+        in_script = in_script or path == target
+        # The `backward` wrapper only passes the script's own autograd errors on.
+        if in_script and package in path.parents and code.co_name != "backward":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _print_script_traceback(exc: BaseException, script: Path) -> None:
@@ -385,12 +405,15 @@ def _print_outcome(outcome: ScriptOutcome, script: Path,
              "not a nanguard failure)")
     elif outcome.kind == "error":
         _say(f"{script.name} failed with its own error, not a numerical one: {outcome.message}")
+    elif outcome.kind == "internal":
+        _say(f"nanguard itself failed while {script.name} ran (a nanguard bug, please report "
+             f"it): {outcome.message}")
     elif outcome.kind == "stopped":
         _say(f"training stopped by the raise policy: {outcome.message}")
 
 
 def _exit_code(outcome: ScriptOutcome, report: Report) -> int:
-    if outcome.kind in ("exit", "error", "interrupted"):
+    if outcome.kind in ("exit", "error", "interrupted", "internal"):
         return outcome.code
     if outcome.kind == "stopped" or report.status == "failed":
         return 1
