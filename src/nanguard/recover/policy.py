@@ -165,3 +165,7 @@ class Recovery:
         for part, obj in (("rollback", self.rollbacker), ("clip", self.clipper), ("amp", self.amp)):
             if obj is not None and state.get(part) is not None:
                 obj.load_state_dict(state[part])
+        if self.rollbacker is not None and not self.rollbacker.snapshot.in_step:
+            # The snapshot taken when this guard was built is the state at the step resumed
+            # from (the guard's step counter, already loaded), not at step 0.
+            self.rollbacker.snapshot.step = self.guard.step
