@@ -146,6 +146,8 @@ class Discovery:
         if self._depth != 1:
             return
         self._roots[id(module)] = module
+        if not torch.is_grad_enabled():
+            return  # evaluation (`no_grad`): not a training batch
         tensors = tuple(a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0)
         if not tensors:
             return

@@ -124,6 +124,8 @@ def run(opts: RunOptions) -> int:
     report = _write(folder, disc.watched, reports, outcome, replay)
     if world_size > 1:
         if rank != 0:
+            if opts.summary:
+                _print_outcome(outcome, script, None, prefix=f"rank {rank}: ")
             return _exit_code(outcome, report)
         parts, missing = collect_rank_reports(out, world_size, opts.merge_wait)
         report = merge_reports(parts, {"folder": str(out), "world_size": world_size,
@@ -376,8 +378,8 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
 # ---------------------------------------------------------------------- output
 
 
-def _say(line: str) -> None:
-    print(f"nanguard run: {line}", file=sys.stderr)
+def _say(line: str, prefix: str = "") -> None:
+    print(f"nanguard run: {prefix}{line}", file=sys.stderr)
 
 
 def _print_summary(report: Report, disc: Discovery, target: Watched | None) -> None:
@@ -392,24 +394,25 @@ def _print_summary(report: Report, disc: Discovery, target: Watched | None) -> N
     print_summary(report, history)
 
 
-def _print_outcome(outcome: ScriptOutcome, script: Path,
-                   replay: dict[str, Any] | None) -> None:
+def _print_outcome(outcome: ScriptOutcome, script: Path, replay: dict[str, Any] | None,
+                   prefix: str = "") -> None:
     if replay is not None and replay.get("status") == "budget_exhausted":
         _say(f"the re-run to pinpoint the origin ran out of its budget "
              f"(--replay-budget {replay['budget_s']:g} s); the finding above is from the "
-             "watched signals only")
+             "watched signals only", prefix=prefix)
     elif replay is not None and replay.get("status") in ("error", "not_reproduced"):
-        _say(f"the re-run could not pinpoint the origin: {replay.get('reason')}")
+        _say(f"the re-run could not pinpoint the origin: {replay.get('reason')}", prefix=prefix)
     if outcome.kind == "exit":
         _say(f"{script.name} exited with code {outcome.code} (the script's own exit, "
-             "not a nanguard failure)")
+             "not a nanguard failure)", prefix=prefix)
     elif outcome.kind == "error":
-        _say(f"{script.name} failed with its own error, not a numerical one: {outcome.message}")
+        _say(f"{script.name} failed with its own error, not a numerical one: "
+             f"{outcome.message}", prefix=prefix)
     elif outcome.kind == "internal":
         _say(f"nanguard itself failed while {script.name} ran (a nanguard bug, please report "
-             f"it): {outcome.message}")
+             f"it): {outcome.message}", prefix=prefix)
     elif outcome.kind == "stopped":
-        _say(f"training stopped by the raise policy: {outcome.message}")
+        _say(f"training stopped by the raise policy: {outcome.message}", prefix=prefix)
 
 
 def _exit_code(outcome: ScriptOutcome, report: Report) -> int:
