@@ -1,0 +1,179 @@
+"""Cost of the `rollback` policy: snapshot time as a share of step time, and peak memory.
+
+(1) Snapshot cost. `HostSnapshot.capture` (the host copy of parameters, buffers and optimizer
+state the `rollback` policy refreshes every K steps, K = RecoverConfig().snapshot_every) against
+plain training, on the same models as benchmarks/overhead.py (its builders are imported): (a) the
+4-layer causal transformer LM (d_model 256, seq 128, batch 16, vocab 1024, AdamW) and (b) the
+MLP (SGD with momentum). One run, interleaved: each round times one plain training step, then
+one capture of the same model and optimizer; after warm-up rounds, the figure is
+
+    median(capture time) / (K * median(step time))        target: <= 5%
+
+(2) Peak memory. Separate subprocesses train N steps (N > K, so the snapshot is refreshed at
+least once) of plain training, of training under the default `observe` guard and under the
+`rollback` guard; each reports its peak resident set size (resource.getrusage ru_maxrss) after
+building the model (so the model's own size is in all three). The excess of rollback over plain
+is compared with one copy of the model and optimizer state (the snapshot's bytes):
+
+    (peak_rollback - peak_plain) / copy_bytes                 target: <= 1.0 (+ watch cost)
+
+and the excess over `observe` isolates what recovery adds to the watch.
+
+The last line printed is one JSON object:
+
+    {"snapshot": {"lm": {"step_ms", "capture_ms", "k", "share"}, "mlp": {...}},
+     "memory": {"lm": {"plain_mb", "observe_mb", "rollback_mb", "copy_mb", "excess_copies",
+                       "excess_over_observe_copies"}, "mlp": {...}}, "machine": "...", ...}
+
+Usage:
+    python benchmarks/recover.py                  # the full run recorded in RECOVER.md
+    python benchmarks/recover.py --quick          # tiny models, a few steps: a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from nanguard import Guard, GuardConfig, RecordConfig  # noqa: E402
+from nanguard.config import RecoverConfig  # noqa: E402
+from nanguard.recover import HostSnapshot  # noqa: E402
+from overhead import Workload, lm_workload, machine, mlp_workload  # noqa: E402
+
+WORKLOADS = {"lm": lm_workload, "mlp": mlp_workload}
+
+
+def _train_step(wl: Workload, model, opt, batch, guard=None) -> None:
+    x, y = batch
+    loss = wl.loss(model(x), y)
+    if guard is not None:
+        guard.watch(loss=loss, batch=(x, y))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def snapshot_cost(wl: Workload, rounds: int, warmup: int) -> dict[str, float]:
+    model, opt = wl.build()
+    snap = HostSnapshot(model, opt)
+    k = RecoverConfig().snapshot_every
+    steps, captures = [], []
+    for r in range(warmup + rounds):
+        batch = wl.batches[r % len(wl.batches)]
+        t0 = time.perf_counter()
+        _train_step(wl, model, opt, batch)
+        t1 = time.perf_counter()
+        snap.capture(r + 1)
+        t2 = time.perf_counter()
+        if r >= warmup:
+            steps.append(t1 - t0)
+            captures.append(t2 - t1)
+    step, cap = statistics.median(steps), statistics.median(captures)
+    return {
+        "step_ms": round(step * 1e3, 3),
+        "capture_ms": round(cap * 1e3, 3),
+        "k": k,
+        "share": round(cap / (k * step), 5),
+        "copy_mb": round(snap.nbytes / 2**20, 2),
+    }
+
+
+def child(workload: str, mode: str, steps: int, quick: bool) -> None:
+    """One memory run: print {"peak_kb", "copy_bytes"} as JSON."""
+    torch.set_num_threads(1)
+    wl = WORKLOADS[workload](quick, 0, torch.device("cpu"))
+    model, opt = wl.build()
+    guard = None
+    if mode != "plain":
+        cfg = GuardConfig(policy=mode, record=RecordConfig(out="", summary=False))
+        guard = Guard(model, opt, config=cfg)
+    for r in range(steps):
+        _train_step(wl, model, opt, wl.batches[r % len(wl.batches)], guard)
+    copy = HostSnapshot(model, opt)
+    copy.capture(steps)  # only to count the bytes of one copy (after the peak is read)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if guard is not None:
+        guard.close()
+    print(json.dumps({"peak_kb": peak, "copy_bytes": copy.nbytes}))
+
+
+def memory(workload: str, steps: int, quick: bool) -> dict[str, float]:
+    out: dict[str, float] = {}
+    copy_bytes = 0
+    for mode in ("plain", "observe", "rollback"):
+        cmd = [sys.executable, __file__, "--child", workload, mode, "--steps", str(steps)]
+        if quick:
+            cmd.append("--quick")
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        out[f"{mode}_mb"] = round(got["peak_kb"] / 1024, 1)
+        copy_bytes = got["copy_bytes"]
+    copy_mb = copy_bytes / 2**20
+    out["copy_mb"] = round(copy_mb, 2)
+    out["excess_mb"] = round(out["rollback_mb"] - out["plain_mb"], 1)
+    out["excess_copies"] = round((out["rollback_mb"] - out["plain_mb"]) / copy_mb, 3)
+    out["excess_over_observe_copies"] = round((out["rollback_mb"] - out["observe_mb"]) / copy_mb, 3)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 30)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed rounds (default 5)")
+    ap.add_argument(
+        "--steps", type=int, default=None, help="steps of each memory run (default 2 K + 10)"
+    )
+    ap.add_argument("--workloads", default="lm,mlp")
+    ap.add_argument("--quick", action="store_true", help="tiny models, few steps (smoke test)")
+    ap.add_argument("--child", nargs=2, metavar=("WORKLOAD", "MODE"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    k = RecoverConfig().snapshot_every
+    steps = args.steps or (2 * k + 10 if not args.quick else k + 2)
+    if args.child:
+        child(args.child[0], args.child[1], steps, args.quick)
+        return 0
+    torch.set_num_threads(1)
+    rounds = args.rounds or (4 if args.quick else 30)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
+    result: dict = {"snapshot": {}, "memory": {}}
+    for name in args.workloads.split(","):
+        wl = WORKLOADS[name](args.quick, 0, torch.device("cpu"))
+        s = snapshot_cost(wl, rounds, warmup)
+        result["snapshot"][name] = s
+        print(f"{name}: {wl.describe}")
+        print(
+            f"  step {s['step_ms']:.2f} ms, capture {s['capture_ms']:.3f} ms "
+            f"({s['copy_mb']} MB), K={k}: {100 * s['share']:.2f}% of K steps"
+        )
+        m = memory(name, steps, args.quick)
+        result["memory"][name] = m
+        print(
+            f"  peak RSS over {steps} steps: plain {m['plain_mb']} MB, observe "
+            f"{m['observe_mb']} MB, rollback {m['rollback_mb']} MB; one copy "
+            f"{m['copy_mb']} MB: excess {m['excess_copies']} copies "
+            f"({m['excess_over_observe_copies']} over observe)"
+        )
+    result.update(
+        machine=machine(1, torch.device("cpu")),
+        k=k,
+        rounds=rounds,
+        warmup=warmup,
+        memory_steps=steps,
+        quick=args.quick,
+        command=" ".join(["python"] + sys.argv),
+    )
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
