@@ -234,6 +234,16 @@ class Guard:
             print_summary(report, self.history)
         return report
 
+    def refine(self, finding: dict[str, Any]) -> Report:
+        """After `close()`: take a refined first-non-finite finding (e.g. from a re-run with the
+        op checker armed), diagnose again and rewrite report.json. Returns the new report."""
+        self.first_nonfinite = dict(finding)
+        report = self._build_report()
+        if self.folder is not None:
+            report.write(self.folder)
+        self.report = report
+        return report
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume watching where this guard left off."""
         self._flush()

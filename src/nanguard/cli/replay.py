@@ -23,6 +23,7 @@ from nanguard.cli.main import UserError
 from nanguard.explain import Evidence, diagnose
 from nanguard.record.report import load_report
 from nanguard.record.store import open_run
+from nanguard.watch import rng
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,15 +44,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _meta(folder: str) -> dict[str, Any]:
+def _meta(folder: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The run's meta table and the RNG states it started with."""
     db = open_run(folder)
     try:
-        return {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM meta")}
+        meta = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM meta")}
+        row = db.execute("SELECT state FROM rng WHERE step = 0").fetchone()
     finally:
         db.close()
+    return meta, (rng.loads(row[0]) if row else None)
 
 
-def _rerun(meta: dict[str, Any]) -> None:
+def _rerun(meta: dict[str, Any], start_rng: dict[str, Any] | None) -> None:
     """Run the recorded training again, in this process, with nothing guarding it."""
     scenario = meta.get("scenario")
     if isinstance(scenario, dict) and scenario.get("name") == "cascade":
@@ -61,9 +65,14 @@ def _rerun(meta: dict[str, Any]) -> None:
         return
     script = meta.get("script")
     if isinstance(script, str):
+        if int(meta.get("optimizers", 1)) > 1:
+            raise UserError("this run stepped several optimizers; `nanguard run` re-runs it "
+                            "with the checker armed by itself (see report.json run.replay)")
         if not Path(script).is_file():
             raise UserError(f"the recorded script {script!r} no longer exists")
         old_argv, old_cwd = sys.argv[:], os.getcwd()
+        if start_rng is not None:
+            rng.restore(start_rng)  # the script's unseeded randomness as in the recorded run
         sys.argv = [script, *meta.get("argv", [])]
         try:
             os.chdir(meta.get("cwd") or old_cwd)
@@ -85,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from nanguard.pinpoint import armed
 
     report = load_report(args.run)
-    meta = _meta(args.run)
+    meta, start_rng = _meta(args.run)
     recorded = report.first_nonfinite or {}
     step = args.step if args.step is not None else recorded.get("step")
     if step is None:
@@ -94,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--step {step} is outside the run's {report.steps} steps")
     console = Console()
     with armed(int(step)) as a:
-        _rerun(meta)
+        _rerun(meta, start_rng)
     if not a.ran:
         console.print(f"the re-run never reached step {step}")
         return 1

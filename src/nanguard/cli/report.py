@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sqlite3
+from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
 from nanguard.record.report import load_report
-from nanguard.record.store import dec, open_run
+from nanguard.record.store import DB_NAME, dec, open_run
 from nanguard.show.summary import print_last_steps, print_summary
 
 
@@ -42,6 +44,21 @@ def _last_steps(folder: str, until: int | None, n: int = 24) -> list[dict[str, f
     ]
 
 
+def _history_folder(run: str, info: dict[str, Any], first: dict[str, Any] | None) -> str | None:
+    """Where the step history lives: the run folder, or for a merged run (several optimizers
+    or ranks) the part where the first non-finite value showed, else the first part."""
+    if (Path(run) / DB_NAME).is_file():
+        return run
+    parts = info.get("parts") or {}
+    label = (first or {}).get("part") or next(iter(parts), None)
+    folder = (parts.get(label) or {}).get("folder") if label else None
+    if folder and (Path(folder) / DB_NAME).is_file():
+        return str(folder)
+    if label and (Path(run) / label / DB_NAME).is_file():
+        return str(Path(run) / label)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     report = load_report(args.run)
     if args.json:
@@ -49,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         first = report.first_nonfinite
         until = first["step"] + 1 if first else None
+        folder = _history_folder(args.run, report.run, first)
         console = Console()
         print_summary(report, console=console)
-        print_last_steps(console, _last_steps(args.run, until))
+        if folder is not None:
+            print_last_steps(console, _last_steps(folder, until))
     return 1 if report.status == "failed" else 0

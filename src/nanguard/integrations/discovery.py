@@ -18,6 +18,8 @@ value on the host.
 
 from __future__ import annotations
 
+import os
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -201,6 +203,9 @@ class Discovery:
         try:
             w.guard = Guard(model, optimizer, policy=self.policy, out=str(folder),
                             config=self.config)
+            # How to run it again (`nanguard replay`): sys.argv is the script's here.
+            w.guard.store.write_meta(script=os.path.abspath(sys.argv[0]), argv=sys.argv[1:],
+                                     cwd=os.getcwd(), optimizers=index + 1)
         except Exception as exc:  # noqa: BLE001 - the script must run on regardless
             w.error = f"{type(exc).__name__}: {exc}"
         self.watched.append(w)

@@ -253,10 +253,7 @@ def _refine(w: Watched, origin: dict[str, Any]) -> Report:
     keep = {k: first.get(k) for k in ("step", "rank", "signals")}
     first.update({k: v for k, v in origin.items() if v is not None and v != []})
     first.update(keep)
-    # The guard has no public "rebuild the report" yet (see the module's notes).
-    report: Report = guard._build_report()
-    guard.report = report
-    return report
+    return guard.refine(first)
 
 
 def _write(
