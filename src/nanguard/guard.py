@@ -37,9 +37,11 @@ from nanguard import __version__
 from nanguard.config import GuardConfig
 from nanguard.detect import Alarm, default_detectors
 from nanguard.detect.detectors import Detector
+from nanguard.detect.locate import locate
 from nanguard.errors import NanguardError
 from nanguard.integrations import distributed
 from nanguard.record.report import Report, build_report
+from nanguard.record.rows import write_step
 from nanguard.record.store import NullStore, RunStore
 from nanguard.recover.policy import Recovery
 from nanguard.watch import rng
@@ -317,51 +319,25 @@ class Guard:
             self.recovery.before_update(stats)
 
     def _pinpoint(self, stats: StepStats, cur: _Pending) -> None:
-        """Replay this step's forward and backward under the op checker, before the update.
-
-        The parameters are still those the step started from; the RNG states go back to the
-        step's start and the same batch is used. The user's gradients are put back afterwards
-        and the parameters are not touched (forward and backward only), so observing stays
-        non-invasive. An origin inside `optimizer.step()` itself is not replayed here.
-        """
-        from nanguard.pinpoint import find_origin
+        """Refine the first non-finite finding by replaying this step before its update."""
+        from nanguard.pinpoint.inprocess import replay_forward_backward
 
         assert self.replay is not None and self.first_nonfinite is not None
-        batch = self.batch_probe.last
-        replay = self.replay
-        grads = [p.grad for p in self.params]
-        now = rng.capture()
-        losses: list[torch.Tensor] = []
-
-        def run_step() -> None:
-            loss = replay(batch)
-            losses.append(loss.detach())
-            loss.backward()
-
-        for p in self.params:
-            p.grad = None
         if self.act_probe:
             self.act_probe.enabled = False
         try:
-            if cur.rng is not None:
-                rng.restore(cur.rng)
-            origin = find_origin(run_step, model=self.model, batch=batch, step=stats.step)
+            found = replay_forward_backward(
+                self.replay, model=self.model, params=self.params, batch=self.batch_probe.last,
+                step=stats.step, step_rng=cur.rng, original_loss=stats.loss,
+            )
         except Exception as exc:  # noqa: BLE001 - a failing replay must not kill training
             self.first_nonfinite["replay_error"] = f"{type(exc).__name__}: {exc}"
-            origin = None
+            found = None
         finally:
-            for p, g in zip(self.params, grads, strict=True):
-                p.grad = g
             if self.act_probe:
                 self.act_probe.enabled = True
-            rng.restore(now)
-        if origin is None:
+        if found is None:
             return
-        found = origin.to_dict()
-        if losses and stats.loss is not None:
-            # Bit for bit: the replayed loss must equal the original (NaN counts as equal).
-            a, b = float(losses[0].reshape(-1)[0]), stats.loss
-            found["reproduced"] = (math.isnan(a) and math.isnan(b)) or a == b
         signals = self.first_nonfinite.get("signals")
         self.first_nonfinite.update({k: v for k, v in found.items() if v is not None})
         self.first_nonfinite["signals"] = signals
@@ -540,37 +516,7 @@ class Guard:
     # ------------------------------------------------------------------ recording
 
     def _locate(self, stats: StepStats) -> dict[str, Any]:
-        """Where the first non-finite value showed, from the watched signals alone.
-
-        This is the cheap, always-on answer; an op-level replay can refine phase, module and op.
-        """
-        signals = stats.nonfinite_signals()
-        phase, module, samples = None, None, list(stats.nonfinite_samples)
-        param: str | None = None
-        if samples:
-            phase = "data"
-        elif "activation" in signals:
-            phase = "forward"
-            module = next(m for m, v in stats.activations.items() if not math.isfinite(v))
-        elif "loss" in signals:
-            phase = "loss"
-        elif "grad" in signals:
-            phase = "backward"
-            # Backward runs from the output towards the input: the last parameter in module
-            # order with a non-finite gradient is the earliest one to have received it.
-            param = self.param_names[max(stats.nonfinite_grads)]
-            module = _owner(param)
-        elif signals:
-            phase = "optimizer"
-            bad = [i for i, v in stats.param_norms.items() if not math.isfinite(v)]
-            for norms in stats.state_norms.values():
-                bad += [i for i, v in norms.items() if not math.isfinite(v)]
-            param = self.param_names[min(bad)] if bad else None
-            module = _owner(param) if param else None
-        return {"step": stats.step, "phase": phase, "module": module, "op": None,
-                "source": None, "samples": samples, "rank": distributed.rank(),
-                "signals": signals,
-                "param": param}
+        return locate(stats, self.param_names, distributed.rank())
 
     def _record(self, stats: StepStats, p: _Pending) -> None:
         self._last_stats = stats
@@ -578,24 +524,7 @@ class Guard:
         if self.first_nonfinite is None or stats.step <= self.first_nonfinite["step"] + 1:
             self.history.append(stats)
             del self.history[:-64]
-        row = {
-            "step": stats.step, "loss": stats.loss, "grad_norm": stats.grad_norm,
-            "param_norm": stats.param_norm, "update_ratio": stats.update_ratio,
-            "momentum_norm": stats.momentum_norm, "act_max": stats.act_max, "lr": stats.lr,
-            "nonfinite": stats.nonfinite_signals(), "skipped": stats.skipped,
-        }
-        params = []
-        if self.config.watch.per_parameter:
-            for i in range(len(self.params)):
-                state = {k: v[i] for k, v in stats.state_norms.items() if i in v}
-                params.append((i, stats.grad_norms.get(i), stats.param_norms.get(i), state))
-        batch = None
-        if stats.sample_hashes:
-            batch = (_batch_hash(stats.sample_hashes), stats.sample_hashes,
-                     stats.nonfinite_samples)
-        alarms = [a.to_dict() for a in stats.alarms]
-        self.store.write_step(row, params=params, activations=stats.activations, batch=batch,
-                              alarms=alarms)
+        write_step(self.store, stats, len(self.params), self.config.watch.per_parameter)
 
     def _build_report(self) -> Report:
         from nanguard.explain import diagnose
@@ -629,14 +558,3 @@ class Guard:
 def _lr(optimizer: torch.optim.Optimizer) -> float | None:
     lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
     return float(lr) if isinstance(lr, (int, float)) else None
-
-
-def _owner(param_name: str) -> str:
-    """The module path that owns a parameter: `layers.3.weight` -> `layers.3`."""
-    return param_name.rpartition(".")[0]
-
-
-def _batch_hash(samples: list[int]) -> str:
-    import hashlib
-
-    return hashlib.blake2b(repr(samples).encode(), digest_size=8).hexdigest()
