@@ -11,9 +11,11 @@ one capture of the same model and optimizer; after warm-up rounds, the figure is
 
 (2) Peak memory. Separate subprocesses train N steps (N > K, so the snapshot is refreshed at
 least once) of plain training, of training under the default `observe` guard and under the
-`rollback` guard; each reports its peak resident set size (resource.getrusage ru_maxrss) after
-building the model (so the model's own size is in all three). The excess of rollback over plain
-is compared with one copy of the model and optimizer state (the snapshot's bytes):
+`rollback` guard; each reports its own peak resident set size (VmHWM from /proc/self/status;
+resource.getrusage ru_maxrss where that is missing: on Linux ru_maxrss survives fork + exec, so
+a child would report its parent's peak). The model and batches are in all three. The excess
+of rollback over plain is compared with one copy of the model and optimizer state (the
+snapshot's bytes):
 
     (peak_rollback - peak_plain) / copy_bytes                 target: <= 1.0 (+ watch cost)
 
@@ -87,6 +89,19 @@ def snapshot_cost(wl: Workload, rounds: int, warmup: int) -> dict[str, float]:
     }
 
 
+def _peak_kb() -> int:
+    """This process's peak RSS in KiB. Linux carries ru_maxrss over fork + exec (a child starts
+    at its parent's peak), so the mm's own high-water mark, VmHWM, is read where it exists."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def child(workload: str, mode: str, steps: int, quick: bool) -> None:
     """One memory run: print {"peak_kb", "copy_bytes"} as JSON."""
     torch.set_num_threads(1)
@@ -100,23 +115,26 @@ def child(workload: str, mode: str, steps: int, quick: bool) -> None:
         _train_step(wl, model, opt, wl.batches[r % len(wl.batches)], guard)
     copy = HostSnapshot(model, opt)
     copy.capture(steps)  # only to count the bytes of one copy (after the peak is read)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = _peak_kb()
     if guard is not None:
         guard.close()
     print(json.dumps({"peak_kb": peak, "copy_bytes": copy.nbytes}))
 
 
-def memory(workload: str, steps: int, quick: bool) -> dict[str, float]:
-    out: dict[str, float] = {}
+def memory(workload: str, steps: int, quick: bool, repeat: int) -> dict[str, float]:
+    """Peak RSS of each mode: the median of `repeat` runs, the modes interleaved."""
+    peaks: dict[str, list[float]] = {m: [] for m in ("plain", "observe", "rollback")}
     copy_bytes = 0
-    for mode in ("plain", "observe", "rollback"):
-        cmd = [sys.executable, __file__, "--child", workload, mode, "--steps", str(steps)]
-        if quick:
-            cmd.append("--quick")
-        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        got = json.loads(res.stdout.strip().splitlines()[-1])
-        out[f"{mode}_mb"] = round(got["peak_kb"] / 1024, 1)
-        copy_bytes = got["copy_bytes"]
+    for _ in range(repeat):
+        for mode in peaks:
+            cmd = [sys.executable, __file__, "--child", workload, mode, "--steps", str(steps)]
+            if quick:
+                cmd.append("--quick")
+            res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            got = json.loads(res.stdout.strip().splitlines()[-1])
+            peaks[mode].append(got["peak_kb"] / 1024)
+            copy_bytes = got["copy_bytes"]
+    out = {f"{m}_mb": round(statistics.median(v), 1) for m, v in peaks.items()}
     copy_mb = copy_bytes / 2**20
     out["copy_mb"] = round(copy_mb, 2)
     out["excess_mb"] = round(out["rollback_mb"] - out["plain_mb"], 1)
@@ -133,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
         "--steps", type=int, default=None, help="steps of each memory run (default 2 K + 10)"
     )
     ap.add_argument("--workloads", default="lm,mlp")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="memory runs per mode; the median is reported (allocator noise)",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny models, few steps (smoke test)")
     ap.add_argument("--child", nargs=2, metavar=("WORKLOAD", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -154,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  step {s['step_ms']:.2f} ms, capture {s['capture_ms']:.3f} ms "
             f"({s['copy_mb']} MB), K={k}: {100 * s['share']:.2f}% of K steps"
         )
-        m = memory(name, steps, args.quick)
+        m = memory(name, steps, args.quick, args.repeat)
         result["memory"][name] = m
         print(
             f"  peak RSS over {steps} steps: plain {m['plain_mb']} MB, observe "
@@ -168,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         rounds=rounds,
         warmup=warmup,
         memory_steps=steps,
+        repeat=args.repeat,
         quick=args.quick,
         command=" ".join(["python"] + sys.argv),
     )

@@ -83,6 +83,7 @@ class HostSnapshot:
         if shapes != [(h.shape, h.dtype) for h in self._host]:
             # First capture, or the optimizer state appeared / changed layout: allocate again.
             pin = any(t.is_cuda for t in tensors) and torch.cuda.is_available()
+            self._host = []  # free the old buffers first: never two copies at once
             self._host = [
                 torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for t in tensors
             ]
