@@ -23,6 +23,11 @@ class WatchConfig:
     """Measure the update-to-parameter ratio ||dp|| / ||p|| every N steps (it needs a copy of the
     parameters before the step, so it is sampled). 0 disables it."""
 
+    state_every: int = 10
+    """Second-moment optimizer state (Adam `exp_avg_sq`) norms every N steps; first moments
+    (momentum, `exp_avg`) and parameters are measured every step. A NaN born in the second
+    moment reaches the parameters in the same update, where it is seen at once."""
+
     activations: bool = False
     """Record per-module activation abs-max and headroom to the dtype's largest value."""
 
@@ -171,8 +176,11 @@ class GuardConfig:
     policy: str = "observe"
     """What to do on an alarm: `observe` (change nothing), `raise` (stop with NanguardError
     carrying the report), `skip` (discard this step's update: parameters and optimizer state,
-    step counters included, stay unchanged), `rollback` (restore the last good state, go on
-    with the next batches at a backed-off LR)."""
+    step counters included, stay unchanged; what the forward pass itself changed — BatchNorm
+    running statistics, random numbers drawn — stays changed), `rollback` (restore the last
+    good state, buffers and RNG included, and go on with the next batches at a backed-off
+    LR). With a GradScaler, a step whose gradients overflow is skipped by the scaler before
+    the policy sees it."""
 
     act_on: tuple[str, ...] = ("nonfinite",)
     """Alarm kinds that trigger the policy. Others are recorded and shown only."""
@@ -199,7 +207,7 @@ class GuardConfig:
         """Raise ValueError with a one-line message for settings that cannot work."""
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; use one of: {', '.join(POLICIES)}")
-        for name in ("read_every", "activations_every"):
+        for name in ("read_every", "activations_every", "state_every"):
             if getattr(self.watch, name) < 1:
                 raise ValueError(f"watch.{name} must be >= 1, got {getattr(self.watch, name)}")
         if self.watch.update_ratio_every < 0:

@@ -259,7 +259,10 @@ class Guard:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned (e.g. when resuming from a checkpoint)."""
+        """Restore what `state_dict` returned (e.g. when resuming from a checkpoint).
+
+        The rollback snapshot is not part of the state (it is a full copy of the model): after
+        a resume, the last good state is the state the guard was created with."""
         if len(state["detectors"]) != len(self.detectors):
             raise ValueError("state_dict comes from a guard with a different set of detectors")
         self.step = int(state["step"])
@@ -317,12 +320,14 @@ class Guard:
             self._act(stats, alarms)
         if not stats.skipped:
             self.recovery.before_update(stats)
+            stats.lr = _lr(optimizer)  # the LR this update really uses (after any backoff)
 
     def _pinpoint(self, stats: StepStats, cur: _Pending) -> None:
         """Refine the first non-finite finding by replaying this step before its update."""
         from nanguard.pinpoint.inprocess import replay_forward_backward
 
         assert self.replay is not None and self.first_nonfinite is not None
+        was_enabled = self.act_probe.enabled if self.act_probe else False
         if self.act_probe:
             self.act_probe.enabled = False
         try:
@@ -335,7 +340,7 @@ class Guard:
             found = None
         finally:
             if self.act_probe:
-                self.act_probe.enabled = True
+                self.act_probe.enabled = was_enabled
         if found is None:
             return
         signals = self.first_nonfinite.get("signals")
@@ -353,7 +358,8 @@ class Guard:
             for p, g in zip(self.params, self._stashed_grads, strict=True):
                 p.grad = g
             self._stashed_grads = None
-        cur.post, cur.post_layout = self.probe.post_step()
+        every = self.config.watch.state_every
+        cur.post, cur.post_layout = self.probe.post_step(second_moments=cur.step % every == 0)
         self.step += 1
         self._pending.append(cur)
         # Acting policy (pre already read): read the post part now; else every N steps.
@@ -361,6 +367,8 @@ class Guard:
             self._flush()
         if cur.stats is not None:
             self.recovery.maybe_snapshot(cur.stats)
+        if self.act_probe:  # activations on sampled steps only
+            self.act_probe.enabled = self.step % self.config.watch.activations_every == 0
         self._step_rng = rng.capture()
         if self.step % self.config.record.rng_every == 0:
             self.store.write_rng(self.step, rng.dumps(self._step_rng))

@@ -7,7 +7,9 @@ the guard collects them once per step. Hooks are removable: `close()` removes ev
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,6 +43,7 @@ class ActivationProbe:
         self.names: list[str] = []
         self.dtypes: dict[str, torch.dtype] = {}
         self._current: dict[str, torch.Tensor] = {}
+        self._seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], weakref.ref[Any]] = {}
         self._handles: list[RemovableHandle] = []
         self.enabled = True
         for name, module in model.named_modules():
@@ -58,8 +61,19 @@ class ActivationProbe:
                 return
             if output.numel() == 0:
                 return
+            # A module that hands on a tensor already measured (identity, dropout p=0, a view)
+            # adds nothing: skip the second pass over the same memory.
+            # (A weak reference, so that memory freed and reused by another tensor counts anew.)
+            key = (output.data_ptr(), tuple(output.shape), tuple(output.stride()))
+            seen = self._seen.get(key)
+            if seen is not None and seen() is not None:
+                return
+            self._seen[key] = weakref.ref(output)
             with torch.no_grad():
-                m = output.detach().abs().amax().float()
+                # aminmax reads the tensor once without the full-size copy that abs() makes;
+                # a NaN propagates into both.
+                lo, hi = torch.aminmax(output.detach())
+                m = torch.maximum(hi, -lo).float()
             prev = self._current.get(name)
             # A module called several times in one step keeps its largest output.
             self._current[name] = m if prev is None else torch.maximum(prev, m)
@@ -69,6 +83,7 @@ class ActivationProbe:
 
     def collect(self) -> tuple[list[str], torch.Tensor | None]:
         """Take this step's abs-max values (device tensor) and reset for the next step."""
+        self._seen.clear()
         if not self._current:
             return [], None
         names = list(self._current)

@@ -192,9 +192,12 @@ class StepProbe:
         grads = [self.params[i].grad for i in idx]
         return foreach_norms(grads).float(), idx  # type: ignore[arg-type]
 
-    def post_step(self) -> tuple[torch.Tensor, list[tuple[str, list[int]]]]:
-        """Runs right after `optimizer.step()`: parameter norms, optimizer-state norms and,
-        on sampled steps, the update norm. Returns one float32 device tensor and its layout."""
+    def post_step(
+        self, second_moments: bool = True
+    ) -> tuple[torch.Tensor, list[tuple[str, list[int]]]]:
+        """Runs right after `optimizer.step()`: parameter norms, optimizer-state norms (second
+        moments only when `second_moments`) and, on sampled steps, the update norm. Returns one
+        float32 device tensor and its layout."""
         parts = [foreach_norms([p.detach() for p in self.params])]
         layout: list[tuple[str, list[int]]] = [("param", list(range(len(self.params))))]
         by_key: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
@@ -203,6 +206,8 @@ class StepProbe:
             if not state:
                 continue
             for key, value in state.items():
+                if key in SECOND_MOMENT_KEYS and not second_moments:
+                    continue
                 if isinstance(value, torch.Tensor) and value.shape == p.shape and value.numel():
                     ids, tensors = by_key.setdefault(key, ([], []))
                     ids.append(i)
@@ -212,10 +217,9 @@ class StepProbe:
             layout.append((key, ids))
         if self._with_update:
             assert self._update_buf is not None
-            with torch.no_grad():
-                diffs = torch._foreach_sub(self._update_buf,
-                                           [_local(p.detach()) for p in self.params])
-            norms = foreach_norms(list(diffs), like=self.params)
+            with torch.no_grad():  # in place: no transient parameter-sized allocation
+                torch._foreach_sub_(self._update_buf, [_local(p.detach()) for p in self.params])
+            norms = foreach_norms(self._update_buf, like=self.params)
             parts.append(norms.double().pow(2).sum().sqrt().reshape(1))
             layout.append(("update", [0]))
         self._with_update = False
