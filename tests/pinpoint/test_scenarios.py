@@ -12,7 +12,7 @@ from scenarios import HEALTHY, SCENARIOS, load
 
 CAUSES = {"data_nonfinite", "label_nonfinite", "log_of_nonpositive", "division_by_zero",
           "singular_gradient", "masked_softmax", "exp_overflow", "low_precision_overflow",
-          "optimizer_divergence", "exploding_init", "saturated_loss"}
+          "optimizer_divergence", "exploding_init", "saturated_loss", "optimizer_state_nonfinite"}
 
 
 def _optimizers(b):  # type: ignore[no-untyped-def]

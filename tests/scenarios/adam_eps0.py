@@ -8,7 +8,7 @@ from torch import nn
 from . import Built, mse_step
 
 EXPECTED = {"phase": "optimizer", "module": "fc1", "op": "aten.addcdiv_", "samples": None,
-            "cause": "division_by_zero", "param": "fc1.weight"}
+            "cause": "optimizer_state_nonfinite", "param": "fc1.weight"}
 
 
 class Net(nn.Module):

@@ -31,7 +31,8 @@ def evidence_from_guard(guard: Guard) -> Evidence:
         lr=float(group["lr"]) if isinstance(group.get("lr"), (int, float)) else None,
         momentum=float(momentum) if isinstance(momentum, (int, float)) else None,
         eps=float(group["eps"]) if isinstance(group.get("eps"), (int, float)) else None,
-        dtype=guard.first_nonfinite.get("dtype") if guard.first_nonfinite else None
+        # The dtype the origin op computed in (autocast!), else the parameters' one.
+        dtype=((guard.first_nonfinite or {}).get("output") or {}).get("dtype")
         or (dtypes.pop() if len(dtypes) == 1 else None),
         healthy_grad_norm=healthy,
         bad_tensors=list(failing.nonfinite_tensors) if failing else [],

@@ -45,11 +45,20 @@ _SINGULAR_NODES = ("Sqrt", "Rsqrt", "Pow", "Norm", "LinalgVectorNorm")
 def _singular_node(ev: Evidence) -> bool:
     """The backward op ran inside the gradient of sqrt / pow / norm (its autograd node)."""
     node = str((ev.first_nonfinite or {}).get("node") or "")
-    return node.startswith(_SINGULAR_NODES)
+    # Custom autograd Functions count too (e.g. `ClampedSqrtBackward`).
+    return any(name in node for name in _SINGULAR_NODES)
 
 
 def _any_input(ev: Evidence, key: str) -> bool:
     return any(i.get(key) for i in ev.inputs)
+
+
+def _num(v: object, default: float) -> float:
+    """A range bound from the checker (floats, or "nan"/"inf" strings in JSON)."""
+    try:
+        return float(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return default
 
 
 def _where(ev: Evidence) -> str:
@@ -59,12 +68,26 @@ def _where(ev: Evidence) -> str:
     return f"{f.get('op') or 'an op'}{at} ({f.get('phase') or '?'} phase, step {f.get('step')})"
 
 
+_LABEL_KEYS = ("y", "target", "targets", "label", "labels")
+
+
+def _only_targets(ev: Evidence) -> bool:
+    """The non-finite value is in the batch's last element (the targets), not the inputs."""
+    if ev.bad_tensors:
+        return ev.n_batch_tensors > 1 and ev.bad_tensors == [ev.n_batch_tensors - 1]
+    item = str((ev.first_nonfinite or {}).get("batch_item") or "")  # e.g. "[1]" or "['y']"
+    key = item.strip("[]'\"")
+    if key in _LABEL_KEYS:
+        return True
+    return key.isdigit() and ev.n_batch_tensors > 1 and int(key) == ev.n_batch_tensors - 1
+
+
 @rule
 def data_nonfinite(ev: Evidence) -> Cause | None:
     """Needs: phase `data`, and which batch tensors hold the value (inputs, not only targets)."""
     if ev.phase != "data":
         return None
-    if ev.bad_tensors and ev.n_batch_tensors > 1 and ev.bad_tensors == [ev.n_batch_tensors - 1]:
+    if _only_targets(ev):
         return None  # only the targets: label_nonfinite
     samples = (ev.first_nonfinite or {}).get("samples") or []
     return Cause(
@@ -80,7 +103,7 @@ def data_nonfinite(ev: Evidence) -> Cause | None:
 @rule
 def label_nonfinite(ev: Evidence) -> Cause | None:
     """Needs: phase `data` with only the last batch tensor (the targets) non-finite."""
-    if ev.phase != "data" or ev.n_batch_tensors < 2 or ev.bad_tensors != [ev.n_batch_tensors - 1]:
+    if ev.phase != "data" or not _only_targets(ev):
         return None
     samples = (ev.first_nonfinite or {}).get("samples") or []
     return Cause(
@@ -115,7 +138,12 @@ def saturated_loss(ev: Evidence) -> Cause | None:
     if "binary_cross_entropy" in ev.op and "with_logits" not in ev.op:
         conf = 0.9
     elif ev.op.startswith(_LOG_OPS) and ev.phase == "loss":
-        conf = 0.6
+        # A log in the loss whose input is a probability (within [0, 1]) hitting 0: a sigmoid
+        # or softmax saturated before the log — ranks above the generic log_of_nonpositive.
+        probability = bool(ev.inputs) and all(
+            _num(i.get("min"), -1.0) >= 0.0 and _num(i.get("max"), 2.0) <= 1.0 for i in ev.inputs
+        )
+        conf = 0.92 if probability else 0.6
     else:
         return None
     return Cause(
