@@ -71,8 +71,15 @@ def _where(ev: Evidence) -> str:
 _LABEL_KEYS = ("y", "target", "targets", "label", "labels")
 
 
+_LOSS_OPS = ("aten.mse_loss", "aten.l1_loss", "aten.smooth_l1_loss", "aten.huber_loss",
+             "aten.nll_loss", "aten.cross_entropy", "aten.binary_cross_entropy", "aten.kl_div")
+
+
 def _only_targets(ev: Evidence) -> bool:
     """The non-finite value is in the batch's last element (the targets), not the inputs."""
+    first = ev.first_nonfinite or {}
+    if first.get("module") is None and str(first.get("op") or "").startswith(_LOSS_OPS):
+        return True  # first consumed by the loss, outside every module: not a model input
     if ev.bad_tensors:
         return ev.n_batch_tensors > 1 and ev.bad_tensors == [ev.n_batch_tensors - 1]
     item = str((ev.first_nonfinite or {}).get("batch_item") or "")  # e.g. "[1]" or "['y']"
