@@ -152,6 +152,8 @@ class Guard:
         self.failing_stats: StepStats | None = None  # the step where it first showed
         self.history: list[StepStats] = []  # the last few steps, for the summary
         self._last_stats: StepStats | None = None
+        self._grad_baseline: dict[int, float] = {}  # per-parameter EMA of healthy grad norms
+        self.spikes: list[dict[str, Any]] = []  # where each spike sits (layers, samples)
         self.host_reads = 0
         self._loss: torch.Tensor | None = None
         self._pending: list[_Pending] = []
@@ -256,6 +258,8 @@ class Guard:
             "actions": list(self.actions),
             "first_nonfinite": self.first_nonfinite,
             "recovery": self.recovery.state_dict(),
+            "grad_baseline": {str(i): v for i, v in self._grad_baseline.items()},
+            "spikes": list(self.spikes),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -273,6 +277,8 @@ class Guard:
         self.first_nonfinite = state["first_nonfinite"]
         if "recovery" in state:
             self.recovery.load_state_dict(state["recovery"])
+        self._grad_baseline = {int(i): float(v) for i, v in state.get("grad_baseline", {}).items()}
+        self.spikes = list(state.get("spikes", []))
 
     # ------------------------------------------------------------------ hooks
 
@@ -440,6 +446,9 @@ class Guard:
                 alarms += d.check(stats)
         if phase == "pre":
             alarms += self.recovery.check_amp(stats)
+        for a in alarms:
+            if a.kind == "spike":
+                self._explain_spike(stats, a)
         if stats.nonfinite_signals() and self.first_nonfinite is None:
             self.first_nonfinite = self._locate(stats)
             self.failing_stats = stats
@@ -526,8 +535,40 @@ class Guard:
     def _locate(self, stats: StepStats) -> dict[str, Any]:
         return locate(stats, self.param_names, distributed.rank())
 
+    def _explain_spike(self, stats: StepStats, alarm: Alarm) -> None:
+        """Which layers carry a spike (always) and which samples cause it (with `replay`,
+        when the spike is seen before its update, so the parameters are the step's own)."""
+        from nanguard.pinpoint.inprocess import spike_sources
+
+        before_update = self._current is not None and self._current.stats is stats
+        compute = self.replay if before_update else None
+        try:
+            found = spike_sources(
+                compute or (lambda _batch: torch.zeros(())), params=self.params,
+                param_names=self.param_names, batch=self.batch_probe.last,
+                grad_norms=stats.grad_norms, baseline=self._grad_baseline,
+                batch_size=len(stats.sample_hashes) if compute else 0,
+                step_rng=self._current.rng if before_update and self._current else None,
+            )
+        except Exception as exc:  # noqa: BLE001 - an explanation must never stop training
+            found = {"layers": [], "samples": [], "error": f"{type(exc).__name__}: {exc}"}
+        self.spikes.append({"step": stats.step, **found})
+        parts = []
+        if found["layers"]:
+            parts.append("layers " + ", ".join(f"{d['param']} ({d['ratio']:.3g}x)"
+                                               for d in found["layers"][:3]))
+        if found["samples"]:
+            parts.append("samples " + ", ".join(str(d["index"]) for d in found["samples"][:5]))
+        if parts:
+            alarm.message += "; carried by " + "; ".join(parts)
+
     def _record(self, stats: StepStats, p: _Pending) -> None:
         self._last_stats = stats
+        if not stats.alarms and not stats.nonfinite_signals():
+            # Each parameter's typical grad norm on healthy steps: the baseline of a spike.
+            for i, v in stats.grad_norms.items():
+                prev = self._grad_baseline.get(i)
+                self._grad_baseline[i] = v if prev is None else 0.9 * prev + 0.1 * v
         # Keep the steps up to the first non-finite value: what led into it is the story.
         if self.first_nonfinite is None or stats.step <= self.first_nonfinite["step"] + 1:
             self.history.append(stats)
@@ -545,6 +586,7 @@ class Guard:
             actions=list(self.actions),
             first_nonfinite=self.first_nonfinite,
             diagnosis=[c.to_dict() for c in causes],
+            spikes=self.spikes,
             # Ended non-finite: the last recorded step still holds a NaN/Inf somewhere.
             failed=bool(self._last_stats and self._last_stats.nonfinite_signals()),
             lead_window=self.config.detect.lead_window,

@@ -61,3 +61,60 @@ def replay_forward_backward(
         a, b = float(losses[0].reshape(-1)[0]), original_loss
         found["reproduced"] = (math.isnan(a) and math.isnan(b)) or a == b
     return found
+
+
+def _slice(batch: Any, i: int) -> Any:
+    """Sample `i` of a batch (tensor, or tuple / list / dict of them), keeping a batch dim."""
+    if isinstance(batch, torch.Tensor):
+        return batch[i : i + 1] if batch.dim() > 0 else batch
+    if isinstance(batch, dict):
+        return {k: _slice(v, i) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_slice(v, i) for v in batch)
+    return batch
+
+
+def spike_sources(
+    compute_loss: Callable[[Any], torch.Tensor],
+    *,
+    params: list[torch.Tensor],
+    param_names: list[str],
+    batch: Any,
+    grad_norms: dict[int, float],
+    baseline: dict[int, float],
+    batch_size: int,
+    step_rng: dict[str, Any] | None,
+    layer_ratio: float = 10.0,
+    sample_z: float = 3.5,
+    max_samples: int = 64,
+) -> dict[str, Any]:
+    """A spike without a NaN, before its update: the layers whose gradient norm is far above
+    their own healthy level, and the samples whose per-sample gradient norm is an outlier.
+
+    Layers come from the step's measured per-parameter norms (no extra work). Samples cost one
+    forward and backward per sample (at most `max_samples`), only on a spike alarm; gradients
+    are taken with `torch.autograd.grad`, so `.grad` and the parameters stay untouched.
+    """
+    from nanguard.pinpoint.spike import _outliers
+
+    layers: list[dict[str, Any]] = []
+    for i, v in grad_norms.items():
+        base = baseline.get(i)
+        if base and base > 0 and v / base >= layer_ratio:
+            layers.append({"param": param_names[i], "module": param_names[i].rpartition(".")[0],
+                           "norm": v, "baseline": base, "ratio": v / base})
+    layers.sort(key=lambda d: -float(d["ratio"]))
+    norms: list[float] = []
+    trainable = [p for p in params if p.requires_grad]
+    now = rng.capture()
+    try:
+        for i in range(min(batch_size, max_samples)):
+            if step_rng is not None:
+                rng.restore(step_rng)
+            loss = compute_loss(_slice(batch, i))
+            grads = torch.autograd.grad(loss, trainable, allow_unused=True)
+            sq = sum(float(g.detach().double().pow(2).sum()) for g in grads if g is not None)
+            norms.append(math.sqrt(sq))
+    finally:
+        rng.restore(now)
+    return {"layers": layers[:8], "samples": _outliers(norms, sample_z)[:8]}

@@ -11,6 +11,7 @@ actions         [{step, action, detail}]
 first_warning   null | step of the first alarm that is not `nonfinite` (on a failed run:
                 the first within `lead_window` steps before the first non-finite value)
 lead_steps      null | first_nonfinite.step - first_warning (steps of warning)
+spikes          [{step, layers, samples}]: where each spike alarm sits
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ class Report:
     actions: list[dict[str, Any]] = field(default_factory=list)
     first_warning: int | None = None
     lead_steps: int | None = None
+    spikes: list[dict[str, Any]] = field(default_factory=list)
+    """Per spike alarm: `{step, layers: [{param, module, norm, baseline, ratio}], samples:
+    [{index, norm, z}]}` (samples only with a `replay` function)."""
     run: dict[str, Any] = field(default_factory=dict)
     """Free-form run facts: folder, policy, model and optimizer class, nanguard version."""
 
@@ -75,6 +79,7 @@ def build_report(
     run: dict[str, Any] | None = None,
     failed: bool | None = None,
     lead_window: int = 10,
+    spikes: list[dict[str, Any]] | None = None,
 ) -> Report:
     """Derive status, first warning and lead time from what was recorded."""
     warnings = [a["step"] for a in alarms if a["kind"] != "nonfinite"]
@@ -111,6 +116,7 @@ def build_report(
         actions=actions,
         first_warning=first_warning,
         lead_steps=lead,
+        spikes=list(spikes or []),
         run=run or {},
     )
 
