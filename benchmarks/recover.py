@@ -28,7 +28,7 @@ The last line printed is one JSON object:
                        "excess_over_observe_copies"}, "mlp": {...}}, "machine": "...", ...}
 
 Usage:
-    python benchmarks/recover.py                  # the full run recorded in RECOVER.md
+    python benchmarks/recover.py                  # the full run recorded in BENCHMARKS.md
     python benchmarks/recover.py --quick          # tiny models, a few steps: a smoke test
 """
 
