@@ -20,6 +20,8 @@ The last line printed is one JSON object: per-tool hit counts and the max replay
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import statistics
@@ -105,11 +107,16 @@ def hooks_names(mod: Any) -> tuple[str, bool, str]:
         tool = "transformers DebugUnderflowOverflow"
         DebugUnderflowOverflow(b.model, abort_after_batch_num=None)
         name = None
+        printed = io.StringIO()
         try:
-            b.step()
-        except ValueError as err:  # it raises on the first module with inf/nan
-            m = re.search(r"(\S+) \w+\n", str(err))
-            name = m.group(1) if m else str(err).splitlines()[0]
+            with contextlib.redirect_stdout(printed):
+                b.step()
+        except ValueError:  # it raises on the first module with inf/nan, after printing its
+            # frames: the last frame header ("<17 spaces> <module name> <Class>") is the module
+            headers = re.findall(r"^ {17} (\S*) (\w+)$", printed.getvalue(), re.MULTILINE)
+            name = headers[-1][0] if headers else "?"
+        except Exception as err:  # noqa: BLE001 - the peer itself fails on some models
+            return f"crashed ({type(err).__name__})", False, tool
     else:
         tool = "forward-hook equivalent (benchmarks/pinpoint.py)"
         dbg = ForwardHookDebugger(b.model)
