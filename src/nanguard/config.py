@@ -17,7 +17,12 @@ class WatchConfig:
 
     read_every: int = 1
     """Read the device-side statistics every N steps (one host read per N steps, in observe mode).
-    Detectors then run on the N buffered steps at once."""
+    Detectors then run on the N buffered steps at once. A float32 norm that overflowed (finite
+    values, infinite norm) is told from a non-finite value by an extra read on the newest
+    buffered step; older ones by what followed them (parameters finite at the newest step, or
+    a finite loss at the next step: non-finite values never leave parameters). When the next
+    step fails too, an older step's overflow stays reported as non-finite: the first
+    non-finite step may then come one step early."""
 
     update_ratio_every: int = 10
     """Measure the update-to-parameter ratio ||dp|| / ||p|| every N steps (it needs a copy of the

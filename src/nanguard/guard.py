@@ -133,10 +133,10 @@ class Guard:
         # Before any hook is registered: an unwritable folder must leave the model untouched.
         self.store = self._open_store(cfg.record.out)
 
-        names = {id(p): n for n, p in model.named_parameters()}
-        self.params: list[torch.Tensor] = [p for g in optimizer.param_groups for p in g["params"]]
-        self.param_names = [names.get(id(p), f"param{i}") for i, p in enumerate(self.params)]
+        self.params: list[torch.Tensor] = []
+        self.param_names: list[str] = []
         self.probe = StepProbe(self.params, optimizer)
+        self._sync_params()
         self.act_probe = ActivationProbe(model) if cfg.watch.activations else None
         self.batch_probe = BatchProbe()
         act_limit = None
@@ -169,10 +169,7 @@ class Guard:
             version=__version__, policy=cfg.policy, model=type(model).__name__,
             optimizer=type(optimizer).__name__, started=time.time(),
         )
-        self.store.write_params(
-            [(n, tuple(p.shape), p.numel()) for n, p in zip(self.param_names, self.params,
-                                                            strict=True)]
-        )
+        self._write_params()
         self.store.write_rng(0, rng.dumps(self._step_rng))
         self._handles = [
             optimizer.register_step_pre_hook(self._pre_hook),
@@ -196,15 +193,23 @@ class Guard:
         a tuple / list / dict of tensors sharing the leading batch dimension) is fingerprinted
         per sample on the device and kept by reference for replay.
         """
+        # With a GradScaler, watch() calls without a step in between are steps the scaler
+        # skipped, not micro-batches: their values must not carry into the next step.
+        accumulate = self.recovery.amp is None
         if loss is not None:
             t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
-            self._loss = t.reshape(-1)[:1].double()
+            t = t.reshape(-1)[:1].double()
+            if self._loss is not None and self._loss.device == t.device and accumulate:
+                # Several micro-batches per step (gradient accumulation): a non-finite loss of
+                # an earlier one must not be hidden by the last one (kept on the device).
+                t = torch.where(torch.isfinite(self._loss), t, self._loss)
+            self._loss = t
             self._watch_calls += 1
             if self._watch_calls > self.config.amp.stall_steps:
                 # No optimizer step for a while: a GradScaler may be skipping every step.
                 self.recovery.check_stall(self.step)
         if batch is not None:
-            self.batch_probe.observe(batch)
+            self.batch_probe.observe(batch, accumulate=accumulate)
 
     def __enter__(self) -> Guard:
         return self
@@ -282,9 +287,28 @@ class Guard:
 
     # ------------------------------------------------------------------ hooks
 
+    def _sync_params(self) -> bool:
+        """Follow the optimizer's parameters (`add_param_group` after the guard was built).
+        Appending keeps every earlier parameter's index. Returns whether they changed."""
+        n = sum(len(g["params"]) for g in self.optimizer.param_groups)
+        if n == len(self.params):
+            return False
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.param_names = [names.get(id(p), f"param{i}") for i, p in enumerate(self.params)]
+        self.probe.params = self.params
+        self.probe._update_buf = None  # reallocated for the new set at the next sample
+        return True
+
+    def _write_params(self) -> None:
+        self.store.write_params([(n, tuple(p.shape), p.numel())
+                                 for n, p in zip(self.param_names, self.params, strict=True)])
+
     def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Runs inside `optimizer.step()`, after backward and clipping, before the update."""
         cfg = self.config
+        if self._sync_params():
+            self._write_params()
         every = cfg.watch.update_ratio_every
         grads, layout = self.probe.pre_step(snapshot_update=every > 0 and self.step % every == 0)
         parts: list[torch.Tensor] = []
@@ -400,23 +424,44 @@ class Guard:
             parts.append(p.post.double())
         values = self._read(torch.cat(parts))
         pos = 0
+        decoded: list[tuple[_Pending, StepStats, bool]] = []
         for p in pending:
+            # Only the newest step's gradients and parameters are still live: the extra read
+            # that tells an overflowing norm from a non-finite value is only possible there.
+            live = p is pending[-1]
             stats = p.stats
+            fresh = stats is None
             if stats is None:
-                stats = self._decode_pre(p, values[pos : pos + p.pre.numel()])
+                stats = self._decode_pre(p, values[pos : pos + p.pre.numel()], live=live)
                 pos += p.pre.numel()
-                self._detect(stats, "pre", p.rng)
             assert p.post is not None
             n = p.post.numel()
             self.probe.decode_post(values[pos : pos + n], p.post_layout, stats)
-            self.probe.resolve_post_overflow(stats)  # an extra read only on an infinite norm
+            if live:
+                self.probe.resolve_post_overflow(stats)  # an extra read only on an inf norm
             pos += n
+            decoded.append((p, stats, fresh))
+        newest = decoded[-1][1]
+        params_finite_now = not any(
+            s.startswith(("param", "optimizer")) for s in newest.nonfinite_signals()
+        )
+        for k, (_, stats, _) in enumerate(decoded[:-1]):
+            # Older buffered steps (read_every > 1): their parameters were finite after the
+            # update if they are finite now, or if the next step's forward gave a finite loss
+            # with them; then their infinite norms were overflows (StepStats.assume_overflow).
+            next_loss = decoded[k + 1][1].loss
+            if params_finite_now or (next_loss is not None and math.isfinite(next_loss)):
+                stats.assume_overflow()
+        for p, stats, fresh in decoded:
+            if fresh:
+                self._detect(stats, "pre", p.rng)
             alarms = self._detect(stats, "post", p.rng)
+            # Recorded before acting: `raise` and a rollback give-up stop inside `_act`.
+            self._record(stats, p)
             if self.config.policy != "observe" and self._decide(stats, alarms, post=True):
                 self._act(stats, alarms, post=True)
-            self._record(stats, p)
 
-    def _decode_pre(self, p: _Pending, values: list[float]) -> StepStats:
+    def _decode_pre(self, p: _Pending, values: list[float], live: bool = True) -> StepStats:
         stats = StepStats(step=p.step, lr=p.lr)
         pos = 0
         if p.has_loss:
@@ -432,7 +477,7 @@ class Guard:
             stats.amp_scale = values[-1]
             values = values[:-1]
         self.batch_probe.decode(values[pos:], p.batch_size, stats)
-        if any(math.isinf(stats.grad_norms[i]) for i in stats.nonfinite_grads):
+        if live and any(math.isinf(stats.grad_norms[i]) for i in stats.nonfinite_grads):
             self.probe.resolve_overflow(stats)  # rare: an extra read only here
         p.stats = stats
         return stats
@@ -441,11 +486,16 @@ class Guard:
         self, stats: StepStats, phase: str, step_rng: dict[str, Any] | None = None
     ) -> list[Alarm]:
         alarms: list[Alarm] = []
+        if phase == "pre":
+            alarms += self.recovery.check_amp(stats)
+            if stats.amp_skipped and stats.activations:
+                # The activations include the forward of a step the GradScaler skipped on an
+                # expected fp16 overflow: its inf/NaN are not this step's (nor an alarm).
+                stats.activations = {m: v for m, v in stats.activations.items()
+                                     if math.isfinite(v)}
         for d in self.detectors:
             if d.phase == phase:
                 alarms += d.check(stats)
-        if phase == "pre":
-            alarms += self.recovery.check_amp(stats)
         for a in alarms:
             if a.kind == "spike":
                 self._explain_spike(stats, a)
@@ -542,9 +592,12 @@ class Guard:
 
         before_update = self._current is not None and self._current.stats is stats
         compute = self.replay if before_update else None
+        was_enabled = self.act_probe.enabled if self.act_probe else False
+        if self.act_probe:  # the per-sample forwards are not the step's activations
+            self.act_probe.enabled = False
         try:
             found = spike_sources(
-                compute or (lambda _batch: torch.zeros(())), params=self.params,
+                compute or (lambda _batch: torch.zeros(())), model=self.model, params=self.params,
                 param_names=self.param_names, batch=self.batch_probe.last,
                 grad_norms=stats.grad_norms, baseline=self._grad_baseline,
                 batch_size=len(stats.sample_hashes) if compute else 0,
@@ -552,6 +605,9 @@ class Guard:
             )
         except Exception as exc:  # noqa: BLE001 - an explanation must never stop training
             found = {"layers": [], "samples": [], "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            if self.act_probe:
+                self.act_probe.enabled = was_enabled
         self.spikes.append({"step": stats.step, **found})
         parts = []
         if found["layers"]:

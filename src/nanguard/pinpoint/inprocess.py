@@ -20,6 +20,24 @@ from nanguard.pinpoint.replay import find_origin
 from nanguard.watch import rng
 
 
+class _KeepBuffers:
+    """Put the model's buffers back after a replay: a train-mode forward updates BatchNorm
+    running statistics and counters, and observing must not change training."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        with torch.no_grad():
+            self.saved = [b.detach().clone() for b in model.buffers()]
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for b, s in zip(self.model.buffers(), self.saved, strict=True):
+                b.copy_(s)
+
+
 def replay_forward_backward(
     compute_loss: Callable[[Any], torch.Tensor],
     *,
@@ -48,7 +66,8 @@ def replay_forward_backward(
     try:
         if step_rng is not None:
             rng.restore(step_rng)
-        origin = find_origin(run_step, model=model, batch=batch, step=step)
+        with _KeepBuffers(model):
+            origin = find_origin(run_step, model=model, batch=batch, step=step)
     finally:
         for p, g in zip(params, grads, strict=True):
             p.grad = g
@@ -77,6 +96,7 @@ def _slice(batch: Any, i: int) -> Any:
 def spike_sources(
     compute_loss: Callable[[Any], torch.Tensor],
     *,
+    model: nn.Module,
     params: list[torch.Tensor],
     param_names: list[str],
     batch: Any,
@@ -107,6 +127,8 @@ def spike_sources(
     norms: list[float] = []
     trainable = [p for p in params if p.requires_grad]
     now = rng.capture()
+    keep = _KeepBuffers(model) if batch_size else None
+    error = None
     try:
         for i in range(min(batch_size, max_samples)):
             if step_rng is not None:
@@ -115,6 +137,13 @@ def spike_sources(
             grads = torch.autograd.grad(loss, trainable, allow_unused=True)
             sq = sum(float(g.detach().double().pow(2).sum()) for g in grads if g is not None)
             norms.append(math.sqrt(sq))
+    except Exception as exc:  # noqa: BLE001 - e.g. BatchNorm cannot run one sample in train mode
+        norms, error = [], f"per-sample gradients failed: {type(exc).__name__}: {exc}"
     finally:
+        if keep is not None:
+            keep.__exit__()
         rng.restore(now)
-    return {"layers": layers[:8], "samples": _outliers(norms, sample_z)[:8]}
+    found: dict[str, Any] = {"layers": layers[:8], "samples": _outliers(norms, sample_z)[:8]}
+    if error:
+        found["error"] = error
+    return found

@@ -54,6 +54,7 @@ class Recovery:
         if self.amp is None or stats.amp_scale is None:
             return []
         skipped, collapse = self.amp.observe(stats.amp_scale)
+        stats.amp_skipped = skipped
         if skipped:
             self.guard._action(
                 stats.step,

@@ -54,9 +54,20 @@ class HostSnapshot:
         self._extras_state: dict[str, Any] = {}
         self._rng: dict[str, Any] | None = None
 
+    def _model_tensors(self) -> list[torch.Tensor]:
+        """Parameters of the model AND of the optimizer (one trained outside the model, e.g. a
+        temperature, must roll back with its momentum), then the model's buffers."""
+        params = list(self.model.parameters())
+        seen = {id(p) for p in params}
+        for g in self.optimizer.param_groups:
+            for p in g["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        return [p.detach() for p in params] + list(self.model.buffers())
+
     def _live(self) -> tuple[list[torch.Tensor], dict[int, list[str]], dict[int, dict[str, Any]]]:
-        tensors = [p.detach() for p in self.model.parameters()]
-        tensors += [b for b in self.model.buffers()]
+        tensors = self._model_tensors()
         keys: dict[int, list[str]] = {}
         meta: dict[int, dict[str, Any]] = {}
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -106,8 +117,7 @@ class HostSnapshot:
         """Put the captured state back in place (same tensor objects); return its step."""
         assert self.step is not None and self._rng is not None, "restore() before capture()"
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        model_tensors = [p.detach() for p in self.model.parameters()]
-        model_tensors += list(self.model.buffers())
+        model_tensors = self._model_tensors()
         n = len(model_tensors)
         with torch.no_grad():
             for live, h in zip(model_tensors, self._host[:n], strict=True):

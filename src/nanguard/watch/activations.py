@@ -53,7 +53,8 @@ class ActivationProbe:
 
     def _hook(self, name: str) -> Callable[[nn.Module, object, object], None]:
         def hook(module: nn.Module, inputs: object, output: object) -> None:
-            if not self.enabled:
+            # Forwards without autograd (validation, inference) are not training steps.
+            if not self.enabled or not torch.is_grad_enabled():
                 return
             if isinstance(output, (tuple, list)):
                 output = next((o for o in output if isinstance(o, torch.Tensor)), None)

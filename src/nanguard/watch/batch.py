@@ -35,7 +35,9 @@ class BatchProbe:
         self._vec: torch.Tensor | None = None
         self._size = 0
 
-    def observe(self, batch: Any) -> None:
+    def observe(self, batch: Any, accumulate: bool = True) -> None:
+        """Fingerprint `batch` on the device. With `accumulate`, the NaN flags of earlier
+        batches observed since the last `collect` (micro-batches of one step) are kept."""
         tensors = [t for t in batch_tensors(batch) if t.dim() > 0]
         self.last = batch
         if not tensors:
@@ -56,7 +58,13 @@ class BatchProbe:
                     per_tensor.append(rows.any())
                 else:
                     per_tensor.append(torch.zeros((), dtype=torch.bool, device=device))
-        self._vec = torch.cat([h, bad.double(), torch.stack(per_tensor).double()])
+        vec = torch.cat([h, bad.double(), torch.stack(per_tensor).double()])
+        if accumulate and self._vec is not None and self._vec.shape == vec.shape:
+            # Another micro-batch of the same step (gradient accumulation): keep the last one's
+            # fingerprints, but every micro-batch's NaN rows and tensors.
+            flags = torch.maximum(self._vec[size:], vec[size:].to(self._vec.device))
+            vec = torch.cat([vec[:size], flags.to(vec.device)])
+        self._vec = vec
         self._size = size
 
     def collect(self) -> tuple[int, torch.Tensor | None]:

@@ -61,9 +61,14 @@ class StepStats:
     overflowed: set[int] = field(default_factory=set)
     """Parameters whose gradient norm overflowed float32 although every element is finite."""
     nonfinite_grads: set[int] = field(default_factory=set)
+    overflow_norms: set[tuple[str, int]] = field(default_factory=set)
+    """(`param` or a state key, index) whose infinite norm is known to be a float32 overflow of
+    finite values (see `assume_overflow`)."""
     skipped: bool = False
     amp_scale: float | None = None
     """The GradScaler's loss scale at this step (when a scaler was given to the guard)."""
+    amp_skipped: int = 0
+    """Steps the GradScaler skipped (fp16 overflow) since the previous step the guard saw."""
     agreed_bad_rank: int | None = None
     """Under torch.distributed: the lowest rank that saw a non-finite value this step."""
     alarms: list[Any] = field(default_factory=list)
@@ -100,6 +105,17 @@ class StepStats:
     def act_max(self) -> float | None:
         return max(self.activations.values()) if self.activations else None
 
+    def assume_overflow(self) -> None:
+        """Call infinite (not NaN) norms overflows of finite values. Sound when the parameters
+        are known finite after this step: a non-finite gradient, parameter or state value
+        would have made them non-finite for good (NaN and inf are absorbing in SGD / Adam
+        updates), so an infinite norm here can only be a float32 sum of squares overflowing."""
+        for i in [i for i in self.nonfinite_grads if math.isinf(self.grad_norms[i])]:
+            self.nonfinite_grads.discard(i)
+            self.overflowed.add(i)
+        for key, norms in [("param", self.param_norms), *self.state_norms.items()]:
+            self.overflow_norms |= {(key, i) for i, v in norms.items() if math.isinf(v)}
+
     def nonfinite_signals(self) -> list[str]:
         """Names of the signals that hold a non-finite value this step."""
         out = []
@@ -107,10 +123,12 @@ class StepStats:
             out.append("loss")
         if self.nonfinite_grads:
             out.append("grad")
-        if any(not math.isfinite(v) for v in self.param_norms.values()):
+        over = self.overflow_norms
+        if any(not math.isfinite(v) for i, v in self.param_norms.items()
+               if ("param", i) not in over):
             out.append("param")
         for key, norms in self.state_norms.items():
-            if any(not math.isfinite(v) for v in norms.values()):
+            if any(not math.isfinite(v) for i, v in norms.items() if (key, i) not in over):
                 out.append(f"optimizer.{key}")
         if any(not math.isfinite(v) for v in self.activations.values()):
             out.append("activation")
@@ -136,8 +154,11 @@ def foreach_norms(tensors: list[torch.Tensor], like: list[torch.Tensor] | None =
     specs = like if like is not None else tensors
     dts: list[Any] = [t if _is_dtensor(t) else None for t in specs]
     if not any(d is not None for d in dts):
-        return torch.stack(torch._foreach_norm(tensors))
-    norms = torch.stack(torch._foreach_norm([_local(t) for t in tensors])).float()
+        # float32 results: an fp16 norm above 65504 would read as inf (and the norms of a
+        # mixed-dtype model could not be stacked).
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    norms = torch.stack(torch._foreach_norm([_local(t) for t in tensors], 2,
+                                            dtype=torch.float32))
     groups: dict[tuple[int, tuple[int, ...]], tuple[Any, list[int]]] = {}
     for i, d in enumerate(dts):
         if d is None:
@@ -208,7 +229,9 @@ class StepProbe:
             for key, value in state.items():
                 if key in SECOND_MOMENT_KEYS and not second_moments:
                     continue
-                if isinstance(value, torch.Tensor) and value.shape == p.shape and value.numel():
+                # (`step` is a 0-dim counter: it matches a 0-dim parameter's shape.)
+                if (key != "step" and isinstance(value, torch.Tensor) and value.shape == p.shape
+                        and value.numel()):
                     ids, tensors = by_key.setdefault(key, ([], []))
                     ids.append(i)
                     tensors.append(value)
