@@ -76,7 +76,8 @@ class Guard:
     Args:
         model: the model being trained (any `nn.Module`).
         optimizer: its optimizer; the guard hooks its `step()`.
-        policy: `observe` (default, changes nothing), `raise` or `skip`; overrides `config`.
+        policy: `observe` (default, changes nothing), `raise`, `skip` or `rollback`; overrides
+            `config`.
         out: run folder; None picks `nanguard_runs/<time>`, "" records nothing.
         activations: also watch per-module activation abs-max and headroom.
         replay: `replay(batch) -> loss`, your forward and loss. When given, the first step whose
@@ -473,6 +474,9 @@ class Guard:
         stats.activations = dict(zip(p.act_names, values[pos : pos + len(p.act_names)],
                                      strict=True))
         pos += len(p.act_names)
+        if self.act_probe and p.act_names:
+            dtypes = {self.act_probe.dtypes[m] for m in p.act_names if m in self.act_probe.dtypes}
+            stats.act_limit = min((dtype_max(d) for d in dtypes), default=None)
         if p.has_scale:
             stats.amp_scale = values[-1]
             values = values[:-1]

@@ -312,7 +312,11 @@ class ForecastDetector(_SeriesDetector):
             if len(hist) < self.config.warmup_steps or x < self.config.cascade_ratio * median(hist):
                 continue
             slope = (recent[-1] - recent[0]) / (len(recent) - 1)
-            left = (math.log10(self.limits[signal]) - recent[-1]) / slope
+            # Activations overflow the dtype they are computed in (float16 under autocast).
+            limit = self.limits[signal]
+            if signal == "act_max" and stats.act_limit:
+                limit = stats.act_limit
+            left = (math.log10(limit) - recent[-1]) / slope
             if left <= self.config.forecast_horizon:
                 alarms += self._fire(
                     stats,
@@ -320,7 +324,7 @@ class ForecastDetector(_SeriesDetector):
                     signal,
                     left,
                     f"{signal} grows {10**slope:.3g}x per step ({x:.3g} now): overflow of its "
-                    f"limit {self.limits[signal]:.3g} in ~{max(left, 0):.1f} steps",
+                    f"limit {limit:.3g} in ~{max(left, 0):.1f} steps",
                     escalates=False,
                 )
         return alarms

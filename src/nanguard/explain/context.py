@@ -28,7 +28,9 @@ def evidence_from_guard(guard: Guard) -> Evidence:
         first_nonfinite=guard.first_nonfinite,
         alarms=[a.to_dict() for a in guard.alarms],
         optimizer=type(guard.optimizer).__name__,
-        lr=float(group["lr"]) if isinstance(group.get("lr"), (int, float)) else None,
+        # The LR of the failing step (a scheduler may have moved it since), else the current.
+        lr=(failing.lr if failing is not None and failing.lr is not None
+            else float(group["lr"]) if isinstance(group.get("lr"), (int, float)) else None),
         momentum=float(momentum) if isinstance(momentum, (int, float)) else None,
         eps=float(group["eps"]) if isinstance(group.get("eps"), (int, float)) else None,
         # The dtype the origin op computed in (autocast!), else the parameters' one.

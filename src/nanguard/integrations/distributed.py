@@ -37,7 +37,8 @@ def agree(act: bool, nonfinite_phase: str | None, device: torch.device) -> tuple
         device: where the collective runs (the gradients' device; CPU for gloo).
 
     Returns:
-        (whether any rank acts, the lowest rank that saw a non-finite value or None).
+        (whether any rank acts, the rank where the value showed first — earliest phase, then
+        lowest rank — or None).
         Without a process group: this rank's own verdict.
     """
     if not active():

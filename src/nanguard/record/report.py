@@ -132,6 +132,11 @@ def load_report(folder: str | os.PathLike[str]) -> Report:
             data = json.loads(report_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{str(report_path)!r} is not valid JSON ({exc})") from None
+        first = data.get("first_nonfinite") if isinstance(data, dict) else None
+        if not isinstance(data, dict) or (first is not None and not isinstance(first, dict)) or (
+            isinstance(first, dict) and "step" not in first
+        ):
+            raise ValueError(f"{str(report_path)!r} is not a nanguard report")
         known = set(Report.__dataclass_fields__)
         return Report(**{k: v for k, v in data.items() if k in known})
     db = open_run(path)

@@ -95,7 +95,8 @@ class RunStore(NullStore):
         except OSError as exc:
             raise ValueError(
                 f"cannot write the run folder {str(self.folder)!r} ({exc.strerror or exc}); "
-                "pass a writable out=... or out='' to record nothing"
+                "choose a writable run folder (Guard(out=...) / --out DIR), or out='' to "
+                "record nothing"
             ) from None
         self.path = self.folder / DB_NAME
         self.db = sqlite3.connect(self.path, check_same_thread=False)

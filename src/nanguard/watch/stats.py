@@ -49,6 +49,8 @@ class StepStats:
     """L2 norm of the whole update (sampled steps only)."""
     activations: dict[str, float] = field(default_factory=dict)
     """Per-module activation abs-max (when activation watching is on and sampled)."""
+    act_limit: float | None = None
+    """Largest finite value of the narrowest dtype those activations were computed in."""
     sample_hashes: list[int] = field(default_factory=list)
     """52-bit fingerprints of each sample of the batch handed to the guard."""
     nonfinite_samples: list[int] = field(default_factory=list)
@@ -70,7 +72,8 @@ class StepStats:
     amp_skipped: int = 0
     """Steps the GradScaler skipped (fp16 overflow) since the previous step the guard saw."""
     agreed_bad_rank: int | None = None
-    """Under torch.distributed: the lowest rank that saw a non-finite value this step."""
+    """Under torch.distributed: the rank where a non-finite value showed first this step
+    (earliest phase, then lowest rank)."""
     alarms: list[Any] = field(default_factory=list)
     """Alarms raised on this step (filled by the guard)."""
 
