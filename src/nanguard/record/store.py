@@ -95,7 +95,7 @@ class RunStore(NullStore):
         except OSError as exc:
             raise ValueError(
                 f"cannot write the run folder {str(self.folder)!r} ({exc.strerror or exc}); "
-                "choose a writable run folder (Guard(out=...) / --out DIR), or out='' to "
+                "pass a writable run folder (Guard(out=...) / --out DIR), or out='' to "
                 "record nothing"
             ) from None
         self.path = self.folder / DB_NAME
