@@ -11,17 +11,19 @@ from __future__ import annotations
 import torch
 
 _MASK = (1 << 52) - 1
-_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+_WEIGHTS: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-def _weights(width: int, device: torch.device) -> torch.Tensor:
-    key = (width, device)
+def _weights(width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    key = (width, device, dtype)
     w = _WEIGHTS.get(key)
     if w is None:
         # Odd multipliers from a fixed LCG: position-dependent, so permuted features differ.
         w = (torch.arange(width, dtype=torch.int64, device=device) * 2654435761 + 97531) | 1
+        if dtype == torch.int32:
+            w = (w & 0x7FFFFFFF).to(torch.int32)
         _WEIGHTS[key] = w
     return w
 
@@ -40,6 +42,9 @@ def sample_fingerprints(tensor: torch.Tensor) -> torch.Tensor:
         t = t.to(torch.uint8)
     if t.is_complex():
         t = torch.view_as_real(t)
-    bits = t.view(_INT_VIEW[t.element_size()]).reshape(t.shape[0], -1).to(torch.int64)
-    h = (bits * _weights(bits.shape[1], bits.device)).sum(dim=1)
+    bits = t.view(_INT_VIEW[t.element_size()]).reshape(t.shape[0], -1)
+    # Products in 32-bit integers (wrapping) for elements of up to 4 bytes: one temporary of
+    # the batch's size instead of two 64-bit copies; the row sums come out as int64.
+    wide = torch.int64 if t.element_size() == 8 else torch.int32
+    h = (bits * _weights(bits.shape[1], bits.device, wide)).sum(dim=1, dtype=torch.int64)
     return (h & _MASK).to(torch.float64)

@@ -16,11 +16,12 @@ import torch
 
 def capture() -> dict[str, Any]:
     """The RNG states of torch (CPU and every CUDA device), Python and NumPy."""
-    np_state: Any = np.random.get_state()
+    # NumPy's state is kept as NumPy gives it (captured every step: no conversion here);
+    # `dumps` turns it into tensors for a weights_only-loadable blob.
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+        "numpy": np.random.get_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -33,12 +34,17 @@ def restore(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
+    if isinstance(keys, torch.Tensor):  # from `loads`
+        keys = keys.numpy().astype(np.uint32)
+    np.random.set_state((kind, keys, *rest))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def dumps(state: dict[str, Any]) -> bytes:
+    kind, keys, *rest = state["numpy"]
+    if isinstance(keys, np.ndarray):
+        state = {**state, "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), *rest)}
     buf = io.BytesIO()
     torch.save(state, buf)
     return buf.getvalue()
