@@ -26,7 +26,9 @@ class WatchConfig:
 
     update_ratio_every: int = 10
     """Measure the update-to-parameter ratio ||dp|| / ||p|| every N steps (it needs a copy of the
-    parameters before the step, so it is sampled). 0 disables it."""
+    parameters before the step, so it is sampled). The copy's buffer is allocated once and kept:
+    one extra copy of the parameters on their device — set 0 for models where that does not
+    fit. 0 disables it."""
 
     state_every: int = 10
     """Second-moment optimizer state (Adam `exp_avg_sq`) norms every N steps; first moments
