@@ -36,8 +36,6 @@ class Evidence:
     """Adam-family eps."""
     dtype: str | None = None
     """Parameter / autocast dtype, e.g. `torch.float16`."""
-    module_type: str | None = None
-    """Class of the module where the value first showed."""
     healthy_grad_norm: float | None = None
     """Median grad norm of the healthy history (for a clipping threshold)."""
     bad_tensors: list[int] = field(default_factory=list)

@@ -96,6 +96,7 @@ def step_row(stats: StepStats) -> dict[str, float | None]:
         "grad_norm": stats.grad_norm,
         "act_max": stats.act_max,
         "momentum_norm": stats.momentum_norm,
+        "headroom": stats.act_headroom,
     }
 
 
@@ -111,7 +112,9 @@ def print_last_steps(console: Console, rows: Sequence[dict[str, float | None]]) 
             console.print(f"    {key:<14}{sparkline(values)}")
     table = Table(show_edge=False, box=None, padding=(0, 1))
     table.add_column("step", justify="right")
-    shown = [k for k in SERIES if any(r.get(k) is not None for r in last)]
+    # Headroom (decades left before the largest activation overflows its dtype) is a table
+    # column only: it is already a logarithm.
+    shown = [k for k in (*SERIES, "headroom") if any(r.get(k) is not None for r in last)]
     for key in shown:
         table.add_column(key, justify="right")
     for r in last[-6:]:

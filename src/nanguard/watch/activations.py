@@ -6,7 +6,6 @@ the guard collects them once per step. Hooks are removable: `close()` removes ev
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -21,15 +20,6 @@ def dtype_max(dtype: torch.dtype) -> float:
     if not dtype.is_floating_point:
         dtype = torch.float32
     return float(torch.finfo(dtype).max)
-
-
-def headroom_decades(absmax: float, dtype: torch.dtype) -> float:
-    """log10(dtype max / absmax): decades of growth left before overflow."""
-    if not math.isfinite(absmax):
-        return -math.inf
-    if absmax <= 0:
-        return math.inf
-    return math.log10(dtype_max(dtype)) - math.log10(absmax)
 
 
 class ActivationProbe:

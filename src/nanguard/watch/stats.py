@@ -108,6 +108,17 @@ class StepStats:
     def act_max(self) -> float | None:
         return max(self.activations.values()) if self.activations else None
 
+    @property
+    def act_headroom(self) -> float | None:
+        """Decades of growth left before the largest activation overflows its dtype:
+        log10(dtype max / activation abs-max). Negative infinity once it has."""
+        top, limit = self.act_max, self.act_limit
+        if top is None or not limit:
+            return None
+        if not math.isfinite(top):
+            return -math.inf
+        return math.inf if top <= 0 else math.log10(limit) - math.log10(top)
+
     def assume_overflow(self) -> None:
         """Call infinite (not NaN) norms overflows of finite values. Sound when the parameters
         are known finite after this step: a non-finite gradient, parameter or state value
