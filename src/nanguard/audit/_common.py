@@ -199,3 +199,11 @@ def progress(total: float | None, description: str) -> Iterator[_Progress]:
         yield bar
     finally:
         bar.close()
+
+
+class FieldsToDict:
+    """Mixin for flat result dataclasses: `to_dict()` is every field, made strict-JSON safe."""
+
+    def to_dict(self) -> dict[str, Any]:
+        fields = self.__dataclass_fields__  # type: ignore[attr-defined]
+        return json_safe({k: getattr(self, k) for k in fields})

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from nanguard.audit._common import Finding, json_safe, progress, robust_z
+from nanguard.audit._common import FieldsToDict, Finding, progress, robust_z
 from nanguard.audit.ckpt_load import Source, open_checkpoint
 
 # Optimizer state that is a running mean of squares: a negative value is impossible and
@@ -31,7 +31,7 @@ MIN_PEERS = 3
 
 
 @dataclass(kw_only=True)
-class TensorStats:
+class TensorStats(FieldsToDict):
     """Statistics of one tensor. Magnitudes are over its finite values; None if it has none."""
 
     name: str
@@ -49,9 +49,6 @@ class TensorStats:
     @property
     def nonfinite(self) -> int:
         return self.nan + self.posinf + self.neginf
-
-    def to_dict(self) -> dict[str, Any]:
-        return json_safe({k: getattr(self, k) for k in self.__dataclass_fields__})
 
 
 @dataclass(kw_only=True)
@@ -78,7 +75,7 @@ class CheckpointReport:
 
 
 @dataclass(kw_only=True)
-class TensorChange:
+class TensorChange(FieldsToDict):
     """How one tensor differs between two checkpoints."""
 
     name: str
@@ -86,9 +83,6 @@ class TensorChange:
     max_abs_diff: float | None = None
     rel_change: float | None = None  # ||b - a|| / ||a|| over positions finite in both
     became_nonfinite: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return json_safe({k: getattr(self, k) for k in self.__dataclass_fields__})
 
 
 @dataclass(kw_only=True)

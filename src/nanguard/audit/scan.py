@@ -16,7 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from nanguard.audit._common import AuditInputError, Finding, RunningMoments, json_safe, progress
+from nanguard.audit._common import (
+    AuditInputError,
+    FieldsToDict,
+    Finding,
+    RunningMoments,
+    progress,
+)
 from nanguard.audit.scan_onehot import OneHotGroup, candidate_groups, explicit_groups
 from nanguard.audit.scan_readers import Chunk, Table, open_tables
 
@@ -42,7 +48,7 @@ class ScanConfig:
 
 
 @dataclass(kw_only=True)
-class ColumnStats:
+class ColumnStats(FieldsToDict):
     name: str
     index: int
     count: int  # finite values
@@ -54,9 +60,6 @@ class ColumnStats:
     posinf: int = 0
     neginf: int = 0
     missing: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return json_safe({k: getattr(self, k) for k in self.__dataclass_fields__})
 
 
 @dataclass(kw_only=True)
