@@ -1,0 +1,120 @@
+"""Configuration matrix: nanguard is correct in every ordinary training setup.
+
+Each cell is (setup x case), see `matrix_rigs`. A cell passes when, under the `observe` policy:
+
+- healthy: every guard reports `healthy` with no alarm and no non-finite value, and the trained
+  parameters are bitwise identical to the same run without nanguard (and finite, and moved
+  away from their initial values, so that the comparison can fail);
+- nan_row: the first non-finite finding is at the bad step, phase `data`, naming the bad row, and
+  the top diagnosis is `data_nonfinite`;
+- sqrt0: the first non-finite finding is at the bad step, phase `backward`, in the module that
+  holds the sqrt, and the top diagnosis is `singular_gradient` (the guards have `replay=`);
+
+and in every case: no record is lost (each guard's run folder is its own, report.json's `steps`
+is the number of optimizer steps that ran, and run.db holds every one of them), no guard claims a
+finding before the bad step, an unrelated run in the same process stays healthy, and parameters
+match the unguarded run (NaN where it has NaN).
+
+A setup nanguard does not support must be refused at `Guard(...)` with a one-line ValueError:
+such setups are listed in REFUSED with a fragment of the message, and their cells assert the
+refusal instead.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+import torch
+from matrix_rigs import BAD, ROW, SETUPS, Result, Setup, run
+
+REFUSED: dict[str, str] = {}
+"""Setup name -> fragment of the ValueError message `Guard(...)` refuses it with."""
+
+CELLS = [pytest.param(s, c, id=f"{s.name}-{c}") for s in SETUPS for c in s.cases]
+
+
+def _db_steps(folder: Path) -> int:
+    con = sqlite3.connect(folder / "run.db")
+    try:
+        return int(con.execute("SELECT count(*) FROM steps").fetchone()[0])
+    finally:
+        con.close()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if torch.equal(a, b):
+        return True
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    return torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_b])
+
+
+def _check_records(res: Result) -> None:
+    assert res.reports and all(r is not None for r in res.reports)
+    assert len({str(f) for f in res.folders}) == len(res.folders), (
+        f"guards share a run folder: {res.folders}")
+    for report, folder, taken in zip(res.reports, res.folders, res.steps_taken, strict=True):
+        assert folder is not None and (folder / "report.json").is_file(), folder
+        assert report.steps == taken, f"{folder}: report.steps {report.steps}, ran {taken}"
+        assert _db_steps(folder) == taken, f"{folder}: run.db lost steps"
+
+
+def _check_params(guarded: Result, plain: Result, case: str) -> None:
+    assert guarded.params.keys() == plain.params.keys()
+    for name, p in guarded.params.items():
+        assert p.dtype == plain.params[name].dtype, name
+        assert _same(p, plain.params[name]), f"{name} differs from the run without nanguard"
+        if case != "healthy":
+            continue
+        # The comparison above could fail: the parameters are finite and were trained.
+        assert bool(torch.isfinite(p).all()), name
+        if name in guarded.trainable:
+            assert not torch.equal(p, guarded.init[name].to(p.dtype)), f"{name} never changed"
+        else:
+            assert torch.equal(p, guarded.init[name].to(p.dtype)), f"frozen {name} changed"
+
+
+def _check_finding(res: Result, case: str) -> None:
+    for i in res.healthy_reports:
+        r = res.reports[i]
+        assert r.status == "healthy" and r.first_nonfinite is None, (
+            f"an unrelated run got {r.status}: {r.first_nonfinite}")
+    found = [(r.first_nonfinite["step"], i, r) for i, r in enumerate(res.reports)
+             if r.first_nonfinite is not None]
+    assert found, f"no guard found the non-finite value: {[r.status for r in res.reports]}"
+    for step, i, _ in found:
+        assert step >= BAD, f"guard {i} claims a non-finite value at step {step} < {BAD}"
+    _, _, report = min(found, key=lambda t: (t[0], t[1]))
+    first = report.first_nonfinite
+    assert report.status != "healthy"
+    assert first["step"] == BAD, first
+    causes = [d["cause"] for d in report.diagnosis]
+    if case == "nan_row":
+        assert first["phase"] == "data", first
+        assert first["samples"] == [ROW], first
+        assert causes[:1] == ["data_nonfinite"], causes
+    else:
+        assert first["phase"] == "backward", first
+        assert first["module"] == res.expect_module, first
+        assert causes[:1] == ["singular_gradient"], causes
+
+
+@pytest.mark.parametrize(("setup", "case"), CELLS)
+def test_cell(setup: Setup, case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # default run folders (several_guards) land here
+    if setup.name in REFUSED:
+        with pytest.raises(ValueError, match=REFUSED[setup.name]) as info:
+            run(setup, case, tmp_path / "runs")
+        assert "\n" not in str(info.value)
+        return
+    guarded = run(setup, case, tmp_path / "runs")
+    plain = run(setup, case, None)
+    _check_records(guarded)
+    if case == "healthy":
+        for r in guarded.reports:
+            assert r.status == "healthy", (r.status, r.alarms, r.first_nonfinite)
+            assert r.alarms == [] and r.first_nonfinite is None
+    else:
+        _check_finding(guarded, case)
+    _check_params(guarded, plain, case)
