@@ -6,11 +6,38 @@ while the LR/momentum cascade is flagged several steps before its first non-fini
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
 
 POLICIES = ("observe", "raise", "skip", "rollback")
+ALARM_KINDS = ("nonfinite", "overflow", "spike", "cascade", "forecast", "divergence",
+               "vanishing", "amp_collapse")
+"""Every alarm kind a detector can raise: the valid names for `GuardConfig.act_on`."""
+IF_EXISTS = ("refuse", "overwrite", "resume")
+
+_C = TypeVar("_C")
 
 
+def _strict(cls: type[_C]) -> type[_C]:
+    """Make a config dataclass reject a misspelled field with a ValueError that lists the
+    valid names (the generated `__init__` would raise a bare TypeError)."""
+    init = cls.__init__
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+
+    @functools.wraps(init)
+    def __init__(self: Any, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise ValueError(f"{cls.__name__} has no field {', '.join(map(repr, unknown))}; "
+                             f"valid fields: {', '.join(names)}")
+        init(self, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+@_strict
 @dataclass(kw_only=True)
 class WatchConfig:
     """What is measured each step, and how often the host reads it."""
@@ -31,9 +58,10 @@ class WatchConfig:
     fit. 0 disables it."""
 
     state_every: int = 10
-    """Second-moment optimizer state (Adam `exp_avg_sq`) norms every N steps; first moments
-    (momentum, `exp_avg`) and parameters are measured every step. A NaN born in the second
-    moment reaches the parameters in the same update, where it is seen at once."""
+    """Deprecated, kept so old configs load: every optimizer-state tensor (Adam `exp_avg_sq`
+    included) is now measured every step. An `exp_avg_sq` that overflows to inf does NOT reach
+    the parameters (the update divides by its square root, so it goes to 0): sampling it would
+    report a later step as the first non-finite one."""
 
     activations: bool = False
     """Record per-module activation abs-max and headroom to the dtype's largest value."""
@@ -45,6 +73,7 @@ class WatchConfig:
     """Store per-parameter gradient / parameter / optimizer-state norms in the run store."""
 
 
+@_strict
 @dataclass(kw_only=True)
 class DetectConfig:
     """Thresholds of the detectors. Defaults never fire on the project's healthy runs."""
@@ -108,6 +137,7 @@ class DetectConfig:
     """Steps before another spike alarm may fire."""
 
 
+@_strict
 @dataclass(kw_only=True)
 class RecordConfig:
     """Where and what the run store keeps."""
@@ -122,7 +152,14 @@ class RecordConfig:
     summary: bool = True
     """Print the terminal summary when the guard closes."""
 
+    if_exists: str = "refuse"
+    """An explicit `out` folder that already holds a run (a run.db): `refuse` (ValueError),
+    `overwrite` (the old record is deleted) or `resume` (steps are appended to it, e.g. with
+    `load_state_dict` after a restart). Default folders (`out=None`) never collide: each gets
+    a unique name."""
 
+
+@_strict
 @dataclass(kw_only=True)
 class RecoverConfig:
     """The `rollback` policy."""
@@ -147,6 +184,7 @@ class RecoverConfig:
     """...within this many steps."""
 
 
+@_strict
 @dataclass(kw_only=True)
 class ClipConfig:
     """Adaptive clipping: scale gradients down to mean + z * std of the recent grad norms."""
@@ -161,6 +199,7 @@ class ClipConfig:
     """Steps of statistics before clipping starts (a plain running mean meanwhile)."""
 
 
+@_strict
 @dataclass(kw_only=True)
 class AmpConfig:
     """GradScaler awareness (when a scaler is given to the guard)."""
@@ -176,6 +215,7 @@ class AmpConfig:
     the scale is read to check for a collapse."""
 
 
+@_strict
 @dataclass(kw_only=True)
 class GuardConfig:
     """Everything a Guard can be told. `Guard(model, opt, policy="skip")` covers most uses."""
@@ -210,10 +250,24 @@ class GuardConfig:
     amp: AmpConfig = field(default_factory=AmpConfig)
     """GradScaler thresholds."""
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
-        """Raise ValueError with a one-line message for settings that cannot work."""
+        """Raise ValueError with a one-line message for settings that cannot work (also run
+        when the config is built, and again by the Guard after its keyword overrides)."""
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; use one of: {', '.join(POLICIES)}")
+        if isinstance(self.act_on, str):
+            raise ValueError(f"act_on must be a tuple of alarm kinds, got the string "
+                             f"{self.act_on!r}; write act_on=({self.act_on!r},)")
+        unknown = [k for k in self.act_on if k not in ALARM_KINDS]
+        if unknown:
+            raise ValueError(f"unknown alarm kind(s) in act_on: {', '.join(map(repr, unknown))}; "
+                             f"valid: {', '.join(ALARM_KINDS)}")
+        if self.record.if_exists not in IF_EXISTS:
+            raise ValueError(f"unknown record.if_exists {self.record.if_exists!r}; "
+                             f"use one of: {', '.join(IF_EXISTS)}")
         for name in ("read_every", "activations_every", "state_every"):
             if getattr(self.watch, name) < 1:
                 raise ValueError(f"watch.{name} must be >= 1, got {getattr(self.watch, name)}")

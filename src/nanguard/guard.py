@@ -23,7 +23,10 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import math
+import os
+import sys
 import time
+import traceback
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,14 +40,15 @@ from nanguard import __version__
 from nanguard.config import GuardConfig
 from nanguard.detect import Alarm, default_detectors
 from nanguard.detect.detectors import Detector
-from nanguard.detect.locate import locate
+from nanguard.detect.locate import locate, owner
 from nanguard.errors import NanguardError
 from nanguard.integrations import distributed
+from nanguard.record import ending
 from nanguard.record.report import Report, build_report
 from nanguard.record.rows import write_step
-from nanguard.record.store import NullStore, RunStore
+from nanguard.record.store import DB_NAME, NullStore, RunStore
 from nanguard.recover.policy import Recovery
-from nanguard.watch import rng
+from nanguard.watch import loads, rng
 from nanguard.watch.activations import ActivationProbe, dtype_max
 from nanguard.watch.batch import BatchProbe
 from nanguard.watch.stats import StepProbe, StepStats
@@ -66,6 +70,9 @@ class _Pending:
     stats: StepStats | None = None
     rng: dict[str, Any] | None = None
     """RNG states at the start of the step (kept by reference; serialized only on alarm)."""
+    loaded: list[str] = field(default_factory=list)
+    """Names of the tensors whose finiteness flags follow the activations (first step, or the
+    first after a `load_state_dict`)."""
     has_scale: bool = False
     """The pre-step tensor ends with the GradScaler's scale."""
 
@@ -132,11 +139,19 @@ class Guard:
         self.model = model
         self.optimizer = optimizer
         # Before any hook is registered: an unwritable folder must leave the model untouched.
-        self.store = self._open_store(cfg.record.out)
+        self.store = self._open_store(cfg.record.out, cfg.record.if_exists)
+        self.run_entry = "api"
+        """How the user runs nanguard: `api` (this class) or `run` (`nanguard run`, set by the
+        runner); the diagnosis words its fixes for that entry point."""
+        self.error: dict[str, Any] | None = None
+        """Set when nanguard stood down after an error in its own hooks (see `_stand_down`)."""
 
         self.params: list[torch.Tensor] = []
         self.param_names: list[str] = []
-        self.probe = StepProbe(self.params, optimizer)
+        self._param_order: list[int] = []  # module order of each parameter (locate's tiebreak)
+        self.buffer_names = [n for n, b in model.named_buffers() if b.is_floating_point()]
+        buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self.probe = StepProbe(self.params, optimizer, buffers)
         self._sync_params()
         self.act_probe = ActivationProbe(model) if cfg.watch.activations else None
         self.batch_probe = BatchProbe()
@@ -162,6 +177,8 @@ class Guard:
         self._stashed_grads: list[torch.Tensor | None] | None = None
         self._step_rng = rng.capture()
         self._closed = False
+        self._check_loaded = True  # state loaded before the first update: checked once
+        self._load_site: str | None = None
         self._watch_calls = 0  # watch(loss=...) calls since the last optimizer step
         self.report: Report | None = None
         self.recovery = Recovery(self, scheduler=scheduler, scaler=scaler)
@@ -175,10 +192,13 @@ class Guard:
         self._handles = [
             optimizer.register_step_pre_hook(self._pre_hook),
             optimizer.register_step_post_hook(self._post_hook),
+            model.register_load_state_dict_post_hook(self._on_load),
+            optimizer.register_load_state_dict_post_hook(self._on_load),
         ]
         ref = weakref.ref(self)
         self._atexit = lambda: (g := ref()) is not None and g.close()
         atexit.register(self._atexit)
+        ending.acquire()
 
     # ------------------------------------------------------------------ public face
 
@@ -193,7 +213,20 @@ class Guard:
         The loss is detached and kept on its device (no host read here). The batch (a tensor, or
         a tuple / list / dict of tensors sharing the leading batch dimension) is fingerprinted
         per sample on the device and kept by reference for replay.
+
+        Raises:
+            ValueError: the guard is closed (create a new one for another run).
         """
+        if self._closed:
+            raise ValueError("this Guard is closed: create a new Guard for another run")
+        if self.error is not None:
+            return
+        try:
+            self._watch(loss, batch)
+        except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+            self._stand_down(exc, "watch")
+
+    def _watch(self, loss: torch.Tensor | float | None, batch: Any) -> None:
         # With a GradScaler, watch() calls without a step in between are steps the scaler
         # skipped, not micro-batches: their values must not carry into the next step.
         accumulate = self.recovery.amp is None
@@ -213,26 +246,45 @@ class Guard:
             self.batch_probe.observe(batch, accumulate=accumulate)
 
     def __enter__(self) -> Guard:
+        if self._closed:
+            raise ValueError("this Guard is closed: create a new Guard for another run")
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, tp: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        if not self._closed:
+            self.close(*ending.classify(exc))
 
-    def close(self) -> Report:
+    def close(self, ended: str | None = None, error: str | None = None) -> Report:
         """Remove every hook, read what is pending, write report.json, print the summary.
 
-        Safe to call more than once; also runs at interpreter exit if forgotten.
+        Safe to call more than once; also runs at interpreter exit if forgotten (then how the
+        process is ending — an uncaught exception, SIGTERM — is taken into account).
+
+        Args:
+            ended: how the training ended: `ok`, `error` (it raised or exited non-zero) or
+                `interrupted` (SIGINT / SIGTERM); None: as far as nanguard saw (`ok` unless an
+                uncaught exception or SIGTERM is on its way). A `with` block passes it.
+            error: a one-line description of that error, kept in report.json's `run.ended`.
         """
         if self._closed:
             assert self.report is not None
             return self.report
+        if ended is None:
+            ended, error = ending.seen()
+        if ended not in ending.ENDINGS:
+            raise ValueError(f"unknown ending {ended!r}; use one of: {', '.join(ending.ENDINGS)}")
         self._closed = True
-        for h in self._handles:
-            h.remove()
-        if self.act_probe:
-            self.act_probe.close()
+        self._ended = (ended, error)
+        self._remove_hooks()
         atexit.unregister(self._atexit)
-        self._flush()
+        ending.release()
+        if self.error is None:
+            try:
+                self._flush()
+                self._check_leftover()
+            except Exception as exc:  # noqa: BLE001 - still write the report below
+                self._stand_down(exc, "close")
         report = self._build_report()
         if self.folder is not None:
             report.write(self.folder)
@@ -243,6 +295,49 @@ class Guard:
 
             print_summary(report, self.history)
         return report
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self.act_probe:
+            self.act_probe.close()
+
+    def _stand_down(self, exc: BaseException, where: str) -> None:
+        """An error inside nanguard's own code: record it (traceback in the run folder and in
+        run.db), say so once, remove every hook and leave training exactly as it would run
+        without nanguard. The report's status becomes `degraded` (unless a non-finite value
+        was already seen: then the run had failed before nanguard stood down)."""
+        if self.error is not None:
+            return
+        if self._stashed_grads is not None:  # a skip in flight: give the gradients back
+            for p, g in zip(self.params, self._stashed_grads, strict=True):
+                p.grad = g
+            self._stashed_grads = None
+        self._current = None
+        self._pending = []
+        self._remove_hooks()
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self.error = {"step": self.step, "where": where,
+                      "error": f"{type(exc).__name__}: {exc}"}
+        try:
+            if self.folder is not None:
+                (self.folder / "nanguard_error.txt").write_text(text)
+                self.error["traceback"] = str(self.folder / "nanguard_error.txt")
+            self.store.write_meta(internal_error=self.error)
+        except Exception:  # noqa: BLE001, S110 - recording the error must not raise either
+            pass
+        print(f"nanguard: internal error in {where} at step {self.step} "
+              f"({type(exc).__name__}: {exc}); nanguard stands down, training goes on"
+              + (f"; traceback in {self.folder / 'nanguard_error.txt'}" if self.folder else ""),
+              file=sys.stderr)
+
+    def _on_load(self, *_: Any) -> None:
+        """`load_state_dict` post-hook of the model and the optimizer: loaded values are
+        checked for finiteness before the next update, and the line that loaded them kept."""
+        self._check_loaded = True
+        self._load_site = loads.call_site()
+        loads.note(self._load_site)
 
     def refine(self, finding: dict[str, Any]) -> Report:
         """After `close()`: take a refined first-non-finite finding (e.g. from a re-run with the
@@ -294,22 +389,121 @@ class Guard:
         n = sum(len(g["params"]) for g in self.optimizer.param_groups)
         if n == len(self.params):
             return False
-        names = {id(p): name for name, p in self.model.named_parameters()}
+        named = list(self.model.named_parameters())
+        names = {id(p): name for name, p in named}
+        order = {id(p): k for k, (_, p) in enumerate(named)}
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.param_names = [names.get(id(p), f"param{i}") for i, p in enumerate(self.params)]
+        # Where each parameter sits in the model's module order (not the optimizer's group
+        # order): backward reaches the last module first, whatever the groups say.
+        self._param_order = [order.get(id(p), len(named) + i) for i, p in enumerate(self.params)]
         self.probe.params = self.params
         self.probe._update_buf = None  # reallocated for the new set at the next sample
         return True
+
+    def _loaded_flags(self) -> tuple[list[str], torch.Tensor | None]:
+        """Before the first update (and the first after a `load_state_dict`): finiteness flags
+        of every parameter, optimizer-state tensor and buffer, on the device. A value already
+        non-finite there was not made by training: it was loaded. They ride in that step's
+        packet (no extra host read)."""
+        named: list[tuple[str, torch.Tensor]] = list(zip(self.param_names, self.params,
+                                                         strict=True))
+        for name, p in zip(self.param_names, self.params, strict=True):
+            for key, v in self.optimizer.state.get(p, {}).items():
+                if key != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
+                    named.append((f"optimizer.{key}[{name}]", v))
+        named += [(f"buffer:{n}", b) for n, b in zip(self.buffer_names, self.probe.buffers,
+                                                      strict=True)]
+        named = [(n, t) for n, t in named if t.numel() and (t.is_floating_point()
+                                                            or t.is_complex())]
+        if not named or self.first_nonfinite is not None:
+            return [], None
+        with torch.no_grad():
+            device = named[0][1].device
+            flags = torch.stack([torch.isfinite(t.detach()).all().to(device)
+                                 for _, t in named])
+        return [n for n, _ in named], flags.double()
+
+    def _loaded_finding(self, step: int, names: list[str], flags: list[float]) -> None:
+        """The first non-finite finding for loaded state (phase `checkpoint`)."""
+        bad = [n for n, ok in zip(names, flags, strict=True) if not ok]
+        if not bad or self.first_nonfinite is not None:
+            return
+        signals = sorted({"buffer" if n.startswith("buffer:") else
+                          n.split("[")[0] if n.startswith("optimizer.") else "param"
+                          for n in bad})
+        first = bad[0]
+        param = first.split("[", 1)[1].rstrip("]") if first.startswith("optimizer.") else (
+            None if first.startswith("buffer:") else first)
+        module = owner(param) if param else owner(first.removeprefix("buffer:"))
+        self.first_nonfinite = {
+            "step": step, "phase": "checkpoint", "module": module, "op": None,
+            "source": self._load_site or loads.last_site(), "samples": [],
+            "rank": distributed.rank(), "signals": signals, "param": param, "tensors": bad,
+        }
+        self.store.write_finding(self.first_nonfinite)
+
+    def _check_leftover(self) -> None:
+        """At close: a loss or batch handed to `watch` after the last optimizer step (the run
+        died in its first iteration, or before the next step) is checked too, so a NaN that
+        never reached an optimizer step is not lost. One host read, only when there is one."""
+        if self.first_nonfinite is not None or (self._loss is None and not self.batch_probe._parts):
+            return
+        stats = StepStats(step=self.step)
+        parts = []
+        if self._loss is not None:
+            parts.append(self._loss)
+        size, vec = self.batch_probe.collect()
+        if vec is not None:
+            parts.append(vec.to(parts[0].device) if parts else vec)
+        values = self._read(torch.cat(parts))
+        if self._loss is not None:
+            stats.loss = values.pop(0)
+        self._loss = None
+        self.batch_probe.decode(values, size, stats)
+        if stats.nonfinite_signals() or stats.nonfinite_samples:
+            found = self._locate(stats)
+            found["signals"] = found["signals"] or ["data"]
+            self.first_nonfinite = found
+            self.failing_stats = stats
+            self.store.write_finding(found)
 
     def _write_params(self) -> None:
         self.store.write_params([(n, tuple(p.shape), p.numel())
                                  for n, p in zip(self.param_names, self.params, strict=True)])
 
     def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Runs inside `optimizer.step()`, after backward and clipping, before the update."""
+        """Runs inside `optimizer.step()`, after backward and clipping, before the update.
+
+        Fails open: an error of nanguard's own stands it down (`_stand_down`) and the step goes
+        on untouched; only the `raise` policy's NanguardError leaves this hook."""
+        try:
+            self._pre(optimizer)
+        except NanguardError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+            self._stand_down(exc, "optimizer step pre-hook")
+
+    def _post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Runs inside `optimizer.step()`, right after the update. Fails open like `_pre_hook`."""
+        if self._current is None:  # stood down in the pre-hook of this very step
+            return
+        try:
+            self._post()
+        except NanguardError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+            self._stand_down(exc, "optimizer step post-hook")
+
+    def _pre(self, optimizer: torch.optim.Optimizer) -> None:
         cfg = self.config
         if self._sync_params():
             self._write_params()
+        loaded: list[str] = []
+        flags: torch.Tensor | None = None
+        if self._check_loaded:
+            self._check_loaded = False
+            loaded, flags = self._loaded_flags()
         every = cfg.watch.update_ratio_every
         grads, layout = self.probe.pre_step(snapshot_update=every > 0 and self.step % every == 0)
         parts: list[torch.Tensor] = []
@@ -322,6 +516,9 @@ class Guard:
             act_names, acts = self.act_probe.collect()
             if acts is not None:
                 parts.append(acts.double())
+        if loaded:
+            assert flags is not None
+            parts.append(flags)
         batch_size, batch_vec = self.batch_probe.collect()
         if batch_vec is not None:
             parts.append(batch_vec)
@@ -333,7 +530,7 @@ class Guard:
         self._current = _Pending(
             step=self.step, lr=_lr(optimizer), pre=pre, grad_layout=layout,
             act_names=act_names, batch_size=batch_size, has_loss=self._loss is not None,
-            rng=self._step_rng, has_scale=scale is not None,
+            rng=self._step_rng, has_scale=scale is not None, loaded=loaded,
         )
         self._loss = None
         self._watch_calls = 0
@@ -379,8 +576,7 @@ class Guard:
         self.first_nonfinite["signals"] = signals
         self.store.write_finding(self.first_nonfinite)
 
-    def _post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Runs inside `optimizer.step()`, right after the update."""
+    def _post(self) -> None:
         cur = self._current
         assert cur is not None, "post-step hook without a pre-step hook"
         self._current = None
@@ -389,8 +585,7 @@ class Guard:
             for p, g in zip(self.params, self._stashed_grads, strict=True):
                 p.grad = g
             self._stashed_grads = None
-        every = self.config.watch.state_every
-        cur.post, cur.post_layout = self.probe.post_step(second_moments=cur.step % every == 0)
+        cur.post, cur.post_layout = self.probe.post_step()
         self.step += 1
         self._pending.append(cur)
         # Acting policy (pre already read): read the post part now; else every N steps.
@@ -474,6 +669,9 @@ class Guard:
         stats.activations = dict(zip(p.act_names, values[pos : pos + len(p.act_names)],
                                      strict=True))
         pos += len(p.act_names)
+        if p.loaded:
+            self._loaded_finding(p.step, p.loaded, values[pos : pos + len(p.loaded)])
+            pos += len(p.loaded)
         if self.act_probe and p.act_names:
             dtypes = {self.act_probe.dtypes[m] for m in p.act_names if m in self.act_probe.dtypes}
             stats.act_limit = min((dtype_max(d) for d in dtypes), default=None)
@@ -481,6 +679,8 @@ class Guard:
             stats.amp_scale = values[-1]
             values = values[:-1]
         self.batch_probe.decode(values[pos:], p.batch_size, stats)
+        if self.batch_probe.dropped is not None:
+            stats.dropped_samples, self.batch_probe.dropped = self.batch_probe.dropped, None
         if live and any(math.isinf(stats.grad_norms[i]) for i in stats.nonfinite_grads):
             self.probe.resolve_overflow(stats)  # rare: an extra read only here
         p.stats = stats
@@ -503,9 +703,11 @@ class Guard:
         for a in alarms:
             if a.kind == "spike":
                 self._explain_spike(stats, a)
-        if stats.nonfinite_signals() and self.first_nonfinite is None:
-            self.first_nonfinite = self._locate(stats)
-            self.failing_stats = stats
+        if stats.nonfinite_signals():
+            if self.first_nonfinite is None:
+                self.first_nonfinite = self._locate(stats)
+            if self.failing_stats is None:
+                self.failing_stats = stats
         if alarms and step_rng is not None:
             # Keep the RNG state at the start of an alarmed step: a replay needs it.
             self.store.write_rng(stats.step, rng.dumps(step_rng))
@@ -587,7 +789,8 @@ class Guard:
     # ------------------------------------------------------------------ recording
 
     def _locate(self, stats: StepStats) -> dict[str, Any]:
-        return locate(stats, self.param_names, distributed.rank())
+        return locate(stats, self.param_names, distributed.rank(), order=self._param_order,
+                      buffer_names=self.buffer_names)
 
     def _explain_spike(self, stats: StepStats, alarm: Alarm) -> None:
         """Which layers carry a spike (always) and which samples cause it (with `replay`,
@@ -639,6 +842,8 @@ class Guard:
         from nanguard.explain import diagnose
         from nanguard.explain.context import evidence_from_guard
 
+        ended, message = getattr(self, "_ended", ("ok", None))
+
         causes = diagnose(evidence_from_guard(self))
         return build_report(
             steps=self.step,
@@ -647,22 +852,55 @@ class Guard:
             first_nonfinite=self.first_nonfinite,
             diagnosis=[c.to_dict() for c in causes],
             spikes=self.spikes,
-            # Ended non-finite: the last recorded step still holds a NaN/Inf somewhere.
-            failed=bool(self._last_stats and self._last_stats.nonfinite_signals()),
+            # Ended non-finite: the last recorded step still holds a NaN/Inf somewhere; or it
+            # died of an error after a non-finite value appeared (BCE's range check, ...).
+            failed=bool(self._last_stats and self._last_stats.nonfinite_signals())
+            or (self.first_nonfinite is not None and ended == "error")
+            or (self.first_nonfinite is not None and self._last_stats is None),
             lead_window=self.config.detect.lead_window,
+            ended=ended,
+            degraded=self.error is not None,
             run={"folder": str(self.folder) if self.folder else None,
                  "policy": self.config.policy, "model": type(self.model).__name__,
                  "optimizer": type(self.optimizer).__name__, "version": __version__,
-                 "closed": True},
+                 "closed": self._closed, "entry": self.run_entry,
+                 "ended": {"how": ended, "error": message},
+                 **({"internal_error": self.error} if self.error else {})},
         )
 
     @staticmethod
-    def _open_store(out: str | None) -> NullStore:
+    def _open_store(out: str | None, if_exists: str = "refuse") -> NullStore:
         if out == "":
             return NullStore()
         if out is None:
-            out = str(Path("nanguard_runs") / time.strftime("%Y%m%d-%H%M%S"))
-        return RunStore(out)
+            return RunStore(_unique_folder(Path("nanguard_runs")))
+        folder = Path(out)
+        if (folder / DB_NAME).exists():
+            if if_exists == "refuse":
+                raise ValueError(
+                    f"the run folder {out!r} already holds a run; pick another out=, or set "
+                    "GuardConfig(record=RecordConfig(if_exists='overwrite' or 'resume'))")
+            if if_exists == "overwrite":
+                for name in (DB_NAME, f"{DB_NAME}-wal", f"{DB_NAME}-shm", "report.json",
+                             "nanguard_error.txt"):
+                    (folder / name).unlink(missing_ok=True)
+        return RunStore(folder)
+
+
+def _unique_folder(base: Path) -> Path:
+    """`base/<time>-<pid>`, with a numeric suffix if that exists: two guards started in the
+    same second (a GAN's two optimizers, a sweep loop, two processes) never share a folder.
+    The folder is created here (mkdir is atomic), so the name is taken."""
+    stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    base.mkdir(parents=True, exist_ok=True)
+    for k in range(10_000):
+        folder = base / (stem if k == 0 else f"{stem}-{k}")
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+    raise ValueError(f"cannot find a free run folder under {str(base)!r}; pass out=")
 
 
 def _lr(optimizer: torch.optim.Optimizer) -> float | None:

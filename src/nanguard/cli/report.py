@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.console import Console
 
-from nanguard.record.report import load_report
+from nanguard.record.report import OK_STATUSES, load_report
 from nanguard.record.store import DB_NAME, dec, open_run
 from nanguard.show.summary import print_last_steps, print_summary
 
@@ -71,4 +71,6 @@ def run(args: argparse.Namespace) -> int:
         print_summary(report, console=console)
         if folder is not None:
             print_last_steps(console, _last_steps(folder, until))
-    return 1 if report.status == "failed" else 0
+    # A CI gate can trust it: only a run that was watched and ended healthy, warned or
+    # recovered passes; failed, crashed, interrupted, died, degraded and unwatched do not.
+    return 0 if report.status in OK_STATUSES else 1

@@ -86,8 +86,8 @@ class NonFiniteDetector(Detector):
     """A NaN or Inf anywhere. Fires at the first step of each non-finite episode per signal.
 
     Args:
-        signals: "pre" watches loss, gradients and activations; "post" watches parameters
-            and optimizer state after the update.
+        signals: "pre" watches loss, gradients and activations; "post" watches parameters,
+            optimizer state and buffers after the update.
     """
 
     def __init__(self, config: DetectConfig, signals: str) -> None:
@@ -96,7 +96,8 @@ class NonFiniteDetector(Detector):
         self._active: set[str] = set()
 
     def check(self, stats: StepStats) -> list[Alarm]:
-        wanted = ("loss", "grad", "activation") if self.phase == "pre" else ("param", "optimizer")
+        wanted = (("data", "loss", "grad", "activation") if self.phase == "pre"
+                  else ("param", "optimizer", "buffer"))
         now = {s for s in stats.nonfinite_signals() if s.split(".")[0] in wanted}
         alarms = []
         for signal in sorted(now - self._active):

@@ -17,10 +17,20 @@ def owner(param_name: str) -> str:
     return param_name.rpartition(".")[0]
 
 
-def locate(stats: StepStats, param_names: list[str], rank: int = 0) -> dict[str, Any]:
-    """The report.json `first_nonfinite` entry for the step `stats` describes."""
+def locate(stats: StepStats, param_names: list[str], rank: int = 0, *,
+           order: list[int] | None = None, buffer_names: list[str] | None = None
+           ) -> dict[str, Any]:
+    """The report.json `first_nonfinite` entry for the step `stats` describes.
+
+    Args:
+        order: each parameter's position in the model's module order (`named_parameters`);
+            None takes the optimizer's order. Decides which parameter backward reached first.
+        buffer_names: names of the model's floating-point buffers (`StepStats.buffer_norms`).
+    """
+    pos = order or list(range(len(param_names)))
     signals = stats.nonfinite_signals()
-    phase, module, samples = None, None, list(stats.nonfinite_samples)
+    phase, module = None, None
+    samples = list(stats.nonfinite_samples or stats.dropped_samples)
     param: str | None = None
     if samples:
         phase = "data"
@@ -33,14 +43,19 @@ def locate(stats: StepStats, param_names: list[str], rank: int = 0) -> dict[str,
         phase = "backward"
         # Backward runs from the output towards the input: the last parameter in module
         # order with a non-finite gradient is the earliest one to have received it.
-        param = param_names[max(stats.nonfinite_grads)]
+        param = param_names[max(stats.nonfinite_grads, key=lambda i: pos[i])]
         module = owner(param)
     elif signals:
         phase = "optimizer"
         bad = [i for i, v in stats.param_norms.items() if not math.isfinite(v)]
         for norms in stats.state_norms.values():
             bad += [i for i, v in norms.items() if not math.isfinite(v)]
-        param = param_names[min(bad)] if bad else None
+        param = param_names[min(bad, key=lambda i: pos[i])] if bad else None
         module = owner(param) if param else None
+        if not bad and buffer_names:  # only a buffer (BatchNorm running stats) went bad
+            name = next((buffer_names[i] for i, v in sorted(stats.buffer_norms.items())
+                         if not math.isfinite(v)), None)
+            module = owner(name) if name else None
+            phase = "forward"  # running statistics are written by the forward pass
     return {"step": stats.step, "phase": phase, "module": module, "op": None, "source": None,
             "samples": samples, "rank": rank, "signals": signals, "param": param}

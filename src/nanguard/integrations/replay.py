@@ -40,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     script = Path(a.script)
-    Guard._open_store = staticmethod(lambda out: NullStore())  # type: ignore[method-assign]
+    # The re-run records nothing: its guards (if the script makes any) must not touch the
+    # user's run folders.
+    Guard._open_store = staticmethod(  # type: ignore[method-assign]
+        lambda out, if_exists="refuse": NullStore())
     rng.restore(rng.loads(Path(a.rng).read_bytes()))
     result: dict[str, Any] = {}
     sys.argv = [str(script), *a.args]

@@ -1,6 +1,7 @@
 """report.json: the stable summary of a run. Keys are documented in README.md; extend, never rename.
 
-status          "healthy" | "warned" | "failed" | "recovered"
+status          see STATUSES: "healthy" | "warned" | "failed" | "recovered" | "unwatched" |
+                "degraded" | "crashed" | "interrupted" | "died"
 steps           number of optimizer steps recorded
 alarms          [{step, kind, signal, value, message}]
 first_nonfinite null | {step, phase, module, op, source, samples, rank, signals, param};
@@ -26,6 +27,25 @@ from typing import Any
 from nanguard.record.store import dec, open_run
 
 REPORT_NAME = "report.json"
+
+STATUSES = {
+    "healthy": "watched from the first to the last step; no alarm, nothing non-finite",
+    "warned": "watched to the end; alarms (spike, cascade, ...) but nothing non-finite",
+    "recovered": "non-finite values appeared and the policy (skip / rollback) got past them",
+    "failed": "non-finite values appeared and the run ended with them, was stopped, or died "
+              "of an error after them",
+    "unwatched": "no training step was watched (no optimizer step, no backward)",
+    "degraded": "nanguard stood down after an error in its own hooks (traceback in "
+                "nanguard_error.txt); training went on unwatched",
+    "crashed": "the training ended by an error of its own; nothing non-finite was seen before",
+    "interrupted": "SIGINT / SIGTERM ended the training; nothing non-finite was seen before",
+    "died": "the process ended without closing the guard (SIGKILL, out of memory): no "
+            "report.json was written; this one is rebuilt from run.db",
+}
+"""Every status report.json can hold, and what it promises."""
+
+OK_STATUSES = ("healthy", "warned", "recovered")
+"""Statuses a CI gate may pass: `nanguard report` exits 0 for these only."""
 
 
 @dataclass(kw_only=True)
@@ -80,8 +100,15 @@ def build_report(
     failed: bool | None = None,
     lead_window: int = 10,
     spikes: list[dict[str, Any]] | None = None,
+    ended: str = "ok",
+    degraded: bool = False,
 ) -> Report:
-    """Derive status, first warning and lead time from what was recorded."""
+    """Derive status, first warning and lead time from what was recorded.
+
+    `ended` says how the training ended (`nanguard.record.ending.ENDINGS`), `degraded` that
+    nanguard stood down after its own error. A non-finite value decides first (`failed` or
+    `recovered`), then nanguard's own error, then how the training ended, then whether any
+    step was watched at all."""
     warnings = [a["step"] for a in alarms if a["kind"] != "nonfinite"]
     lead = None
     if first_nonfinite is not None:
@@ -103,6 +130,14 @@ def build_report(
         status = "failed"
     elif first_nonfinite is not None:
         status = "recovered"
+    elif degraded:
+        status = "degraded"
+    elif ended == "error":
+        status = "crashed"
+    elif ended in ("interrupted", "died"):
+        status = ended
+    elif steps == 0:
+        status = "unwatched"
     elif alarms:
         status = "warned"
     else:
@@ -173,4 +208,8 @@ def load_report(folder: str | os.PathLike[str]) -> Report:
         db.close()
     run = {k: json.loads(v) for k, v in meta.items()}
     run["closed"] = False
-    return build_report(steps=steps, alarms=alarms, actions=actions, first_nonfinite=first, run=run)
+    # Never closed: the process died (SIGKILL, out of memory) before it could write the
+    # report; what it recorded is all there is, and it cannot be called healthy.
+    return build_report(steps=steps, alarms=alarms, actions=actions, first_nonfinite=first,
+                        run=run, ended="died",
+                        degraded="internal_error" in run)

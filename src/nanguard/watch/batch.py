@@ -32,13 +32,27 @@ class BatchProbe:
 
     def __init__(self) -> None:
         self.last: Any = None
-        self._vec: torch.Tensor | None = None
-        self._size = 0
+        self._parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        """(fingerprints, NaN-row flags, per-tensor flags) of each micro-batch of this step."""
+        self.dropped: list[int] | None = None
+        """NaN rows of a batch whose optimizer step never came (a GradScaler skipped it on
+        the fp16 overflow its NaN caused): the data fault is real and is reported with the
+        next step the guard sees."""
+
+    def _keep_dropped(self) -> None:
+        """A batch is replaced with no optimizer step in between: keep its NaN rows. One host
+        read, only on steps the GradScaler skipped (a handful per run)."""
+        bad = torch.cat([p[1] for p in self._parts])
+        rows: list[int] = bad.nonzero().flatten().tolist()
+        if rows:
+            self.dropped = rows
 
     def observe(self, batch: Any, accumulate: bool = True) -> None:
-        """Fingerprint `batch` on the device. With `accumulate`, the NaN flags of earlier
-        batches observed since the last `collect` (micro-batches of one step) are kept."""
+        """Fingerprint `batch` on the device. With `accumulate`, batches observed since the last
+        `collect` are micro-batches of one step and are all kept; without, only the last."""
         tensors = [t for t in batch_tensors(batch) if t.dim() > 0]
+        if not accumulate and self._parts and self.dropped is None:
+            self._keep_dropped()
         self.last = batch
         if not tensors:
             return
@@ -58,20 +72,29 @@ class BatchProbe:
                     per_tensor.append(rows.any())
                 else:
                     per_tensor.append(torch.zeros((), dtype=torch.bool, device=device))
-        vec = torch.cat([h, bad.double(), torch.stack(per_tensor).double()])
-        if accumulate and self._vec is not None and self._vec.shape == vec.shape:
-            # Another micro-batch of the same step (gradient accumulation): keep the last one's
-            # fingerprints, but every micro-batch's NaN rows and tensors.
-            flags = torch.maximum(self._vec[size:], vec[size:].to(self._vec.device))
-            vec = torch.cat([vec[:size], flags.to(vec.device)])
-        self._vec = vec
-        self._size = size
+        flags = torch.stack(per_tensor).double()
+        if accumulate and self._parts and self._parts[-1][2].shape == flags.shape:
+            # Another micro-batch of the same step (gradient accumulation, the last one
+            # possibly smaller): the step's samples are the micro-batches one after the other,
+            # so a NaN row of any of them keeps its place (index = offset + row).
+            self._parts.append((h, bad.double(), flags))
+        else:
+            self._parts = [(h, bad.double(), flags)]
 
     def collect(self) -> tuple[int, torch.Tensor | None]:
-        """Take what was observed since the last step."""
-        vec, size = self._vec, self._size
-        self._vec, self._size = None, 0
-        return size, vec
+        """Take what was observed since the last step: (number of samples, one vector of
+        fingerprints, NaN-row flags and per-tensor flags) or (0, None)."""
+        parts, self._parts = self._parts, []
+        if not parts:
+            return 0, None
+        if len(parts) == 1:
+            h, bad, flags = parts[0]
+        else:
+            device = parts[0][0].device
+            h = torch.cat([p[0].to(device) for p in parts])
+            bad = torch.cat([p[1].to(device) for p in parts])
+            flags = torch.stack([p[2].to(device) for p in parts]).amax(dim=0)
+        return h.numel(), torch.cat([h, bad, flags.to(h.device)])
 
     @staticmethod
     def decode(values: list[float], size: int, stats: StepStats) -> None:

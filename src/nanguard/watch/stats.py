@@ -2,7 +2,8 @@
 
 The probe never reads a value on the host by itself: `pre_step` and `post_step` return small
 float tensors that stay on the device; the guard concatenates them and reads them once
-(`decode` turns the host list back into a `StepStats`). Norms are float32 `_foreach_norm`s:
+(`decode` turns the host list back into a `StepStats`). Norms are float32 `_foreach_norm`s
+(float64 and complex tensors in their own precision, sparse gradients by their values):
 a NaN norm means some element is NaN; an infinite norm means an element is infinite OR the sum of
 squares overflowed while every element is finite (seen one step before the first NaN in the
 LR/momentum cascade). `resolve_overflow` tells the two apart, with an extra read only in that
@@ -45,6 +46,9 @@ class StepStats:
     state_norms: dict[str, dict[int, float]] = field(default_factory=dict)
     """Per optimizer-state key (`exp_avg`, `exp_avg_sq`, `momentum_buffer`, ...): per-parameter
     L2 norm after the step."""
+    buffer_norms: dict[int, float] = field(default_factory=dict)
+    """Per floating-point buffer of the model (BatchNorm running statistics, ...): L2 norm
+    after the step, by buffer index. A running variance at inf makes every eval NaN."""
     update_norm: float | None = None
     """L2 norm of the whole update (sampled steps only)."""
     activations: dict[str, float] = field(default_factory=dict)
@@ -55,6 +59,9 @@ class StepStats:
     """52-bit fingerprints of each sample of the batch handed to the guard."""
     nonfinite_samples: list[int] = field(default_factory=list)
     """Indices of the samples of the batch that hold a NaN or Inf."""
+    dropped_samples: list[int] = field(default_factory=list)
+    """NaN rows of an earlier batch of this step whose update the GradScaler skipped (see
+    `BatchProbe.dropped`)."""
     batch_tensors: int = 0
     """Number of tensors in the batch handed to the guard (inputs first, targets last)."""
     nonfinite_tensors: list[int] = field(default_factory=list)
@@ -133,6 +140,8 @@ class StepStats:
     def nonfinite_signals(self) -> list[str]:
         """Names of the signals that hold a non-finite value this step."""
         out = []
+        if self.dropped_samples:
+            out.append("data")
         if self.loss is not None and not math.isfinite(self.loss):
             out.append("loss")
         if self.nonfinite_grads:
@@ -144,6 +153,8 @@ class StepStats:
         for key, norms in self.state_norms.items():
             if any(not math.isfinite(v) for i, v in norms.items() if (key, i) not in over):
                 out.append(f"optimizer.{key}")
+        if any(not math.isfinite(v) for v in self.buffer_norms.values()):
+            out.append("buffer")
         if any(not math.isfinite(v) for v in self.activations.values()):
             out.append("activation")
         return out
@@ -154,9 +165,52 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
+_F32_NORM = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's stored values as a dense real float64 tensor (sparse: its values; complex: its
+    magnitudes), for the rare exact checks on the host."""
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.coalesce().values()
+    return (t.abs() if t.is_complex() else t).double()
+
+
+def _plain_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Stacked float64 L2 norms of local tensors of any dtype and layout.
+
+    The common case (dense float16 / bfloat16 / float32 tensors) is one fused `_foreach_norm`
+    computed in float32 (an fp16 norm above 65504 would read as inf). Float64 and complex
+    tensors are reduced in their own precision (a float32 norm cannot be asked of them), sparse
+    gradients (`nn.Embedding(sparse=True)`) by the norm of their stored values: every dtype and
+    layout PyTorch trains in is measured.
+    """
+    if all(t.layout == torch.strided and t.dtype in _F32_NORM for t in tensors):
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).double()
+    groups: dict[Any, list[int]] = {}
+    for i, t in enumerate(tensors):
+        key = "sparse" if t.layout != torch.strided else t.dtype
+        groups.setdefault(key, []).append(i)
+    device = tensors[0].device
+    out = torch.empty(len(tensors), dtype=torch.float64, device=device)
+    for key, ids in groups.items():
+        if key == "sparse":
+            # Uncoalesced values may repeat an index; their norm still tells finite from not.
+            vals = [tensors[i].coalesce().values() for i in ids]
+            norms = [torch.linalg.vector_norm(v.double() if not v.is_complex() else v)
+                     for v in vals]
+        elif key in _F32_NORM:
+            norms = list(torch._foreach_norm([tensors[i] for i in ids], 2, dtype=torch.float32))
+        else:  # float64, complex: their own precision; complex norms are real
+            norms = list(torch._foreach_norm([tensors[i] for i in ids], 2))
+        out[ids] = torch.stack([n.to(device=device, dtype=torch.float64) for n in norms])
+    return out
+
+
 def foreach_norms(tensors: list[torch.Tensor], like: list[torch.Tensor] | None = None
                   ) -> torch.Tensor:
-    """Stacked L2 norms of `tensors` (fused), on their device.
+    """Stacked L2 norms of `tensors` (fused), on their device, as float64.
 
     DTensors (FSDP2, tensor parallel): the norms of the local shards, combined into the norm of
     the whole tensor by one sum-of-squares all-reduce per group of sharded mesh dimensions
@@ -168,11 +222,8 @@ def foreach_norms(tensors: list[torch.Tensor], like: list[torch.Tensor] | None =
     specs = like if like is not None else tensors
     dts: list[Any] = [t if _is_dtensor(t) else None for t in specs]
     if not any(d is not None for d in dts):
-        # float32 results: an fp16 norm above 65504 would read as inf (and the norms of a
-        # mixed-dtype model could not be stacked).
-        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
-    norms = torch.stack(torch._foreach_norm([_local(t) for t in tensors], 2,
-                                            dtype=torch.float32))
+        return _plain_norms(tensors)
+    norms = _plain_norms([_local(t) for t in tensors])
     groups: dict[tuple[int, tuple[int, ...]], tuple[Any, list[int]]] = {}
     for i, d in enumerate(dts):
         if d is None:
@@ -201,16 +252,19 @@ class StepProbe:
         optimizer: the optimizer whose state (momentum, Adam moments) is measured after the step.
     """
 
-    def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+                 buffers: list[torch.Tensor] | None = None) -> None:
         self.params = params
         self.optimizer = optimizer
+        self.buffers: list[torch.Tensor] = buffers or []
+        """Floating-point buffers of the model, measured after every step."""
         self._update_buf: list[torch.Tensor] | None = None
         self._with_update = False
 
     def pre_step(self, snapshot_update: bool) -> tuple[torch.Tensor | None, list[int]]:
         """Runs after backward (and any clipping), before `optimizer.step()` changes anything.
 
-        Returns the per-parameter gradient norms (float32, on the device; None when no
+        Returns the per-parameter gradient norms (float64, on the device; None when no
         parameter has a gradient) and the layout: the indices of the parameters they belong
         to. When `snapshot_update` is set, copies the parameters into a buffer allocated once,
         so that `post_step` can measure the update.
@@ -218,6 +272,11 @@ class StepProbe:
         idx = [i for i, p in enumerate(self.params) if p.grad is not None]
         self._with_update = snapshot_update and bool(idx)
         if self._with_update:
+            if self._update_buf is not None and any(
+                b.dtype != p.dtype or b.shape != _local(p).shape
+                for b, p in zip(self._update_buf, self.params, strict=True)
+            ):  # the model was converted (`.double()`, `.to()`) after the guard was built
+                self._update_buf = None
             if self._update_buf is None:
                 self._update_buf = [torch.empty_like(_local(p)) for p in self.params]
             with torch.no_grad():
@@ -225,14 +284,14 @@ class StepProbe:
         if not idx:
             return None, idx
         grads = [self.params[i].grad for i in idx]
-        return foreach_norms(grads).float(), idx  # type: ignore[arg-type]
+        return foreach_norms(grads), idx  # type: ignore[arg-type]
 
     def post_step(
         self, second_moments: bool = True
     ) -> tuple[torch.Tensor, list[tuple[str, list[int]]]]:
         """Runs right after `optimizer.step()`: parameter norms, optimizer-state norms (second
-        moments only when `second_moments`) and, on sampled steps, the update norm. Returns one
-        float32 device tensor and its layout."""
+        moments only when `second_moments`), buffer norms and, on sampled steps, the update
+        norm. Returns one float64 device tensor and its layout."""
         parts = [foreach_norms([p.detach() for p in self.params])]
         layout: list[tuple[str, list[int]]] = [("param", list(range(len(self.params))))]
         by_key: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
@@ -252,6 +311,9 @@ class StepProbe:
         for key, (ids, tensors) in by_key.items():
             parts.append(foreach_norms(tensors))
             layout.append((key, ids))
+        if self.buffers:
+            parts.append(foreach_norms(self.buffers))
+            layout.append(("buffer", list(range(len(self.buffers)))))
         if self._with_update:
             assert self._update_buf is not None
             with torch.no_grad():  # in place: no transient parameter-sized allocation
@@ -260,7 +322,7 @@ class StepProbe:
             parts.append(norms.double().pow(2).sum().sqrt().reshape(1))
             layout.append(("update", [0]))
         self._with_update = False
-        return torch.cat([t.float().reshape(-1) for t in parts]), layout
+        return torch.cat([t.double().reshape(-1) for t in parts]), layout
 
     @staticmethod
     def decode_pre(values: list[float], layout: list[int], stats: StepStats) -> None:
@@ -283,6 +345,8 @@ class StepProbe:
                 stats.param_norms = dict(zip(ids, chunk, strict=True))
             elif key == "update":
                 stats.update_norm = chunk[0]
+            elif key == "buffer":
+                stats.buffer_norms = dict(zip(ids, chunk, strict=True))
             else:
                 stats.state_norms[key] = dict(zip(ids, chunk, strict=True))
 
@@ -295,16 +359,21 @@ class StepProbe:
         """
         groups: list[tuple[dict[int, float], str | None]] = [(stats.param_norms, None)]
         groups += [(norms, key) for key, norms in stats.state_norms.items()]
+        groups.append((stats.buffer_norms, "buffer"))
         for norms, key in groups:
             for i, v in list(norms.items()):
                 if not math.isinf(v):
                     continue
-                p = self.params[i]
-                t = p.detach() if key is None else self.optimizer.state[p][key]
-                t64 = t.detach().double()
+                if key == "buffer":
+                    t = self.buffers[i]
+                else:
+                    p = self.params[i]
+                    t = p.detach() if key is None else self.optimizer.state[p][key]
+                t64 = _values(t)
                 if bool(torch.isfinite(t64).all()):
                     norms[i] = float(torch.linalg.vector_norm(t64))
-                    stats.overflowed.add(i)
+                    if key != "buffer":
+                        stats.overflowed.add(i)
 
     def resolve_overflow(self, stats: StepStats) -> None:
         """Tell "the float32 sum of squares overflowed" from "an element is infinite".
@@ -320,7 +389,7 @@ class StepProbe:
                 continue
             if _is_dtensor(grad):
                 grad = grad.full_tensor()  # type: ignore[attr-defined]  # every rank is here: the norms were all-reduced
-            g = grad.detach().double()
+            g = _values(grad)
             if bool(torch.isfinite(g).all()):
                 stats.grad_norms[i] = float(torch.linalg.vector_norm(g))
                 stats.nonfinite_grads.discard(i)
