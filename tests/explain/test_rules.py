@@ -19,8 +19,23 @@ def _ev(**first: object) -> Evidence:
     return Evidence(first_nonfinite={"step": 5, **first})
 
 
+_ZERO_DEN = [{"dtype": "float32", "min": -1.0, "max": 1.0},
+             {"dtype": "float32", "min": 0.0, "max": 2.0, "has_zero": True}]
+_HUGE_IN = [{"dtype": "float32", "min": -3e30, "max": 3e30, "has_negative": True},
+            {"dtype": "float32", "min": 1e20, "max": 6e23}]
+
+# (rule, evidence it needs, the closest evidence that rules it out)
 CASES = [
-    (R.data_nonfinite, _ev(phase="data", samples=[3]), _ev(phase="forward", op="aten.mm")),
+    (
+        R.checkpoint_nonfinite,
+        _ev(phase="checkpoint", step=0, tensors=["fc.weight"], source="train.py:12"),
+        _ev(phase="data", step=0, samples=[3]),
+    ),
+    (
+        R.data_nonfinite,
+        _ev(phase="data", samples=[3]),
+        _ev(phase="data", samples=[]),  # no evidence the batch holds it
+    ),
     (
         R.label_nonfinite,
         Evidence(first_nonfinite={"step": 1, "phase": "data"}, bad_tensors=[1], n_batch_tensors=2),
@@ -29,29 +44,37 @@ CASES = [
     (
         R.log_of_nonpositive,
         _ev(phase="forward", op="aten.log", inputs=[{"has_zero": True}]),
-        _ev(phase="forward", op="aten.exp"),
+        _ev(phase="forward", op="aten.log", inputs=[{"min": 0.5, "max": 2.0}]),
     ),
     (
         R.saturated_loss,
-        _ev(phase="loss", op="aten.binary_cross_entropy"),
-        _ev(phase="loss", op="aten.binary_cross_entropy_with_logits"),
+        _ev(phase="loss", op="aten.log",
+            inputs=[{"min": 0.0, "max": 1.0, "has_zero": True}]),
+        _ev(phase="loss", op="aten.log", inputs=[{"min": -2.0, "max": 3.0, "has_zero": True,
+                                                  "has_negative": True}]),
     ),
     (
         R.division_by_zero,
-        _ev(phase="forward", op="aten.div", inputs=[{}, {"has_zero": True}]),
-        _ev(phase="forward", op="aten.mul"),
+        _ev(phase="forward", op="aten.div", inputs=_ZERO_DEN),
+        _ev(phase="forward", op="aten.div",
+            inputs=[{"min": -1e30, "max": 1e30}, {"min": 0.5, "max": 2.0}]),
     ),
     (
         R.singular_gradient,
-        _ev(phase="backward", op="aten.div"),
-        _ev(phase="forward", op="aten.div"),
+        _ev(phase="backward", op="aten.div", node="SqrtBackward0", inputs=_ZERO_DEN),
+        _ev(phase="backward", op="aten.native_layer_norm_backward",
+            node="NativeLayerNormBackward0", inputs=_HUGE_IN),
     ),
     (
         R.masked_softmax,
-        _ev(phase="forward", op="aten._softmax"),
-        _ev(phase="forward", op="aten.mm"),
+        _ev(phase="forward", op="aten._softmax", inputs=[{"min": "-inf", "max": 0.2}]),
+        _ev(phase="forward", op="aten._softmax", inputs=[{"min": -3.0, "max": 0.2}]),
     ),
-    (R.exp_overflow, _ev(phase="forward", op="aten.exp"), _ev(phase="forward", op="aten.log")),
+    (
+        R.exp_overflow,
+        _ev(phase="forward", op="aten.exp", inputs=[{"dtype": "float32", "min": 0, "max": 200}]),
+        _ev(phase="forward", op="aten.exp", inputs=[{"dtype": "float32", "min": 0, "max": 20}]),
+    ),
     (
         R.low_precision_overflow,
         Evidence(
@@ -79,7 +102,13 @@ CASES = [
             alarms=[{"step": 1, "kind": "spike", "signal": "grad_norm", "value": 300.0}],
         ),
     ),
-    (R.exploding_init, _ev(phase="forward", op="aten.mm", step=0), _ev(phase="forward", step=50)),
+    (
+        R.exploding_init,
+        _ev(phase="forward", op="aten.addmm", step=0,
+            inputs=[{"dtype": "float32", "min": 0.0, "max": 1e37, "has_zero": True}]),
+        _ev(phase="forward", op="aten.addmm", step=0,
+            inputs=[{"dtype": "float32", "min": -3.0, "max": 3.0}]),
+    ),
     (
         R.bad_batch,
         Evidence(alarms=[{"step": 7, "kind": "spike", "signal": "grad_norm", "value": 99.0}]),
@@ -112,6 +141,12 @@ def test_rule_fires_only_on_its_evidence(rule, positive, negative) -> None:
     assert cause is not None and cause.cause == rule.__name__
     assert 0 < cause.confidence <= 1 and cause.evidence and cause.fix
     assert rule(negative) is None
+
+
+@pytest.mark.parametrize("rule", R.RULES, ids=lambda r: r.__name__)
+def test_every_rule_states_its_evidence(rule) -> None:
+    doc = rule.__doc__ or ""
+    assert "Needs" in doc and "Ruled out" in doc, rule.__name__
 
 
 def test_every_rule_is_registered_and_covered() -> None:
@@ -192,7 +227,10 @@ def test_cascade_is_diagnosed_as_optimizer_divergence() -> None:
     report = guards[0].report
     assert report.first_nonfinite is not None
     assert report.diagnosis[0]["cause"] == "optimizer_divergence"
-    assert "lr=0.05 ->" in report.diagnosis[0]["fix"]
+    fix = report.diagnosis[0]["fix"]
+    assert "lr=0.05 ->" in fix
+    new_lr = float(fix.split("lr=0.05 -> lr=")[1].split(":")[0])
+    assert new_lr <= 0.005  # at least 10x below the LR that diverged
     assert "clip_grad_norm_" in report.diagnosis[0]["fix"]
 
 

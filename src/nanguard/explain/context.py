@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from statistics import median
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nanguard.detect.detectors import SpikeDetector
 from nanguard.explain.evidence import Evidence
@@ -13,7 +14,12 @@ if TYPE_CHECKING:
 
 
 def evidence_from_guard(guard: Guard) -> Evidence:
-    """Evidence for `diagnose` from what the guard saw and how the optimizer is set up."""
+    """Evidence for `diagnose` from what the guard saw and how the optimizer is set up.
+
+    Optional guard attributes set by other parts (read with a default, never required):
+    `run_entry` (`"run"` when `nanguard run` made the guard, else `"api"`) and `script_clip`
+    (the `max_norm` of the script's own gradient clipping, 0 when it is off).
+    """
     group = guard.optimizer.param_groups[0] if guard.optimizer.param_groups else {}
     momentum = group.get("momentum")
     if momentum is None and isinstance(group.get("betas"), (tuple, list)):
@@ -41,4 +47,23 @@ def evidence_from_guard(guard: Guard) -> Evidence:
         n_batch_tensors=failing.batch_tensors if failing else 0,
         reproduced=(guard.first_nonfinite or {}).get("reproduced"),
         lead_window=guard.config.detect.lead_window,
+        history=[_step_record(s) for s in getattr(guard, "history", [])],
+        clip=_float_or_none(getattr(guard, "script_clip", None)),
+        entry=str(getattr(guard, "run_entry", "api") or "api"),
     )
+
+
+def _step_record(stats: Any) -> dict[str, Any]:
+    """The magnitudes of one recorded step a rule may read (see `Evidence.history`)."""
+    acts = [v for v in (getattr(stats, "activations", None) or {}).values() if math.isfinite(v)]
+    return {
+        "step": stats.step,
+        "loss": stats.loss,
+        "grad_norm": stats.grad_norm if stats.grad_norms else None,
+        "act_max": max(acts) if acts else None,
+        "lr": stats.lr,
+    }
+
+
+def _float_or_none(v: object) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None

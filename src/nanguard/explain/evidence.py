@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -44,6 +45,15 @@ class Evidence:
     reproduced: bool | None = None
     """Whether an op-level replay reproduced the failure bit for bit."""
     lead_window: int = 10
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """The steps the guard kept up to (and just after) the failure, oldest first: `step`,
+    `loss`, `grad_norm` (global), `act_max` (largest finite activation abs-max, None when
+    activations were not watched) and `lr`; NaN/Inf kept as floats."""
+    clip: float | None = None
+    """The `max_norm` the script's own gradient clipping uses (0: clipping off), when known."""
+    entry: str = "api"
+    """How nanguard was started: `api` (a `Guard` in the user's code) or `run` (zero code,
+    `nanguard run SCRIPT`); fixes name the matching knob."""
 
     @property
     def op(self) -> str:
@@ -62,6 +72,22 @@ class Evidence:
         """Ranges of the origin op's inputs, when the op checker recorded them."""
         return list((self.first_nonfinite or {}).get("inputs") or [])
 
+    @property
+    def magnitude(self) -> float | None:
+        """Largest finite |value| among the origin op's inputs; None without input ranges."""
+        top: float | None = None
+        for i in self.inputs:
+            for key in ("min", "max"):
+                v = _num(i.get(key))
+                if v is not None and math.isfinite(v):
+                    top = abs(v) if top is None else max(top, abs(v))
+        return top
+
+    def steps_until_failure(self) -> list[dict[str, Any]]:
+        """`history` entries up to the failing step (all of them on a run that never failed)."""
+        step = self.step
+        return [h for h in self.history if step is None or h.get("step", 0) <= step]
+
     def warnings_before(self, kinds: tuple[str, ...]) -> list[dict[str, Any]]:
         """Alarms of these kinds within `lead_window` steps before the first non-finite value
         (or anywhere, on a run that never went non-finite)."""
@@ -71,3 +97,13 @@ class Evidence:
             for a in self.alarms
             if a["kind"] in kinds and (step is None or step - self.lead_window <= a["step"] <= step)
         ]
+
+
+def _num(v: object) -> float | None:
+    """A number from report JSON (floats, or the strings "nan" / "inf" / "-inf"); else None."""
+    if isinstance(v, bool) or v is None:
+        return None
+    try:
+        return float(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None

@@ -1,13 +1,24 @@
 """Diagnosis rules: one small unit per cause of the vocabulary (shared/DESIGN.md section 3).
 
-A rule reads an `Evidence` and returns a `Cause` or None. It states what evidence it needs in
-its docstring; adding a cause means adding one function here (and a scenario that shows it).
+A rule reads an `Evidence` and returns a `Cause` or None. Its docstring says what evidence it
+needs and what rules it out; where a piece of evidence is missing (no op-level replay, no
+activation watching) it fires with a lower confidence and its evidence text says what is
+missing, rather than claiming what it cannot see. Adding a cause means adding one function here
+(with a positive and a negative test in tests/explain/).
+
+Fixes use the run's own numbers (LR, healthy grad norm, the growth it measured) and the user's
+entry point (`Evidence.entry`: a `Guard(...)` option for `api` users, a `nanguard run` flag for
+zero-code users).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from statistics import median
+from typing import Any
+
+import torch
 
 from nanguard.explain.evidence import Cause, Evidence
 
@@ -33,19 +44,35 @@ _SOFTMAX_OPS = (
 _CASCADE = ("spike", "cascade", "forecast", "overflow")
 _LOW_PRECISION = ("torch.float16", "torch.bfloat16", "float16", "bfloat16")
 
+HUGE = 1e6
+"""An activation abs-max or a grad norm this large is far beyond a healthy network's (O(1) to
+O(1e3)), whatever the dtype: what an exploding init or a diverging optimizer shows."""
+JUMP = 100.0
+"""Growth of the loss or grad norm in one step that counts as a jump (not noise)."""
+
 
 def rule(fn: Rule) -> Rule:
     RULES.append(fn)
     return fn
 
 
-_SINGULAR_NODES = ("Sqrt", "Rsqrt", "Pow", "Norm", "LinalgVectorNorm")
+# Autograd nodes whose backward is singular at 0 (custom Functions count: `ClampedSqrtBackward`).
+_SINGULAR_NODES = ("Sqrt", "Pow", "Norm", "Dist")
+# ... but normalization layers are not: their backward has an eps and no singular point.
+_NORM_LAYERS = ("LayerNorm", "BatchNorm", "GroupNorm", "InstanceNorm", "RmsNorm", "RMSNorm",
+                "WeightNorm", "LocalResponseNorm")
+
+
+def _node(ev: Evidence) -> str:
+    return str((ev.first_nonfinite or {}).get("node") or "")
 
 
 def _singular_node(ev: Evidence) -> bool:
-    """The backward op ran inside the gradient of sqrt / pow / norm (its autograd node)."""
-    node = str((ev.first_nonfinite or {}).get("node") or "")
-    # Custom autograd Functions count too (e.g. `ClampedSqrtBackward`).
+    """The backward op ran inside the gradient of sqrt / rsqrt / pow / a norm (its autograd
+    node), not inside a normalization layer's (LayerNorm & co. divide by sqrt(var + eps))."""
+    node = _node(ev)
+    if any(layer in node for layer in _NORM_LAYERS):
+        return False
     return any(name in node for name in _SINGULAR_NODES)
 
 
@@ -61,11 +88,195 @@ def _num(v: object, default: float) -> float:
         return default
 
 
+def _finfo(dtype: object) -> torch.finfo:
+    name = str(dtype or "float32").replace("torch.", "")
+    try:
+        return torch.finfo(getattr(torch, name))
+    except (AttributeError, TypeError):
+        return torch.finfo(torch.float32)
+
+
+def _overflow_scale(dtype: object) -> float:
+    """Inputs this large (about sqrt of the dtype's largest value) overflow when multiplied:
+    the signature of an overflow of huge finite magnitudes, not of a singular point."""
+    return max(_finfo(dtype).max ** 0.5 / 100, 1e3)
+
+
+def _near_zero(r: dict[str, Any]) -> str | None:
+    """`zero` when the input range holds an exact 0, `tiny` when its smallest |value| (known
+    when the range does not straddle 0) is within rounding of 0 for its dtype, else None."""
+    if r.get("has_zero"):
+        return "zero"
+    lo, hi = _num(r.get("min"), math.nan), _num(r.get("max"), math.nan)
+    closest = lo if lo >= 0 else -hi if hi <= 0 else math.nan
+    if math.isfinite(closest) and closest <= _finfo(r.get("dtype")).tiny ** 0.5:
+        return "tiny"
+    return None
+
+
+def _singular_input(ev: Evidence) -> tuple[str, str]:
+    """Whether the origin op's input at the singular point is at (or within rounding of) it:
+    (`zero` | `tiny` | `no` | `missing`, a phrase for the evidence text). For a division the
+    denominator is looked at, for pow / sqrt / rsqrt / norm the base, else any input."""
+    ins = ev.inputs
+    if not ins:
+        return "missing", "the origin op's input ranges were not recorded (no op-level replay)"
+    if ev.op.startswith("aten.div") and len(ins) > 1:
+        looked, what = [ins[1]], "the denominator"
+    elif ev.op.startswith(("aten.reciprocal", *_SINGULAR_OPS)):
+        looked, what = [ins[0]], "the input"
+    else:
+        looked, what = ins, "an input"
+    for r in looked:
+        near = _near_zero(r)
+        if near == "zero":
+            return "zero", f"{what} holds exact zeros"
+        if near == "tiny":
+            return "tiny", f"{what} holds values within rounding of 0 (min {r.get('min')})"
+    return "no", f"no input is at or near 0 (largest |input| {_fmt(ev.magnitude)})"
+
+
+def _fmt(v: float | None) -> str:
+    return "?" if v is None else f"{v:.3g}"
+
+
 def _where(ev: Evidence) -> str:
     f = ev.first_nonfinite or {}
     module = f.get("module")
     at = f" in `{module}`" if module else ""
     return f"{f.get('op') or 'an op'}{at} ({f.get('phase') or '?'} phase, step {f.get('step')})"
+
+
+def _rollback(ev: Evidence) -> str:
+    """How this user turns on nanguard's own recovery."""
+    if ev.entry == "run":
+        return "`nanguard run --policy rollback <your script> ...`"
+    return "`Guard(..., policy='rollback')`"
+
+
+def _batch_evidence(ev: Evidence) -> bool:
+    """The batch itself is shown to hold the value: rows of it, the guard's batch check, or
+    the op checker's batch element. (A watched batch found finite with none of these is
+    evidence against: the value came from somewhere else.)"""
+    first = ev.first_nonfinite or {}
+    if ev.bad_tensors or first.get("batch_item"):
+        return True
+    if ev.n_batch_tensors and not ev.bad_tensors:
+        return False  # the guard looked at the batch and it was finite
+    return bool(first.get("samples"))
+
+
+def _jump(ev: Evidence) -> dict[str, Any] | None:
+    """The first one-step growth of the loss or grad norm by >= `JUMP` (finite values, after
+    an update) in the steps up to the failure: `step` (where it showed), `from`, `signal`,
+    `before`, `after`, `ratio`, and `growth` (the per-step growth of the error it implies: the
+    grad norm's ratio, or the square root of a loss ratio)."""
+    steps = sorted(ev.steps_until_failure(), key=lambda h: h.get("step", 0))
+    for a, b in zip(steps, steps[1:], strict=False):
+        found: list[tuple[float, dict[str, Any]]] = []
+        for signal, floor in (("grad_norm", 0.0), ("loss", 1e-3)):
+            x, y = _num(a.get(signal), math.nan), _num(b.get(signal), math.nan)
+            if math.isfinite(x) and math.isfinite(y) and abs(x) > floor and y / x >= JUMP:
+                ratio = y / x
+                growth = ratio if signal == "grad_norm" else math.sqrt(ratio)
+                found.append((growth, {"step": b.get("step"), "from": a.get("step"),
+                                       "signal": signal, "before": x, "after": y,
+                                       "ratio": ratio, "growth": growth}))
+        if found:
+            best = max(found, key=lambda f: f[0])[1]
+            best["others"] = [f[1] for f in found if f[1] is not best]
+            return best
+    return None
+
+
+def _healthy_grad_norm(ev: Evidence, before: int | None = None) -> float | None:
+    """The median finite grad norm of the recorded steps before step `before` (the jump), else
+    the guard's healthy median, else the median of all recorded steps."""
+    norms = [_num(h.get("grad_norm"), math.nan) for h in ev.steps_until_failure()
+             if before is None or h.get("step", 0) < before]
+    norms = [n for n in norms if math.isfinite(n) and n > 0]
+    if before is not None and norms:
+        return median(norms)  # the detector's median may include the jump's first steps
+    if ev.healthy_grad_norm:
+        return ev.healthy_grad_norm
+    return median(norms) if norms else None
+
+
+def _early_magnitude(ev: Evidence) -> tuple[bool | None, str]:
+    """Huge activations / grad norms in steps 0-2 (up to the failure): (True: seen, False:
+    measured and not huge, None: nothing measured), with the evidence phrase."""
+    measured: list[str] = []
+    for h in ev.steps_until_failure():
+        if h.get("step", 99) > 2:
+            continue
+        for signal, label in (("act_max", "activation abs-max"), ("grad_norm", "grad norm")):
+            v = _num(h.get(signal), math.nan)
+            if math.isfinite(v):
+                if v >= HUGE:
+                    return True, f"{label} {v:.3g} at step {h['step']}"
+                measured.append(signal)
+    for a in ev.alarms:
+        if a.get("kind") in ("overflow", "forecast") and a.get("step", 99) <= 2:
+            return True, f"{a['kind']} alarm at step {a['step']}: {a.get('message', '')}"
+    top = ev.magnitude
+    if top is not None:
+        if top >= HUGE:
+            return True, f"inputs of {ev.op} as large as {top:.3g}"
+        measured.append("inputs")
+    if measured:
+        return False, ""
+    return None, ""
+
+
+# ---------------------------------------------------------------------- where it came from
+
+
+@rule
+def checkpoint_nonfinite(ev: Evidence) -> Cause | None:
+    """Needs: phase `checkpoint` (weights, optimizer state or buffers already non-finite at the
+    guard's first step, before any update), with `tensors` (their names) and `source` (the
+    `file.py:LINE` of the load call, None when unknown). Weaker, at step 0 only: a `state`
+    value (a parameter the replay found non-finite before any op made it), or a `data` phase
+    with no evidence that the batch holds the value. Ruled out after step 0 (an update may
+    have made it) and when the batch is shown to hold the value (data_nonfinite)."""
+    first = ev.first_nonfinite or {}
+    if ev.phase == "checkpoint":
+        conf = 0.97
+    elif ev.step == 0 and first.get("kind") == "state":
+        conf = 0.8
+    elif ev.step == 0 and ev.phase == "data" and not _batch_evidence(ev):
+        conf = 0.6
+    else:
+        return None
+    tensors = [str(t) for t in first.get("tensors") or []]
+    if not tensors and first.get("param"):
+        tensors = [str(first["param"])]
+    load = first.get("load_source") or (first.get("source") if ev.phase == "checkpoint"
+                                         else None)
+    named = ", ".join(f"`{t}`" for t in tensors[:6]) + (" ..." if len(tensors) > 6 else "")
+    what = named or "a tensor the batch does not hold"
+    where = f", loaded at {load}" if load else " (the load call's line is unknown)"
+    were = "were" if len(tensors) > 1 else "was"
+    if ev.phase == "checkpoint":
+        how = f"{were} already non-finite before the first update: loaded that way"
+    elif conf == 0.8:
+        how = f"{were} non-finite before any op made it and before the first update"
+    else:
+        how = ("was non-finite at the first step although no batch tensor or row is shown to "
+               "hold it (no tensor name recorded)")
+    ckpt = first.get("checkpoint") or "CKPT"
+    fix = (f"`nanguard audit {ckpt}` lists every non-finite tensor of the checkpoint; resume "
+           "from an earlier checkpoint (the last one saved before the run went non-finite)")
+    if tensors and all(t.startswith("optimizer") for t in tensors):
+        fix += ", or load the model weights only and start the optimizer state fresh"
+    elif tensors and all(t.startswith("buffer:") for t in tensors):
+        fix += ", or reset those buffers (BatchNorm: `module.reset_running_stats()`)"
+    return Cause(
+        cause="checkpoint_nonfinite",
+        confidence=conf,
+        evidence=f"{what} {how} (step {ev.step}){where}",
+        fix=fix,
+    )
 
 
 _LABEL_KEYS = ("y", "target", "targets", "label", "labels")
@@ -91,26 +302,33 @@ def _only_targets(ev: Evidence) -> bool:
 
 @rule
 def data_nonfinite(ev: Evidence) -> Cause | None:
-    """Needs: phase `data`, and which batch tensors hold the value (inputs, not only targets)."""
-    if ev.phase != "data":
+    """Needs: phase `data` and evidence that the batch holds the value: its rows (`samples`),
+    the guard's non-finite batch tensors, or the checker's batch element (`batch_item`).
+    Ruled out: no such evidence (samples [] and no bad batch tensor: e.g. a loaded tensor,
+    see checkpoint_nonfinite), or a watched batch found finite; only the targets
+    (label_nonfinite)."""
+    if ev.phase != "data" or not _batch_evidence(ev):
         return None
     if _only_targets(ev):
         return None  # only the targets: label_nonfinite
     samples = (ev.first_nonfinite or {}).get("samples") or []
+    rows = f"samples {samples[:8]}" if samples else "rows unknown"
     return Cause(
         cause="data_nonfinite",
         confidence=0.95,
-        evidence=f"the batch at step {ev.step} already holds NaN/Inf in its inputs, "
-        f"samples {samples[:8]}, before any op ran",
+        evidence=f"the batch at step {ev.step} already holds NaN/Inf in its inputs ({rows}), "
+        "before any op ran",
         fix="drop or repair those rows at load time; find all of them with "
-        "`nanguard scan <your data file>` (or nanguard.audit.scan_dataset(dataset))",
+        "`nanguard scan <your data file>`"
+        + (" (or nanguard.audit.scan_dataset(dataset))" if ev.entry != "run" else ""),
     )
 
 
 @rule
 def label_nonfinite(ev: Evidence) -> Cause | None:
-    """Needs: phase `data` with only the last batch tensor (the targets) non-finite."""
-    if ev.phase != "data" or not _only_targets(ev):
+    """Needs: phase `data`, evidence that the batch holds the value (as data_nonfinite), and
+    only the last batch tensor (the targets) non-finite. Ruled out: inputs non-finite too."""
+    if ev.phase != "data" or not _batch_evidence(ev) or not _only_targets(ev):
         return None
     samples = (ev.first_nonfinite or {}).get("samples") or []
     return Cause(
@@ -122,95 +340,147 @@ def label_nonfinite(ev: Evidence) -> Cause | None:
     )
 
 
+# ---------------------------------------------------------------------- ops at a bad point
+
+
 @rule
 def log_of_nonpositive(ev: Evidence) -> Cause | None:
-    """Needs: origin op a log, ideally its input range (zero or negative values)."""
+    """Needs: origin op a log (not in backward) and its input range holding zeros or negative
+    values. Ruled out: input ranges with neither. Without input ranges it fires lower, saying
+    so."""
     if not ev.op.startswith(_LOG_OPS) or ev.phase == "backward":
         return None
     zero = _any_input(ev, "has_zero")
     neg = _any_input(ev, "has_negative")
+    if ev.inputs and not (zero or neg):
+        return None
     what = "zeros" if zero else "negative values" if neg else "values <= 0"
+    missing = "" if ev.inputs else " (presumably: its input ranges were not recorded)"
     return Cause(
         cause="log_of_nonpositive",
-        confidence=0.9 if (zero or neg) else 0.75,
-        evidence=f"{_where(ev)} received {what}",
+        confidence=0.9 if (zero or neg) else 0.6,
+        evidence=f"{_where(ev)} received {what}{missing}",
         fix="`torch.log(p.clamp_min(1e-12))`, or stay in log space "
         "(`F.logsigmoid`, `F.log_softmax`, `F.binary_cross_entropy_with_logits`)",
     )
 
 
+def _probability(ev: Evidence) -> bool:
+    """Every input of the op lies within [0, 1] and one of them touches 0: a probability that
+    rounded to exactly 0 (or 1, before `1 - p`)."""
+    return bool(ev.inputs) and _any_input(ev, "has_zero") and all(
+        _num(i.get("min"), -1.0) >= 0.0 and _num(i.get("max"), 2.0) <= 1.0 for i in ev.inputs
+    )
+
+
 @rule
 def saturated_loss(ev: Evidence) -> Cause | None:
-    """Needs: origin op binary_cross_entropy / a log in the loss phase fed by a saturated prob."""
+    """Needs: origin op binary_cross_entropy (not with logits), or a log in the loss phase
+    (raw-tensor code without modules counts as loss) whose input is a probability that
+    saturated to 0 (all inputs within [0, 1], a zero among them). Ruled out: a log in the
+    model's forward (log_of_nonpositive), a log input outside [0, 1]."""
     if "binary_cross_entropy" in ev.op and "with_logits" not in ev.op:
         conf = 0.9
+        what = "a probability saturated at 0 or 1 before the loss took its log"
     elif ev.op.startswith(_LOG_OPS) and ev.phase == "loss":
-        # A log in the loss whose input is a probability (within [0, 1]) hitting 0: a sigmoid
-        # or softmax saturated before the log — ranks above the generic log_of_nonpositive.
-        probability = bool(ev.inputs) and all(
-            _num(i.get("min"), -1.0) >= 0.0 and _num(i.get("max"), 2.0) <= 1.0 for i in ev.inputs
-        )
-        conf = 0.92 if probability else 0.6
+        if _probability(ev):
+            # Ranks above the generic log_of_nonpositive: a sigmoid / softmax saturated.
+            conf = 0.92
+            what = ("its input is a probability (within [0, 1]) that rounded to exactly 0: "
+                    "a sigmoid / softmax saturated before the log")
+        elif not ev.inputs:
+            conf = 0.6
+            what = ("a log in the loss; its input range was not recorded, so a saturated "
+                    "probability is only presumed")
+        else:
+            return None
     else:
         return None
     return Cause(
         cause="saturated_loss",
         confidence=conf,
-        evidence=f"{_where(ev)}: a probability saturated at 0 or 1 before the loss took its log",
+        evidence=f"{_where(ev)}: {what}",
         fix="`F.binary_cross_entropy(torch.sigmoid(z), y)` -> "
-        "`F.binary_cross_entropy_with_logits(z, y)`; `softmax` then `log` -> `log_softmax`",
+        "`F.binary_cross_entropy_with_logits(z, y)`; `softmax` then `log` -> `log_softmax`; "
+        "hand-written `-(y*log(h) + (1-y)*log(1-h))` with `h = sigmoid(z)` -> "
+        "`F.binary_cross_entropy_with_logits(z, y)` (or `F.logsigmoid(z)`, `F.logsigmoid(-z)`)",
     )
 
 
 @rule
 def division_by_zero(ev: Evidence) -> Cause | None:
-    """Needs: origin op a division whose denominator holds zeros."""
+    """Needs: origin op a division (not in the optimizer, not inside a singular node's
+    backward) whose denominator holds zeros or values within rounding of 0. Ruled out: a
+    denominator range away from 0 (a huge numerator overflowed instead). Without input ranges
+    it fires lower (not in backward: singular_gradient), saying so."""
     if not ev.op.startswith(("aten.div", "aten.reciprocal", "aten._foreach_div")):
         return None
     if ev.phase == "optimizer" or _singular_node(ev):
         return None  # optimizer_state_nonfinite / singular_gradient explain it better
-    zero = len(ev.inputs) > 1 and bool(ev.inputs[1].get("has_zero"))
-    if not zero and ev.phase == "backward":
-        return None  # singular_gradient
+    at, phrase = _singular_input(ev)
+    if at == "no" or (at == "missing" and ev.phase == "backward"):
+        return None
+    conf = {"zero": 0.85, "tiny": 0.8}.get(at, 0.5)
     return Cause(
         cause="division_by_zero",
-        confidence=0.85 if zero else 0.6,
-        evidence=f"{_where(ev)} divided by " + ("zero" if zero else "a value at or near zero"),
+        confidence=conf,
+        evidence=f"{_where(ev)} divided by zero: {phrase}",
         fix="add an eps to the denominator: `x / (std + 1e-5)` or `x / d.clamp_min(1e-12)`",
     )
 
 
 @rule
 def singular_gradient(ev: Evidence) -> Cause | None:
-    """Needs: phase backward, origin op of sqrt/pow/norm (or the div/mul inside its backward)."""
+    """Needs: phase backward, the op inside the gradient of sqrt / rsqrt / pow(x, p<1) / a norm
+    (its autograd node, forward op or op; or a division in backward), AND its input at the
+    singular point: the denominator / base holding 0 or a value within rounding of 0.
+    Ruled out: input ranges away from 0 (huge finite inputs overflowing: optimizer_divergence),
+    normalization layers (LayerNorm & co. have an eps). Without input ranges it fires at low
+    confidence and says the ranges are missing."""
     if ev.phase != "backward":
         return None
     fwd = str((ev.first_nonfinite or {}).get("forward_op") or "")
-    if not (
-        ev.op.startswith(_SINGULAR_OPS)
-        or fwd.startswith(_SINGULAR_OPS)
-        or _singular_node(ev)
-        or ev.op.startswith(("aten.div", "aten.mul", "aten.reciprocal"))
-    ):
+    node = _singular_node(ev)
+    if not (node or ev.op.startswith(_SINGULAR_OPS) or fwd.startswith(_SINGULAR_OPS)
+            or ev.op.startswith(("aten.div", "aten.reciprocal"))):
         return None
+    if any(layer in _node(ev) for layer in _NORM_LAYERS):
+        return None
+    at, phrase = _singular_input(ev)
+    if at == "no":
+        return None
+    if at == "missing":
+        conf = 0.4 if node else 0.3
+        phrase = f"not confirmed: {phrase}, so an input at 0 is not shown"
+    else:
+        conf = 0.9 if node else 0.8
     return Cause(
         cause="singular_gradient",
-        confidence=0.9 if _singular_node(ev) else 0.7,
-        evidence=f"{_where(ev)}: the forward was finite, its gradient is not — sqrt / norm / "
-        "pow(x, p<1) at exactly 0 have an infinite derivative",
-        fix="`torch.sqrt(x + 1e-12)`; for a norm, `torch.sqrt((v * v).sum(-1) + 1e-12)`",
+        confidence=conf,
+        evidence=f"{_where(ev)}{' in ' + _node(ev) if _node(ev) else ''}: the forward was "
+        f"finite, its gradient is not — sqrt / norm / pow(x, p<1) at exactly 0 have an "
+        f"infinite derivative; {phrase}",
+        fix="`torch.sqrt(x + 1e-12)`; for a norm, `torch.sqrt((v * v).sum(-1) + 1e-12)` or "
+        "`F.normalize(v, eps=1e-12)`; in a custom backward, `grad / d.clamp_min(1e-12)`",
     )
 
 
 @rule
 def masked_softmax(ev: Evidence) -> Cause | None:
-    """Needs: origin op a softmax (its input has a row of only -inf)."""
+    """Needs: origin op a softmax whose input holds -inf (a masked row).
+
+    Ruled out: finite inputs (a softmax of finite values is finite). Without input ranges it
+    fires lower."""
     if not ev.op.startswith(_SOFTMAX_OPS):
+        return None
+    masked = any(_num(i.get("min"), 0.0) == -math.inf for i in ev.inputs)
+    if ev.inputs and not masked:
         return None
     return Cause(
         cause="masked_softmax",
-        confidence=0.9,
-        evidence=f"{_where(ev)}: a row whose every entry is masked to -inf gives 0/0 = NaN",
+        confidence=0.9 if masked else 0.6,
+        evidence=f"{_where(ev)}: a row whose every entry is masked to -inf gives 0/0 = NaN"
+        + ("" if masked else " (presumed: the input ranges were not recorded)"),
         fix="keep at least one unmasked position per row (e.g. let padding attend to itself), "
         "or fill with `torch.finfo(dtype).min` instead of -inf and zero the output rows",
     )
@@ -218,13 +488,20 @@ def masked_softmax(ev: Evidence) -> Cause | None:
 
 @rule
 def exp_overflow(ev: Evidence) -> Cause | None:
-    """Needs: origin op exp (finite input large enough to overflow)."""
+    """Needs: origin op exp with an input above log(dtype max) (~88.7 in float32, ~11.1 in
+    float16). Ruled out: inputs all below it. Without input ranges it fires lower."""
     if not ev.op.startswith(("aten.exp", "aten.expm1")):
         return None
+    limit = math.log(_finfo((ev.inputs[0].get("dtype") if ev.inputs else None) or ev.dtype).max)
+    top = max((_num(i.get("max"), -math.inf) for i in ev.inputs), default=None)
+    if top is not None and top < limit:
+        return None
+    seen = f"its largest input {top:.4g} > {limit:.3g}" if top is not None else (
+        "presumed: the input ranges were not recorded")
     return Cause(
         cause="exp_overflow",
-        confidence=0.9,
-        evidence=f"{_where(ev)}: exp of a finite input above ~88 overflows float32",
+        confidence=0.9 if top is not None else 0.6,
+        evidence=f"{_where(ev)}: exp overflows above {limit:.3g} ({seen})",
         fix="subtract the max first: `torch.softmax(x, dim)` / `torch.logsumexp`, or "
         "`(x - x.amax(dim, keepdim=True)).exp()`",
     )
@@ -232,25 +509,39 @@ def exp_overflow(ev: Evidence) -> Cause | None:
 
 @rule
 def low_precision_overflow(ev: Evidence) -> Cause | None:
-    """Needs: a reduced-precision dtype and an overflow from finite inputs in forward."""
+    """Needs: a reduced-precision dtype and an overflow from finite inputs in forward/loss,
+    with input magnitudes float32 would hold. Ruled out: inputs so large they would overflow
+    float32 too (exploding_init / optimizer_divergence). Without ranges it fires lower."""
     if ev.dtype not in _LOW_PRECISION or ev.phase not in ("forward", "loss"):
+        return None
+    top = ev.magnitude
+    if top is not None and top >= _overflow_scale("float32"):
         return None
     return Cause(
         cause="low_precision_overflow",
-        confidence=0.8,
-        evidence=f"{_where(ev)} overflowed {ev.dtype} (largest value 65504 for float16)",
+        confidence=0.8 if top is not None else 0.6,
+        evidence=f"{_where(ev)} overflowed {ev.dtype} (largest value 65504 for float16)"
+        + (f"; its inputs reach {top:.3g}, fine in float32" if top is not None
+           else "; the input ranges were not recorded"),
         fix="use bfloat16 instead of float16, keep this op in float32 "
         "(`with torch.autocast(..., enabled=False): ...x.float()`), or use a GradScaler",
     )
 
 
+# ---------------------------------------------------------------------- training dynamics
+
+
 @rule
 def optimizer_state_nonfinite(ev: Evidence) -> Cause | None:
-    """Needs: phase optimizer with finite gradients (the update itself made the value)."""
+    """Needs: phase optimizer, the update itself making the value from finite gradients.
+    Ruled out: cascade alarms or a one-step jump of the loss / grad norm before it
+    (optimizer_divergence), a state value already non-finite at step 0 (checkpoint)."""
     if ev.phase != "optimizer":
         return None
-    if ev.warnings_before(_CASCADE):
+    if ev.warnings_before(_CASCADE) or _jump(ev):
         return None  # a cascade that overflowed in the update: optimizer_divergence
+    if ev.step == 0 and (ev.first_nonfinite or {}).get("kind") == "state":
+        return None  # loaded that way: checkpoint_nonfinite
     eps_note = " with eps=0" if ev.eps == 0 else ""
     param = (ev.first_nonfinite or {}).get("param") or (ev.first_nonfinite or {}).get("module")
     return Cause(
@@ -263,48 +554,154 @@ def optimizer_state_nonfinite(ev: Evidence) -> Cause | None:
     )
 
 
+def _lr_factor(growth: float) -> float:
+    """How many times smaller an LR must be to stop a per-step growth of `growth`: a power of
+    ten at least as large as the growth (an LR k times past the stable limit grows the error
+    ~2k per step), never less than 10."""
+    return max(10.0, 10.0 ** math.ceil(math.log10(max(growth, 1.0)) - 1e-9))
+
+
+def _ordinary_before(ev: Evidence) -> str | None:
+    """The step before the failure had ordinary magnitudes (grad norm / activation abs-max
+    measured, finite and below `HUGE`): what it measured, else None."""
+    step = ev.step
+    if step is None:
+        return None
+    before = [h for h in ev.history if h.get("step") == step - 1]
+    for h in before:
+        seen = [(label, _num(h.get(key), math.nan)) for key, label in
+                (("grad_norm", "grad norm"), ("act_max", "activation abs-max"))]
+        seen = [(label, v) for label, v in seen if math.isfinite(v)]
+        if seen and all(v < HUGE for _, v in seen):
+            return ", ".join(f"{label} {v:.3g}" for label, v in seen) + f" at step {step - 1}"
+    return None
+
+
+def _clip_fix(ev: Evidence, healthy: float | None) -> str:
+    """The clipping advice, with the run's healthy grad norm and the script's own clip."""
+    if not healthy:
+        if ev.clip == 0:
+            return "your script's clip is 0, i.e. clipping is off: clip the grad norm"
+        return "clip the grad norm at ~3x its healthy level"
+    to = f"{3 * healthy:.3g}"
+    call = f"`torch.nn.utils.clip_grad_norm_(model.parameters(), {to})`"
+    if ev.clip == 0:
+        return (f"your script's clip is 0, i.e. clipping is off: clip at {to} "
+                f"(3x the healthy grad norm {healthy:.3g}): {call}")
+    if ev.clip is not None and ev.clip > 3 * healthy:
+        return (f"your clip max_norm {ev.clip:g} is far above this run's healthy grad norm "
+                f"{healthy:.3g}: lower it to {to}")
+    if ev.clip is not None:
+        return (f"your clip max_norm {ev.clip:g} already bounds each step's gradient; it "
+                "cannot make a too large LR stable")
+    return f"clip: {call} (3x the healthy grad norm {healthy:.3g})"
+
+
 @rule
 def optimizer_divergence(ev: Evidence) -> Cause | None:
-    """Needs: spike / cascade / forecast alarms shortly before the failure (or without one)."""
-    warn = ev.warnings_before(_CASCADE)
-    if not warn or ev.phase == "data":
+    """Needs, after at least one update (step >= 1): spike / cascade / forecast / overflow
+    alarms shortly before the failure, or the loss / grad norm jumping >= 100x in one step,
+    or (weaker) the origin op overflowing huge finite inputs (about sqrt of the dtype's
+    largest value). Ruled out: a value present in the batch or the loaded state; step 0 (no
+    update has run: exploding_init).
+
+    The LR it proposes comes from the growth it measured (the jump's grad-norm ratio, or the
+    first spike against the healthy grad norm): divided by at least that growth, rounded up
+    to a power of ten, never by less than 10. The clip value is 3x the healthy grad norm.
+    """
+    if ev.phase in ("data", "checkpoint") or ev.step == 0:
         return None
-    spikes = [a for a in warn if a["kind"] == "spike" and math.isfinite(float(a["value"]))]
-    healthy = ev.healthy_grad_norm
-    growth = ""
-    factor = 10.0
-    if spikes and healthy:
-        ratio = float(spikes[0]["value"]) / healthy
-        growth = f"; the first spike was {ratio:.3g}x the healthy grad norm {healthy:.3g}"
-        factor = min(max(2.0, round(math.log10(max(ratio, 1.0)) * 3)), 10.0)
-    lr = f"lr={ev.lr:g}" if ev.lr is not None else "the LR"
-    new_lr = f"lr={ev.lr / factor:.3g}" if ev.lr is not None else f"LR / {factor:g}"
-    clip = f"{3 * healthy:.3g}" if healthy else "~3x the typical grad norm"
+    warn = ev.warnings_before(_CASCADE)
+    jump = _jump(ev)
+    top = ev.magnitude
+    huge = ev.step is not None and top is not None and top >= _overflow_scale(
+        (ev.inputs[0].get("dtype") if ev.inputs else None) or ev.dtype)
+    if huge and _singular_input(ev)[0] in ("zero", "tiny") and _singular_node(ev):
+        huge = False  # a singular point explains it (singular_gradient)
+    if not (warn or jump or huge):
+        return None
+    ordinary = _ordinary_before(ev) if huge and not (warn or jump) else None
+    why: list[str] = []
+    growth: float | None = None
+    healthy = _healthy_grad_norm(ev, before=jump["from"] + 1 if jump else None)
+    if warn:
+        kinds = ", ".join(sorted({a["kind"] for a in warn}))
+        why.append(f"{kinds} alarms from step {warn[0]['step']}")
+        spikes = [a for a in warn if a["kind"] == "spike" and math.isfinite(float(a["value"]))]
+        if spikes and healthy:
+            growth = float(spikes[0]["value"]) / healthy
+            why.append(f"the first spike was {growth:.3g}x the healthy grad norm {healthy:.3g}")
+    if jump:
+        name = "grad norm" if jump["signal"] == "grad_norm" else "loss"
+        went = [f"the {name} went {jump['before']:.3g} -> {jump['after']:.3g} "
+                f"({jump['ratio']:.3g}x)"]
+        went += [f"the {'grad norm' if o['signal'] == 'grad_norm' else 'loss'} "
+                 f"{o['before']:.3g} -> {o['after']:.3g}" for o in jump["others"]]
+        why.append(" and ".join(went) + f" in one update, step {jump['from']} -> {jump['step']}")
+        growth = max(growth or 0.0, jump["growth"])
+    if huge:
+        why.append(f"{_where(ev)} overflowed finite inputs as large as {top:.3g} (no input at "
+                   "a singular point)")
+    if ordinary:
+        why.append(f"one update earlier the run was ordinary ({ordinary})")
+    factor = _lr_factor(growth) if growth else 10.0
     mom = f" with momentum {ev.momentum:g}" if ev.momentum else ""
-    kinds = ", ".join(sorted({a["kind"] for a in warn}))
+    lr = f"lr={ev.lr:g}" if ev.lr is not None else "the LR"
+    new_lr = f"lr={ev.lr / factor:.3g}" if ev.lr is not None else f"the LR / {factor:g}"
+    basis = (f"the measured growth {growth:.3g}x per step" if growth else "no growth measured")
+    clip = _clip_fix(ev, healthy)
+    strong = bool(warn or jump or ordinary)
+    # Warned but never non-finite: 0.6.
+    conf = 0.6 if ev.step is None else 0.85 if strong else 0.65
     return Cause(
         cause="optimizer_divergence",
-        confidence=0.85 if ev.step is not None else 0.6,
-        evidence=f"{kinds} alarms from step {warn[0]['step']}: {ev.optimizer or 'the optimizer'}"
-        f"{mom} at {lr} amplified a gradient spike step after step{growth}",
-        fix=f"lower the LR ({lr} -> {new_lr}), clip: "
-        f"`torch.nn.utils.clip_grad_norm_(model.parameters(), {clip})`, and add a warm-up; "
-        "or let nanguard recover: `Guard(..., policy='rollback')`",
+        confidence=conf,
+        evidence=f"{ev.optimizer or 'the optimizer'}{mom} at {lr} amplified the error step "
+        "after step: " + "; ".join(why)
+        + ("" if strong else " (no alarm or loss history shows the growth)"),
+        fix=f"lower the LR ({lr} -> {new_lr}: at least {factor:g}x smaller, from {basis}); "
+        f"{clip}; add a warm-up; or let nanguard recover: {_rollback(ev)}",
     )
 
 
 @rule
 def exploding_init(ev: Evidence) -> Cause | None:
-    """Needs: a forward overflow within the first few steps, before any cascade."""
-    if ev.step is None or ev.step > 2 or ev.phase not in ("forward", "loss"):
+    """Needs: a failure in steps 0-2 (forward or loss; backward at step 0) with evidence of
+    huge magnitudes there: an activation abs-max or grad norm >= 1e6 in those steps, an
+    overflow / forecast alarm, or the origin op's inputs >= 1e6. Ruled out: magnitudes
+    measured and ordinary (a log(0) at step 1 is not an init problem), spike / cascade alarms
+    or a one-step jump after an update (optimizer_divergence). Nothing measured: it fires at
+    low confidence and says what is missing. A value no op made (`kind` state / input) is
+    never an init overflow."""
+    if ev.step is None or ev.step > 2:
         return None
-    if ev.warnings_before(("spike", "cascade")):
+    if ev.phase not in ("forward", "loss") and not (ev.phase == "backward" and ev.step == 0):
         return None
+    if (ev.first_nonfinite or {}).get("kind") in ("state", "input"):
+        return None  # no op made it: it was loaded or fed in (checkpoint / data)
+    if ev.warnings_before(("spike", "cascade")) or _jump(ev) or _ordinary_before(ev):
+        return None  # the update made it (optimizer_divergence), not the init
+    seen, what = _early_magnitude(ev)
+    if seen is False:
+        return None
+    if seen is None:
+        if ev.phase == "backward":
+            return None
+        return Cause(
+            cause="exploding_init",
+            confidence=0.3,
+            evidence=f"{_where(ev)} went non-finite within the first steps, but no magnitude "
+            "was measured (no activation abs-max, finite grad norm or op input range): an "
+            "init too large is only a guess from the timing; rerun with `activations=True` "
+            "or a replay to confirm",
+            fix="check the init with `nanguard.preflight(model, batch, ...)`; if activations "
+            "grow layer after layer, use `nn.init.kaiming_normal_(w, nonlinearity='relu')`",
+        )
     return Cause(
         cause="exploding_init",
-        confidence=0.7,
-        evidence=f"activations overflowed at step {ev.step}, before training could move the "
-        f"weights: {_where(ev)}",
+        confidence=0.8,
+        evidence=f"huge magnitudes before training could move the weights ({what}); "
+        f"the value overflowed at {_where(ev)}",
         fix="use the default init or `nn.init.kaiming_normal_(w, nonlinearity='relu')` "
         "(std = gain / sqrt(fan_in)); check with `nanguard.preflight(model, batch, ...)`",
     )
@@ -312,7 +709,8 @@ def exploding_init(ev: Evidence) -> Cause | None:
 
 @rule
 def bad_batch(ev: Evidence) -> Cause | None:
-    """Needs: a spike alarm on a run that never went non-finite."""
+    """Needs: a spike alarm on a run that never went non-finite. Ruled out: any non-finite
+    value (the rules above explain it)."""
     if ev.first_nonfinite is not None:
         return None
     spikes = [a for a in ev.alarms if a["kind"] == "spike"]
@@ -330,7 +728,7 @@ def bad_batch(ev: Evidence) -> Cause | None:
 
 @rule
 def vanishing_gradients(ev: Evidence) -> Cause | None:
-    """Needs: a vanishing alarm."""
+    """Needs: a vanishing alarm. Ruled out: none raised."""
     alarms = [a for a in ev.alarms if a["kind"] == "vanishing"]
     if not alarms:
         return None
@@ -345,7 +743,8 @@ def vanishing_gradients(ev: Evidence) -> Cause | None:
 
 @rule
 def nondeterministic(ev: Evidence) -> Cause | None:
-    """Needs: a replay that did not reproduce the failure bit for bit."""
+    """Needs: a replay that did not reproduce the failure bit for bit. Ruled out: a replay
+    that did, or none."""
     if ev.reproduced is not False:
         return None
     return Cause(

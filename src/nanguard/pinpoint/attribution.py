@@ -8,7 +8,12 @@ The phase comes from hooks, not guesses:
 * `backward`: while the autograd engine runs a node (`torch._C._current_autograd_node()`), and
   afterwards until the optimizer steps (gradient clipping and other gradient edits);
 * `optimizer`: inside `optimizer.step()` (step pre/post hooks);
-* `data`: anything before the first model forward of the step (batch preparation).
+* `data` is never the phase of an op: it names non-finite values already present in the batch
+  (the checker sets it for those). An op that computes a non-finite value from finite inputs
+  before the first model forward of the step is `forward` (outside every module: batch
+  preprocessing feeding the model) when a model is known, and `loss` in code with no
+  `nn.Module` at all (raw tensors: `h = torch.sigmoid(X @ W + b)`, `cost = -(Y * log(h) ...)`),
+  where nothing tells the model's forward from its loss.
 
 Backward ops are attributed through their autograd node: forward ops record (module, source)
 into the `metadata` of the node that autograd attaches to their output, and each module's
@@ -157,13 +162,16 @@ class Attribution:
     # ------------------------------------------------------------------ queries
 
     def phase(self) -> str:
+        """The phase of the op running now (see the module docstring); never `data`."""
         if self.optimizer is not None:
             return "optimizer"
         if torch._C._current_autograd_node() is not None or self.seen_backward:
             return "backward"
         if self._depth:
             return "forward"
-        return "loss" if self.seen_forward else "data"
+        if self.seen_forward or not self.roots:
+            return "loss"
+        return "forward"
 
     def module(self) -> str | None:
         """The innermost model module whose forward is running, or None."""
