@@ -29,6 +29,7 @@ class ScalerWatch:
         self.prev: float | None = None
         self.skipped = 0
         self.halvings = 0  # consecutive decreases without growth
+        self.last_collapse: int | None = None  # step of the last collapse alarm (cooldown)
 
     def scale_tensor(self) -> torch.Tensor | None:
         """The scale, still on its device (None before the scaler's first use)."""
@@ -56,9 +57,12 @@ class ScalerWatch:
         return skipped, collapse
 
     def state_dict(self) -> dict[str, Any]:
-        return {"prev": self.prev, "skipped": self.skipped, "halvings": self.halvings}
+        return {"prev": self.prev, "skipped": self.skipped, "halvings": self.halvings,
+                "last_collapse": self.last_collapse}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prev = state["prev"]
         self.skipped = int(state["skipped"])
         self.halvings = int(state["halvings"])
+        last = state.get("last_collapse")
+        self.last_collapse = None if last is None else int(last)

@@ -2,15 +2,29 @@
 
 The Guard owns one `Recovery` and calls it at fixed points of a step; each feature is off (and
 costs nothing) unless its policy, config or object was given.
+
+What recovery needs from its guard is `GuardLink` (below), nothing else: the settings, the model
+and optimizer, the step counter, and four actions (record an action, record an alarm, discard
+the coming update, stop the run). `_Link` adapts a `Guard` to it.
+
+Several optimizers on one model (e.g. body and head trained apart, one guard each, `rollback`
+policy): each guard's snapshot holds only what its own optimizer trains, so a rollback restores
+parameters together with their optimizer state. When one of them rolls back, every other
+rolling-back guard of the same model rolls back to its own last good state in the same
+training step (they were trained on the same losses): one that has already made this step's
+update undoes it, one whose update is still to come discards it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+import weakref
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch import nn
 
+from nanguard.config import GuardConfig
 from nanguard.detect.alarm import Alarm
 from nanguard.integrations import distributed
 from nanguard.recover.amp import ScalerWatch
@@ -23,6 +37,83 @@ if TYPE_CHECKING:
     from nanguard.guard import Guard
 
 
+class GuardLink(Protocol):
+    """The whole interface recovery uses from its guard."""
+
+    config: GuardConfig
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (the index of the step in progress)."""
+        ...
+
+    @property
+    def active(self) -> bool:
+        """The guard is still watching (not closed, not stood down)."""
+        ...
+
+    def record_action(self, step: int, action: str, detail: str) -> None: ...
+
+    def record_alarm(self, alarm: Alarm) -> None: ...
+
+    def discard_update(self, stats: StepStats) -> None:
+        """Make the coming `optimizer.step()` a no-op for every parameter."""
+        ...
+
+    def stop(self, stats: StepStats, why: str) -> None:
+        """Close the run and raise NanguardError (does not return)."""
+        ...
+
+
+class _Link:
+    """`GuardLink` over a `Guard`. Uses `Guard.record_action` / `record_alarm` where the guard
+    has them, else the guard's `_action` and its alarm list and store."""
+
+    def __init__(self, guard: Guard) -> None:
+        self._guard = weakref.proxy(guard)  # no cycle keeps a dropped guard alive
+        self.config = guard.config
+        self.model = guard.model
+        self.optimizer = guard.optimizer
+
+    @property
+    def step(self) -> int:
+        return int(self._guard.step)
+
+    @property
+    def active(self) -> bool:
+        try:
+            g = self._guard
+            return not getattr(g, "_closed", False) and getattr(g, "error", None) is None
+        except ReferenceError:
+            return False
+
+    def record_action(self, step: int, action: str, detail: str) -> None:
+        fn = getattr(self._guard, "record_action", None) or self._guard._action
+        fn(step, action, detail)
+
+    def record_alarm(self, alarm: Alarm) -> None:
+        fn = getattr(self._guard, "record_alarm", None)
+        if fn is not None:
+            fn(alarm)
+            return
+        self._guard.alarms.append(alarm)
+        self._guard.store.write_alarm(alarm.to_dict())
+
+    def discard_update(self, stats: StepStats) -> None:
+        self._guard.discard_update(stats)
+
+    def stop(self, stats: StepStats, why: str) -> None:
+        self._guard.stop(stats, why)
+
+
+# Rolling-back recoveries per model: one rollback takes the other optimizers of the model along.
+_PEERS: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[Recovery]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 class Recovery:
     """Args:
     guard: the guard this serves.
@@ -31,16 +122,24 @@ class Recovery:
     """
 
     def __init__(self, guard: Guard, *, scheduler: Any = None, scaler: Any = None) -> None:
-        self.guard = guard
-        cfg = guard.config
+        link: GuardLink = _Link(guard)
+        self.link = link
+        cfg = link.config
         self.rollbacker: Rollback | None = None
+        self._discard_next = False  # a peer rolled back this step before our update ran
+        self._stall_calls = 0  # check_stall calls since the last scale read or step
+        # With rolling-back peers: the next step after this optimizer's last update in the
+        # current training step, and whether all its steps since the last capture were healthy.
+        self._round: int | None = None
+        self._round_ok = True
         if cfg.policy == "rollback":
             snapshot = HostSnapshot(
-                guard.model, guard.optimizer, extras={"scheduler": scheduler, "scaler": scaler}
+                link.model, link.optimizer, extras={"scheduler": scheduler, "scaler": scaler}
             )
             # The initial state is the first "last good" one (taken between steps).
-            snapshot.capture(guard.step, in_step=False)
-            self.rollbacker = Rollback(cfg.recover, snapshot, guard.optimizer)
+            snapshot.capture(link.step, in_step=False)
+            self.rollbacker = Rollback(cfg.recover, snapshot, link.optimizer)
+            _PEERS.setdefault(link.model, weakref.WeakSet()).add(self)
         self.clipper = AdaptiveClipper(cfg.clip) if cfg.clip is not None else None
         self.amp = ScalerWatch(scaler, cfg.amp) if scaler is not None else None
 
@@ -51,12 +150,13 @@ class Recovery:
 
     def check_amp(self, stats: StepStats) -> list[Alarm]:
         """Pre-step: count the overflow steps the scaler skipped; alarm on a collapse."""
+        self._stall_calls = 0
         if self.amp is None or stats.amp_scale is None:
             return []
         skipped, collapse = self.amp.observe(stats.amp_scale)
         stats.amp_skipped = skipped
         if skipped:
-            self.guard._action(
+            self.link.record_action(
                 stats.step,
                 "amp_skip",
                 f"GradScaler skipped {skipped} step(s) on fp16 overflow (expected, "
@@ -67,25 +167,30 @@ class Recovery:
         return self._collapse(stats.step, stats.amp_scale, collapse)
 
     def check_stall(self, step: int) -> None:
-        """Many `watch` calls and no optimizer step: read the scale once (a rare extra read)."""
+        """Many `watch` calls and no optimizer step: read the scale (a rare extra read), once
+        every `amp.stall_steps` calls however often the guard asks."""
         if self.amp is None:
+            return
+        self._stall_calls += 1
+        if (self._stall_calls - 1) % max(1, self.link.config.amp.stall_steps):
             return
         scale = self.amp.scale_tensor()
         if scale is None:
             return
-        self.guard._watch_calls = 0
-        skipped, collapse = self.amp.observe(float(scale.item()))
+        value = float(scale.item())
+        skipped, collapse = self.amp.observe(value)
         if skipped:
-            self.guard._action(step, "amp_skip", f"GradScaler skipped {skipped} step(s)")
+            self.link.record_action(step, "amp_skip", f"GradScaler skipped {skipped} step(s)")
         if collapse:
-            for a in self._collapse(step, float(scale.item()), collapse):
-                self.guard.alarms.append(a)
-                self.guard.store.write_alarm(a.to_dict())
+            for a in self._collapse(step, value, collapse):
+                self.link.record_alarm(a)
 
     def _collapse(self, step: int, scale: float, msg: str) -> list[Alarm]:
-        last = [a for a in self.guard.alarms if a.kind == "amp_collapse"]
-        if last and step - last[-1].step < self.guard.config.detect.cooldown:
+        assert self.amp is not None
+        last = self.amp.last_collapse
+        if last is not None and step - last < self.link.config.detect.cooldown:
             return []
+        self.amp.last_collapse = step
         return [
             Alarm(step=step, kind="amp_collapse", signal="loss_scale", value=scale, message=msg)
         ]
@@ -93,23 +198,30 @@ class Recovery:
     # -- before / after the update
 
     def before_update(self, stats: StepStats) -> None:
-        """Pre-hook, when the update goes ahead: adaptive clipping, then the LR backoff."""
+        """Pre-hook, when the update goes ahead: a rollback of another optimizer of the model
+        in this step discards it; else adaptive clipping, then the LR backoff."""
+        if self._discard_next:
+            self._discard_next = False
+            self.link.discard_update(stats)
+            stats.skipped = True
+            return
         if self.clipper is not None:
             action, scale = self.clipper.decide(
                 stats.grad_norm if not stats.nonfinite_grads else math.nan
             )
             if action == "skip":
-                self.guard.discard_update(stats)
-                self.guard._action(
+                self.link.discard_update(stats)
+                self.link.record_action(
                     stats.step,
                     "skip",
                     "non-finite grad norm: update discarded, clip statistics kept",
                 )
                 return
             if action == "clip":
-                grads = [p.grad for p in self.guard.params if p.grad is not None]
+                grads = [p.grad for g in self.link.optimizer.param_groups for p in g["params"]
+                         if p.grad is not None]
                 torch._foreach_mul_(grads, scale)
-                self.guard._action(
+                self.link.record_action(
                     stats.step,
                     "clip",
                     f"grad norm {stats.grad_norm:.3g} clipped by {scale:.3g} "
@@ -123,34 +235,90 @@ class Recovery:
             self.rollbacker.backoff_off()
 
     def maybe_snapshot(self, stats: StepStats) -> None:
-        """Post-hook, once the step is read: refresh the last good state when it is due."""
+        """Post-hook, once the step is read: refresh the last good state when it is due.
+
+        With other rolling-back guards on the same model, the refresh waits until every one of
+        them has stepped too (the end of the training step), and happens only when all of them
+        were healthy: a snapshot taken after this optimizer's update, while another optimizer
+        of the model is still to find that step bad, could not undo this update."""
         if self.rollbacker is None:
             return
         healthy = not stats.alarms and not stats.nonfinite_signals() and not stats.skipped
         if distributed.active() and (stats.step + 1) % self.rollbacker.config.snapshot_every == 0:
             # Every rank must keep the same last good step, or a rollback would desync them.
-            device = self.guard.params[0].device if self.guard.params else torch.device("cpu")
-            healthy = not distributed.agree(not healthy, None, device)[0]
-        self.rollbacker.maybe_capture(stats.step + 1, healthy)
+            healthy = not distributed.agree(not healthy, None, self._device())[0]
+        peers = self._peers()
+        if not peers:
+            self.rollbacker.maybe_capture(stats.step + 1, healthy)
+            return
+        self._round = stats.step + 1
+        self._round_ok = self._round_ok and healthy
+        group = [self, *peers]
+        if any(r._round is None for r in group):
+            return  # another optimizer of the model has not stepped yet
+        ok = all(r._round_ok for r in group)
+        for r in group:
+            assert r.rollbacker is not None and r._round is not None
+            r.rollbacker.maybe_capture(r._round, ok)
+            r._round, r._round_ok = None, True
+
+    def _device(self) -> torch.device:
+        for g in self.link.optimizer.param_groups:
+            for p in g["params"]:
+                return p.device
+        return torch.device("cpu")
 
     def rollback(self, stats: StepStats, why: str, post: bool) -> None:
-        """The `rollback` policy's action (all ranks call it in the same step)."""
+        """The `rollback` policy's action (all ranks call it in the same step); the other
+        rolling-back guards of the same model follow (see the module docstring)."""
         assert self.rollbacker is not None
+        if self._discard_next and not post:
+            # Another optimizer of the model rolled this one back already in this step.
+            self._discard_next = False
+            self.link.discard_update(stats)
+            stats.skipped = True
+            return
         try:
             restored = self.rollbacker.rollback(stats.step)
         except GiveUp as exc:
-            self.guard._action(stats.step, "give_up", f"{exc} ({why})")
-            self.guard.stop(stats, f"{exc} ({why})")
+            self.link.record_action(stats.step, "give_up", f"{exc} ({why})")
+            self.link.stop(stats, f"{exc} ({why})")
             return
         if not post:
-            self.guard.discard_update(stats)
+            self.link.discard_update(stats)
         stats.skipped = True
         cfg = self.rollbacker.config
-        self.guard._action(
+        self.link.record_action(
             stats.step,
             "rollback",
             f"restored the state of step {restored}, discarding steps {restored}..{stats.step} "
             f"({why}); LR x{self.rollbacker.factor:g} for {cfg.backoff_steps} steps",
+        )
+        for peer in self._peers():
+            peer._follow(stats.step, type(self.link.optimizer).__name__)
+
+    def _peers(self) -> list[Recovery]:
+        peers = _PEERS.get(self.link.model)
+        if not peers:
+            return []
+        return [r for r in list(peers)
+                if r is not self and r.rollbacker is not None and r.link.active]
+
+    def _follow(self, step: int, other: str) -> None:
+        """Roll back with another optimizer of the same model that rolled back at `step` (its
+        training step). This guard's update of that step, if still to come, is discarded."""
+        assert self.rollbacker is not None
+        pending = self.link.step <= step  # this optimizer has not stepped in that step yet
+        mine = self.link.step if pending else self.link.step - 1
+        restored = self.rollbacker.rollback(mine, forced=True)
+        self._discard_next = pending
+        self._round_ok = False  # no snapshot from this training step
+        self.link.record_action(
+            mine,
+            "rollback",
+            f"restored the state of step {restored} with the {other} optimizer of the same "
+            f"model (it rolled back at its step {step}); LR x{self.rollbacker.factor:g} for "
+            f"{self.rollbacker.config.backoff_steps} steps",
         )
 
     # -- state
@@ -169,4 +337,4 @@ class Recovery:
         if self.rollbacker is not None and not self.rollbacker.snapshot.in_step:
             # The snapshot taken when this guard was built is the state at the step resumed
             # from (the guard's step counter, already loaded), not at step 0.
-            self.rollbacker.snapshot.step = self.guard.step
+            self.rollbacker.snapshot.step = self.link.step

@@ -54,11 +54,12 @@ class Rollback:
         self.snapshot.capture(next_step)
         return True
 
-    def rollback(self, step: int) -> int:
-        """Restore the last good state; back the LR off. Raises GiveUp past `max_rollbacks`."""
+    def rollback(self, step: int, *, forced: bool = False) -> int:
+        """Restore the last good state; back the LR off. Raises GiveUp past `max_rollbacks`,
+        unless `forced` (following another optimizer's rollback: that one decides giving up)."""
         while self.history and step - self.history[0] > self.config.window:
             self.history.popleft()
-        if len(self.history) >= self.config.max_rollbacks:
+        if len(self.history) >= self.config.max_rollbacks and not forced:
             raise GiveUp(
                 f"{len(self.history)} rollbacks within {self.config.window} steps; giving up"
             )

@@ -1,9 +1,19 @@
-"""The last good state, in host memory: one copy of parameters, buffers and optimizer state.
+"""The last good state, in host memory: exactly what the optimizer trains, one copy.
+
+What is kept: the parameters the optimizer trains (those in its param groups that require a
+gradient or hold one: a frozen parameter, e.g. the base weights under a LoRA adapter, is never
+changed by the optimizer and is not copied), their optimizer state, the model's buffers
+(BatchNorm running statistics), the optimizer's param-group hyperparameters, the LR scheduler,
+the GradScaler and the RNG. Parameters of the same model trained by another optimizer are that
+optimizer's business: restoring them without their optimizer state would leave that optimizer
+inconsistent (its guard restores them, see `nanguard.recover.policy`).
 
 Buffers are allocated once (pinned when the model lives on a GPU, so the device-to-host copy is
 asynchronous) and refreshed in place; a snapshot never holds more than one extra copy of the
-model and optimizer state. Small state (step counters, the optimizer's param-group
-hyperparameters, LR scheduler, GradScaler, RNG) is kept by value.
+trained state. Small state (step counters, the optimizer's param-group hyperparameters, LR
+scheduler, GradScaler, RNG) is kept by value. The tensors are restored into the objects they were
+copied from (by reference, kept at capture time): a parameter group added after the capture, or
+a parameter unfrozen after it, is left as it is.
 
 When: the guard captures in its post-hook (inside `optimizer.step()` of step n-1, before the
 user's `scheduler.step()` / `scaler.update()`) and restores inside the failing step's
@@ -26,12 +36,27 @@ from torch import nn
 from nanguard.watch import rng
 
 
+def trained_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters `optimizer` can change: in its param groups (each once), requiring a
+    gradient or holding one (optimizers skip a parameter whose `.grad` is None)."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if id(p) not in seen and (p.requires_grad or p.grad is not None):
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
 class HostSnapshot:
-    """Copies of `model` and `optimizer` state (plus optional scheduler / scaler) on the host.
+    """Host copies of what `optimizer` trains, its state, `model`'s buffers and the extras.
 
     Args:
-        model: the trained model (parameters and buffers are kept).
-        optimizer: its optimizer (tensor state kept in host buffers, the rest by value).
+        model: the trained model (its buffers are kept; its parameters only where `optimizer`
+            trains them).
+        optimizer: its optimizer (parameters it trains and their tensor state in host buffers,
+            the rest by value).
         extras: objects with `state_dict` / `load_state_dict` (LR scheduler, GradScaler).
     """
 
@@ -46,7 +71,8 @@ class HostSnapshot:
         self.extras = {k: v for k, v in (extras or {}).items() if v is not None}
         self.step: int | None = None
         self.in_step = True
-        self._tensors: list[torch.Tensor] = []  # live tensors, in a fixed order
+        self._params: list[torch.Tensor] = []  # the trained parameters at capture time
+        self._buffers: list[torch.Tensor] = []  # the model's buffers at capture time
         self._host: list[torch.Tensor] = []
         self._opt_meta: dict[int, dict[str, Any]] = {}  # per param: non-tensor state by value
         self._opt_keys: dict[int, list[str]] = {}  # per param: tensor state keys, in order
@@ -54,23 +80,14 @@ class HostSnapshot:
         self._extras_state: dict[str, Any] = {}
         self._rng: dict[str, Any] | None = None
 
-    def _model_tensors(self) -> list[torch.Tensor]:
-        """Parameters of the model AND of the optimizer (one trained outside the model, e.g. a
-        temperature, must roll back with its momentum), then the model's buffers."""
-        params = list(self.model.parameters())
-        seen = {id(p) for p in params}
-        for g in self.optimizer.param_groups:
-            for p in g["params"]:
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    params.append(p)
-        return [p.detach() for p in params] + list(self.model.buffers())
-
-    def _live(self) -> tuple[list[torch.Tensor], dict[int, list[str]], dict[int, dict[str, Any]]]:
-        tensors = self._model_tensors()
+    def _live(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor],
+                             dict[int, list[str]], dict[int, dict[str, Any]]]:
+        """(trained params, buffers, every tensor to copy in order, state keys, state meta)."""
+        params = trained_params(self.optimizer)
+        buffers = list(self.model.buffers())
+        tensors = [p.detach() for p in params] + buffers
         keys: dict[int, list[str]] = {}
         meta: dict[int, dict[str, Any]] = {}
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
         for i, p in enumerate(params):
             state = self.optimizer.state.get(p)
             if not state:
@@ -80,7 +97,7 @@ class HostSnapshot:
                 k: copy.deepcopy(v) for k, v in state.items() if not isinstance(v, torch.Tensor)
             }
             tensors += [state[k] for k in keys[i]]
-        return tensors, keys, meta
+        return params, buffers, tensors, keys, meta
 
     def capture(self, step: int, *, in_step: bool = True) -> None:
         """Copy the current state into the host buffers (the state at the start of `step`).
@@ -89,7 +106,7 @@ class HostSnapshot:
         post-hook), before the user's `scheduler.step()`; False for a capture between steps (see
         the module docstring).
         """
-        tensors, keys, meta = self._live()
+        params, buffers, tensors, keys, meta = self._live()
         shapes = [(t.shape, t.dtype) for t in tensors]
         if shapes != [(h.shape, h.dtype) for h in self._host]:
             # First capture, or the optimizer state appeared / changed layout: allocate again.
@@ -103,6 +120,7 @@ class HostSnapshot:
                 h.copy_(t, non_blocking=True)
         if any(t.is_cuda for t in tensors):
             torch.cuda.current_stream().synchronize()  # the copies must land before training
+        self._params, self._buffers = params, buffers
         self._opt_keys, self._opt_meta = keys, meta
         self._groups = [
             {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
@@ -116,16 +134,14 @@ class HostSnapshot:
     def restore(self) -> int:
         """Put the captured state back in place (same tensor objects); return its step."""
         assert self.step is not None and self._rng is not None, "restore() before capture()"
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        model_tensors = self._model_tensors()
-        n = len(model_tensors)
+        live = [p.detach() for p in self._params] + self._buffers
+        n = len(live)
         with torch.no_grad():
-            for live, h in zip(model_tensors, self._host[:n], strict=True):
-                live.copy_(h, non_blocking=True)
+            for t, h in zip(live, self._host[:n], strict=True):
+                t.copy_(h, non_blocking=True)  # converts if the model changed dtype since
         pos = n
-        kept = set(self._opt_keys)
-        for i, p in enumerate(params):
-            if i not in kept:
+        for i, p in enumerate(self._params):
+            if i not in self._opt_keys:
                 # No state at capture time (e.g. before the first step): none now either.
                 self.optimizer.state.pop(p, None)
                 continue
@@ -147,8 +163,8 @@ class HostSnapshot:
 
     def reapply(self) -> None:
         """Put the param-group hyperparameters (lr & co: chainable schedulers build on them),
-        the scheduler and the scaler back as captured."""
-        for g, saved in zip(self.optimizer.param_groups, self._groups, strict=True):
+        the scheduler and the scaler back as captured. Groups added since are left alone."""
+        for g, saved in zip(self.optimizer.param_groups, self._groups, strict=False):
             g.update(copy.deepcopy(saved))
         for k, obj in self.extras.items():
             obj.load_state_dict(copy.deepcopy(self._extras_state[k]))
