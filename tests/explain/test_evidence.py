@@ -379,6 +379,22 @@ def test_lr_fix_is_derived_from_the_measured_growth() -> None:
     assert R._lr_factor(2.0) == 10.0 and R._lr_factor(150.0) == 1000.0
 
 
+def test_lr_fix_after_a_healthy_stretch_follows_the_spike() -> None:
+    healthy = [{"step": i, "loss": 1.0, "grad_norm": 2.0, "act_max": 3.0, "lr": 0.1}
+               for i in range(20)]
+    ev = Evidence(
+        first_nonfinite={"step": 25, "phase": "backward", "op": "aten.mm"}, lr=0.1,
+        healthy_grad_norm=2.0, history=healthy,
+        alarms=[{"step": 21, "kind": "spike", "signal": "grad_norm", "value": 800.0}])
+    cause = R.optimizer_divergence(ev)
+    assert cause is not None and "400x the healthy grad norm 2" in cause.evidence
+    assert "lr=0.1 -> lr=0.005" in cause.fix  # sqrt(400) = 20x
+    small = R.optimizer_divergence(Evidence(
+        first_nonfinite={"step": 25, "phase": "loss"}, lr=0.1, healthy_grad_norm=2.0,
+        alarms=[{"step": 21, "kind": "spike", "signal": "grad_norm", "value": 30.0}]))
+    assert small is not None and "lr=0.1 -> lr=0.01" in small.fix  # never under 10x
+
+
 def test_clip_fix_names_the_scripts_own_clip() -> None:
     off = R.optimizer_divergence(_diverging(clip=0.0))
     assert off is not None and "clip is 0" in off.fix and "2.91" in off.fix

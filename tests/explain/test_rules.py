@@ -4,6 +4,8 @@ and a healthy run gets no diagnosis."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -231,6 +233,8 @@ def test_cascade_is_diagnosed_as_optimizer_divergence() -> None:
     assert "lr=0.05 ->" in fix
     new_lr = float(fix.split("lr=0.05 -> lr=")[1].split(":")[0])
     assert new_lr <= 0.005  # at least 10x below the LR that diverged
+    _, losses = train_cascade(1, lr=new_lr)  # the same seed at the proposed LR trains
+    assert all(math.isfinite(v) for v in losses)
     assert "clip_grad_norm_" in report.diagnosis[0]["fix"]
 
 
