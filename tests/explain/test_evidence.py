@@ -67,10 +67,14 @@ def test_data_phase_without_batch_evidence_is_not_data_nonfinite() -> None:
     assert _causes(ev)[0] == "checkpoint_nonfinite"
     later = Evidence(first_nonfinite={"step": 7, "phase": "data", "samples": []})
     assert R.data_nonfinite(later) is None and R.checkpoint_nonfinite(later) is None
-    # Rows of some tensor, but the guard looked at the batch and found it finite.
-    other = Evidence(first_nonfinite={"step": 7, "phase": "data", "samples": [0, 1]},
-                     n_batch_tensors=2, bad_tensors=[])
-    assert R.data_nonfinite(other) is None
+    # The guard's checkpoint finding (`tensors`) outranks rows a replay attributed to data.
+    replayed = Evidence(first_nonfinite={"step": 0, "phase": "data", "samples": [2],
+                                         "kind": "input", "source": "model.py:9",
+                                         "tensors": ["buffer:bn.running_var"]})
+    assert R.data_nonfinite(replayed) is None
+    top = diagnose(replayed)[0]
+    assert top.cause == "checkpoint_nonfinite" and top.confidence > 0.95
+    assert "model.py:9" not in top.evidence  # the replayed op's line is not the load line
     # The guard's own batch check is enough evidence.
     seen = Evidence(first_nonfinite={"step": 7, "phase": "data", "samples": []},
                     n_batch_tensors=2, bad_tensors=[0])

@@ -155,15 +155,13 @@ def _rollback(ev: Evidence) -> str:
 
 
 def _batch_evidence(ev: Evidence) -> bool:
-    """The batch itself is shown to hold the value: rows of it, the guard's batch check, or
-    the op checker's batch element. (A watched batch found finite with none of these is
-    evidence against: the value came from somewhere else.)"""
+    """The batch itself is shown to hold the value: rows of it (`samples`), the guard's
+    non-finite batch tensors, or the op checker's batch element (`batch_item`); and it is not
+    a value the guard found in the loaded state (`tensors`, see checkpoint_nonfinite)."""
     first = ev.first_nonfinite or {}
-    if ev.bad_tensors or first.get("batch_item"):
-        return True
-    if ev.n_batch_tensors and not ev.bad_tensors:
-        return False  # the guard looked at the batch and it was finite
-    return bool(first.get("samples"))
+    if first.get("tensors"):
+        return False
+    return bool(ev.bad_tensors or first.get("batch_item") or first.get("samples"))
 
 
 def _jump(ev: Evidence) -> dict[str, Any] | None:
@@ -235,12 +233,14 @@ def _early_magnitude(ev: Evidence) -> tuple[bool | None, str]:
 def checkpoint_nonfinite(ev: Evidence) -> Cause | None:
     """Needs: phase `checkpoint` (weights, optimizer state or buffers already non-finite at the
     guard's first step, before any update), with `tensors` (their names) and `source` (the
-    `file.py:LINE` of the load call, None when unknown). Weaker, at step 0 only: a `state`
+    `file.py:LINE` of the load call, None when unknown); `tensors` alone counts too (a replay
+    may have rewritten phase and source). Weaker, at step 0 only: a `state`
     value (a parameter the replay found non-finite before any op made it), or a `data` phase
     with no evidence that the batch holds the value. Ruled out after step 0 (an update may
     have made it) and when the batch is shown to hold the value (data_nonfinite)."""
     first = ev.first_nonfinite or {}
-    if ev.phase == "checkpoint":
+    if ev.phase == "checkpoint" or first.get("tensors"):
+        # `tensors` is the guard's checkpoint finding; a replay may have rewritten the phase.
         conf = 0.97
     elif ev.step == 0 and first.get("kind") == "state":
         conf = 0.8
@@ -253,12 +253,14 @@ def checkpoint_nonfinite(ev: Evidence) -> Cause | None:
         tensors = [str(first["param"])]
     load = first.get("load_source") or (first.get("source") if ev.phase == "checkpoint"
                                          else None)
+    if conf == 0.97 and ev.phase != "checkpoint" and not first.get("load_source"):
+        load = None  # `source` now names the replayed op's line, not the load call
     named = ", ".join(f"`{t}`" for t in tensors[:6]) + (" ..." if len(tensors) > 6 else "")
     what = named or "a tensor the batch does not hold"
     were = "were" if len(tensors) > 1 else "was"
     loaded = f"the state loaded at {load}" if load else (
         "loaded state (the load call's line is unknown)")
-    if ev.phase == "checkpoint":
+    if conf == 0.97:
         evidence = (f"{what} {were} already non-finite at step {ev.step}, before the first "
                     f"update: {'they' if len(tensors) > 1 else 'it'} came with {loaded}")
     elif conf == 0.8:
