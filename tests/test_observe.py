@@ -80,8 +80,7 @@ def test_a_guard_does_not_change_what_it_watches(quiet_config):
     assert report.steps == 30
     last = guard.history[-1]
     assert last.grad_norm > 0 and last.param_norm > 0
-    # First moments every step; second moments on sampled steps (WatchConfig.state_every=10).
-    assert set(last.state_norms) == {"exp_avg"}
-    sampled = next(s for s in guard.history if s.step == 20)
-    assert set(sampled.state_norms) == {"exp_avg", "exp_avg_sq"}
+    # Every optimizer state every step: an exp_avg_sq at inf never reaches the parameters
+    # (the update divides by its root), so sampling it would report a later first step.
+    assert all(set(s.state_norms) == {"exp_avg", "exp_avg_sq"} for s in guard.history)
     assert last.activations, "activation watching recorded nothing"

@@ -95,7 +95,7 @@ def test_per_parameter_stats_are_stored(tmp_path, quiet_config):
         assert [n for (n,) in db.execute("SELECT name FROM params ORDER BY id")] == names
         rows = db.execute(
             "SELECT step, param_id, grad_norm, param_norm, state FROM param_stats "
-            "WHERE step = 0 ORDER BY param_id"  # a step with second moments (state_every=10)
+            "WHERE step = 0 ORDER BY param_id"
         ).fetchall()
         assert [r[1] for r in rows] == list(range(len(names)))
         for _, _pid, g, p, state in rows:

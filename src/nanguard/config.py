@@ -158,6 +158,11 @@ class RecordConfig:
     `load_state_dict` after a restart). Default folders (`out=None`) never collide: each gets
     a unique name."""
 
+    def __post_init__(self) -> None:
+        if self.if_exists not in IF_EXISTS:
+            raise ValueError(f"unknown record.if_exists {self.if_exists!r}; "
+                             f"use one of: {', '.join(IF_EXISTS)}")
+
 
 @_strict
 @dataclass(kw_only=True)
@@ -265,9 +270,7 @@ class GuardConfig:
         if unknown:
             raise ValueError(f"unknown alarm kind(s) in act_on: {', '.join(map(repr, unknown))}; "
                              f"valid: {', '.join(ALARM_KINDS)}")
-        if self.record.if_exists not in IF_EXISTS:
-            raise ValueError(f"unknown record.if_exists {self.record.if_exists!r}; "
-                             f"use one of: {', '.join(IF_EXISTS)}")
+        self.record.__post_init__()
         for name in ("read_every", "activations_every", "state_every"):
             if getattr(self.watch, name) < 1:
                 raise ValueError(f"watch.{name} must be >= 1, got {getattr(self.watch, name)}")

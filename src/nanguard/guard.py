@@ -149,8 +149,7 @@ class Guard:
         self.params: list[torch.Tensor] = []
         self.param_names: list[str] = []
         self._param_order: list[int] = []  # module order of each parameter (locate's tiebreak)
-        self.buffer_names = [n for n, b in model.named_buffers() if b.is_floating_point()]
-        buffers = [b for b in model.buffers() if b.is_floating_point()]
+        self.buffer_names, buffers = _watched_buffers(model)
         self.probe = StepProbe(self.params, optimizer, buffers)
         self._sync_params()
         self.act_probe = ActivationProbe(model) if cfg.watch.activations else None
@@ -885,6 +884,22 @@ class Guard:
                              "nanguard_error.txt"):
                     (folder / name).unlink(missing_ok=True)
         return RunStore(folder)
+
+
+def _watched_buffers(model: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+    """The model's floating-point buffers that hold no infinity when the guard is built.
+
+    BatchNorm running statistics must stay finite (an inf running variance makes every eval
+    NaN); a causal attention mask legitimately holds -inf and is left out. A NaN is never
+    intended, so a buffer holding one is watched (and reported as loaded state). One host
+    read, here only."""
+    named = [(n, b) for n, b in model.named_buffers() if b.is_floating_point() and b.numel()]
+    if not named:
+        return [], []
+    with torch.no_grad():
+        has_inf = torch.stack([torch.isinf(b).any().cpu() for _, b in named]).tolist()
+    kept = [(n, b) for (n, b), inf in zip(named, has_inf, strict=True) if not inf]
+    return [n for n, _ in kept], [b for _, b in kept]
 
 
 def _unique_folder(base: Path) -> Path:

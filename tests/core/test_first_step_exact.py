@@ -1,0 +1,136 @@
+"""The first non-finite step is exact, wherever the value sits, and loaded state is named.
+
+Covers: Adam's `exp_avg_sq` overflowing to inf (it never reaches the parameters: the update
+divides by its root) seen in the step it happens; a BatchNorm running variance at inf seen as
+`buffer`; a causal -inf mask buffer not mistaken for one; a checkpoint with a NaN in its
+optimizer state, loaded before or after the Guard was built, reported as phase `checkpoint`
+with the tensor's name and the line that loaded it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import nanguard
+
+
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, guard: nanguard.Guard, n: int) -> None:
+    g = torch.Generator().manual_seed(3)
+    for _ in range(n):
+        x = torch.randn(16, 4, generator=g)
+        loss = model(x).pow(2).mean()
+        guard.watch(loss=loss, batch=x)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_exp_avg_sq_overflow_is_seen_in_its_step(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    calls = {"n": 0}
+
+    def overflow(*_: object) -> None:  # inside step 12's update: v_t overflows to inf
+        calls["n"] += 1
+        if calls["n"] == 13:
+            opt.state[model[2].weight]["exp_avg_sq"][0, 0] = float("inf")
+
+    opt.register_step_post_hook(overflow)  # registered first: runs before the guard's
+    with nanguard.Guard(model, opt, out=tmp_path / "r") as guard:
+        _steps(model, opt, guard, 20)
+    for p in model.parameters():  # the parameters never went non-finite
+        assert torch.isfinite(p).all()
+    first = guard.first_nonfinite
+    assert first is not None
+    assert first["step"] == 12 and first["signals"] == ["optimizer.exp_avg_sq"]
+    assert first["param"] == "2.weight"
+
+
+def test_batchnorm_running_var_at_inf_is_seen(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    calls = {"n": 0}
+
+    def blow_up(*_: object) -> None:  # step 4: an inf running variance (as a forward of
+        calls["n"] += 1               # activations near 1e19 would write it)
+        if calls["n"] == 5:
+            model[1].running_var[3] = float("inf")
+
+    opt.register_step_pre_hook(blow_up)  # registered first: runs before the guard's
+    with nanguard.Guard(model, opt, out=tmp_path / "r") as guard:
+        _steps(model, opt, guard, 8)
+    first = guard.first_nonfinite
+    assert first is not None and first["step"] == 4 and first["signals"] == ["buffer"]
+    assert first["module"] == "1"
+
+
+class _Masked(nn.Module):
+    """A causal mask buffer full of -inf: intended, never an alarm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.fc(x).unsqueeze(1) + self.mask).softmax(-1).sum(1)
+
+
+def test_inf_mask_buffer_is_not_an_alarm(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _Masked()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanguard.Guard(model, opt, out=tmp_path / "r") as guard:
+        _steps(model, opt, guard, 5)
+    assert guard.report is not None and guard.report.status == "healthy"
+
+
+def _checkpoint(path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    state = opt.state_dict()
+    state["state"][2]["exp_avg_sq"][0, 5] = float("nan")  # param 2: the second Linear's weight
+    torch.save({"model": model.state_dict(), "optimizer": state}, path)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_nan_loaded_from_a_checkpoint_is_named(tmp_path: Path, when: str) -> None:
+    _checkpoint(tmp_path / "ckpt.pt")
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def load() -> None:
+        ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])  # LOAD LINE
+
+    if when == "before":
+        load()
+    guard = nanguard.Guard(model, opt, out=tmp_path / "r")
+    if when == "after":
+        load()
+    _steps(model, opt, guard, 4)
+    report = guard.close()
+    first = report.first_nonfinite
+    assert first is not None and report.status == "failed"
+    assert first["step"] == 0 and first["phase"] == "checkpoint"
+    assert first["tensors"] == ["optimizer.exp_avg_sq[2.weight]"]
+    assert first["samples"] == []
+    if when == "after":  # seen by the guard's own load_state_dict hook
+        line = next(i for i, t in enumerate(Path(__file__).read_text().splitlines(), 1)
+                    if "# LOAD LINE" in t)
+        assert first["source"] == f"{__file__}:{line}"
