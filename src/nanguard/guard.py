@@ -23,11 +23,13 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import math
+import statistics
 import os
 import sys
 import time
 import traceback
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,6 +181,8 @@ class Guard:
         self._check_loaded = True  # state loaded before the first update: checked once
         self._load_site: str | None = None
         self._watch_calls = 0  # watch(loss=...) calls since the last optimizer step
+        self._recent_losses: deque[float] = deque(maxlen=20)  # finite losses, newest last
+        self._loss_before: float | None = None  # their median when the first NaN came
         self.report: Report | None = None
         self.recovery = Recovery(self, scheduler=scheduler, scaler=scaler)
 
@@ -826,6 +830,11 @@ class Guard:
 
     def _record(self, stats: StepStats, p: _Pending) -> None:
         self._last_stats = stats
+        if self.first_nonfinite is not None and self._loss_before is None and self._recent_losses:
+            self._loss_before = statistics.median(self._recent_losses)
+            self._recent_losses.clear()  # from here on: the losses after the failure
+        if stats.loss is not None and math.isfinite(stats.loss) and not stats.skipped:
+            self._recent_losses.append(stats.loss)
         if not stats.alarms and not stats.nonfinite_signals():
             # Each parameter's typical grad norm on healthy steps: the baseline of a spike.
             for i, v in stats.grad_norms.items():
@@ -842,6 +851,7 @@ class Guard:
         from nanguard.explain.context import evidence_from_guard
 
         ended, message = getattr(self, "_ended", ("ok", None))
+        recovery = self._recovery_verdict()
 
         causes = diagnose(evidence_from_guard(self))
         return build_report(
@@ -855,7 +865,8 @@ class Guard:
             # died of an error after a non-finite value appeared (BCE's range check, ...).
             failed=bool(self._last_stats and self._last_stats.nonfinite_signals())
             or (self.first_nonfinite is not None and ended == "error")
-            or (self.first_nonfinite is not None and self._last_stats is None),
+            or (self.first_nonfinite is not None and self._last_stats is None)
+            or (recovery is not None and recovery["back"] is False),
             lead_window=self.config.detect.lead_window,
             ended=ended,
             degraded=self.error is not None,
@@ -864,8 +875,28 @@ class Guard:
                  "optimizer": type(self.optimizer).__name__, "version": __version__,
                  "closed": self._closed, "entry": self.run_entry,
                  "ended": {"how": ended, "error": message},
+                 **({"recovery": recovery} if recovery else {}),
                  **({"internal_error": self.error} if self.error else {})},
         )
+
+    def _recovery_verdict(self) -> dict[str, Any] | None:
+        """After a skip or rollback: is the model back? The median loss of the last 20 steps
+        must be finite and within `2x` of the median of the 20 steps before the first
+        non-finite value (`recovered` means the loss came back, not only that it is finite).
+        None when nothing was recovered from; `back` None when there is no loss to compare."""
+        if self.first_nonfinite is None or not any(
+                a["action"] in ("skip", "rollback") for a in self.actions):
+            return None
+        before = self._loss_before
+        after = statistics.median(self._recent_losses) if self._recent_losses else None
+        if before is None or after is None:
+            back = None if before is None and after is not None else (False if after is None
+                                                                      else None)
+        else:
+            back = after <= before + max(abs(before), 1e-8)  # 2x for positive losses
+        return {"loss_before": before, "loss_end": after, "back": back,
+                "rule": "median loss of the last 20 steps <= 2x the median of the 20 steps "
+                        "before the first non-finite value"}
 
     @staticmethod
     def _open_store(out: str | None, if_exists: str = "refuse") -> NullStore:

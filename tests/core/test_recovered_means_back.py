@@ -1,0 +1,43 @@
+"""`recovered` means the model is back: after a skip or rollback, the loss of the last steps
+must return to its level before the failure; a run that goes on finite but far worse is
+`failed` (run.recovery says why)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import nanguard
+
+
+@pytest.mark.parametrize(("target_scale", "status"), [(1.0, "recovered"), (30.0, "failed")])
+def test_recovered_only_when_the_loss_is_back(tmp_path: Path, target_scale: float,
+                                              status: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 1, generator=g)
+    with nanguard.Guard(model, opt, policy="skip", out=tmp_path / "r") as guard:
+        for step in range(120):
+            x = torch.randn(32, 4, generator=g)
+            y = x @ w
+            if step == 60:
+                x[3, 1] = float("nan")  # one bad row: skipped
+            if step > 60:  # the targets after it: same task, or one the model cannot reach
+                y = y * target_scale + (target_scale - 1.0) * 10.0
+            loss = nn.functional.mse_loss(model(x), y)
+            guard.watch(loss=loss, batch=(x, y))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = guard.report
+    assert report is not None
+    assert [a["action"] for a in report.actions] == ["skip"]
+    assert report.status == status, report.run.get("recovery")
+    verdict = report.run["recovery"]
+    assert verdict["back"] is (status == "recovered")
+    assert verdict["loss_before"] is not None and verdict["loss_end"] is not None
