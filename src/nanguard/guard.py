@@ -23,8 +23,8 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import math
-import statistics
 import os
+import statistics
 import sys
 import time
 import traceback
