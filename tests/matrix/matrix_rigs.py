@@ -11,6 +11,9 @@ compile, frozen parameters, several optimizers, ...). Three cases of data:
   all-zero row and `Radius` takes `sqrt` at 0: an infinite derivative, NaN gradients in
   backward (cause `singular_gradient`, phase `backward`, module `radius`).
 
+With gradient accumulation a step's samples are numbered over its micro-batches one after the
+other (the bad row sits in the middle micro-batch), as `BatchProbe` numbers them.
+
 A setup returns a `Result`: the guards' reports and folders, how many optimizer steps really ran
 per guard, and the trained parameters (for the bitwise comparison with the unguarded run).
 """
@@ -32,7 +35,7 @@ from nanguard import GuardConfig, RecordConfig
 
 STEPS = 6
 BAD = 3
-ROW = 2
+ROW = 4  # in accumulation: the middle micro-batch (rows 3..5), its row 1
 BATCH = 8
 D_IN = 6
 HIDDEN = 8
@@ -135,8 +138,8 @@ def _counter(opt: torch.optim.Optimizer) -> list[int]:
     return n
 
 
-def _config() -> GuardConfig:
-    return GuardConfig(record=RecordConfig(summary=False))
+def _config(policy: str = "observe") -> GuardConfig:
+    return GuardConfig(policy=policy, record=RecordConfig(summary=False))
 
 
 def _snapshot(result: Result, models: dict[str, nn.Module], init: bool) -> None:
@@ -163,7 +166,7 @@ class Setup:
     scheduler: bool = False  # LambdaLR warm-up
     sparse: str | None = None  # "sgd" (one SGD) | "adam" (SparseAdam + Adam, two guards)
     complex_: bool = False
-    convert: bool = False  # model.double() after the guard was created
+    convert: torch.dtype | None = None  # model.to(dtype) after the guard was created
     context: bool = False  # `with Guard(...) as g:` instead of close()
     cases: tuple[str, ...] = CASES
     run: Callable[..., Result] | None = None  # a loop of its own (GAN, several runs)
@@ -197,7 +200,8 @@ def _optimizers(setup: Setup, model: Net) -> list[torch.optim.Optimizer]:
     return [torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)]
 
 
-def run_standard(setup: Setup, case: str, folder: Path | None) -> Result:
+def run_standard(setup: Setup, case: str, folder: Path | None, policy: str = "observe"
+                 ) -> Result:
     """The README loop, varied as `setup` says; guarded when `folder` is given."""
     torch.manual_seed(0)
     net = Net(lora=setup.lora, sparse=setup.sparse is not None, complex_=setup.complex_)
@@ -222,10 +226,10 @@ def run_standard(setup: Setup, case: str, folder: Path | None) -> Result:
     if folder is not None:
         for k, (o, s) in enumerate(zip(opts, scheds, strict=True)):
             g = nanguard.Guard(model, o, out=folder / f"guard{k}", replay=loss_of, scheduler=s,
-                               scaler=scaler, config=_config())
+                               scaler=scaler, config=_config(policy))
             guards.append(stack.enter_context(g) if setup.context else g)
-    if setup.convert:
-        net.double()
+    if setup.convert is not None:
+        net.to(setup.convert)
     with stack:
         for i, batch in enumerate(make_batches(case, sparse=setup.sparse is not None)):
             if i == BAD:
@@ -274,7 +278,7 @@ class Generator(nn.Module):
         return self.net(z)
 
 
-def run_gan(setup: Setup, case: str, folder: Path | None) -> Result:
+def run_gan(setup: Setup, case: str, folder: Path | None, policy: str = "observe") -> Result:
     """Two models, two optimizers, two guards. The discriminator (a `Net`: its `radius` holds
     the sqrt) sees the real rows, so the bad row is the discriminator's finding."""
     torch.manual_seed(0)
@@ -299,8 +303,10 @@ def run_gan(setup: Setup, case: str, folder: Path | None) -> Result:
 
     guards = []
     if folder is not None:
-        guards = [nanguard.Guard(disc, d_opt, out=folder / "D", replay=d_loss, config=_config()),
-                  nanguard.Guard(gen, g_opt, out=folder / "G", replay=g_loss, config=_config())]
+        guards = [nanguard.Guard(disc, d_opt, out=folder / "D", replay=d_loss,
+                                 config=_config(policy)),
+                  nanguard.Guard(gen, g_opt, out=folder / "G", replay=g_loss,
+                                 config=_config(policy))]
     for i, (real, z) in enumerate(batches):
         if i == BAD:
             result.bad_steps = [c[0] for c in counters]
@@ -328,7 +334,8 @@ def run_gan(setup: Setup, case: str, folder: Path | None) -> Result:
 # ---------------------------------------------------------------------------- several guards
 
 
-def run_several(setup: Setup, case: str, folder: Path | None) -> Result:
+def run_several(setup: Setup, case: str, folder: Path | None, policy: str = "observe"
+                ) -> Result:
     """Two independent runs in one process, interleaved step by step, each with its own guard
     in the default folder (`nanguard_runs/<time>` under the working directory, which the test
     sets to a temporary folder), both created within the same second. Only run A gets the
@@ -346,7 +353,7 @@ def run_several(setup: Setup, case: str, folder: Path | None) -> Result:
 
     guards = []
     if folder is not None:
-        guards = [nanguard.Guard(n, o, replay=loss_fn(n), config=_config())
+        guards = [nanguard.Guard(n, o, replay=loss_fn(n), config=_config(policy))
                   for n, o in zip(nets, opts, strict=True)]
     for step in range(STEPS):
         if step == BAD:
@@ -382,11 +389,12 @@ SETUPS = [
     Setup("sparse_embedding_sgd", sparse="sgd"),
     Setup("sparse_embedding_sparseadam", sparse="adam"),
     Setup("complex_params", complex_=True),
-    Setup("converted_after_guard", convert=True),
+    Setup("converted_float64_after_guard", convert=torch.float64),
+    Setup("converted_bfloat16_after_guard", convert=torch.bfloat16),
     Setup("context_manager", context=True),
     Setup("several_guards", run=run_several),
 ]
 
 
-def run(setup: Setup, case: str, folder: Path | None) -> Result:
-    return (setup.run or run_standard)(setup, case, folder)
+def run(setup: Setup, case: str, folder: Path | None, policy: str = "observe") -> Result:
+    return (setup.run or run_standard)(setup, case, folder, policy)

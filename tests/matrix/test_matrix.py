@@ -120,3 +120,42 @@ def test_cell(setup: Setup, case: str, tmp_path: Path, monkeypatch: pytest.Monke
     else:
         _check_finding(guarded, case)
     _check_params(guarded, plain, case)
+
+
+ROLLBACK_CELLS = [pytest.param(s, c, id=f"{s.name}-{c}") for s in SETUPS for c in s.cases
+                  if c != "healthy"]
+
+
+@pytest.mark.parametrize(("setup", "case"), ROLLBACK_CELLS)
+def test_rollback_cell(setup: Setup, case: str, tmp_path: Path,
+                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same setups under `rollback`: the bad step is rolled back by the guard that sees it
+    (and by every other rolling-back guard of the same model), training ends with finite
+    parameters, nothing stands down, every record is kept, an unrelated run is untouched.
+    With a GradScaler, the scaler has already skipped the bad step's update: the guard records
+    it and leaves the next (good) steps alone."""
+    monkeypatch.chdir(tmp_path)
+    if setup.name in REFUSED:
+        with pytest.raises(ValueError, match=REFUSED[setup.name]):
+            run(setup, case, tmp_path / "runs", "rollback")
+        return
+    res = run(setup, case, tmp_path / "runs", "rollback")
+    _check_records(res)
+    for name, p in res.params.items():
+        assert bool(torch.isfinite(p).all()), f"{name} not finite after rollback"
+    rolled = []
+    for i, r in enumerate(res.reports):
+        assert r.status in ("healthy", "recovered"), (i, r.status, r.run.get("error"))
+        acts = [(a["step"], a["action"]) for a in r.actions if a["action"] != "amp_skip"]
+        if i in res.healthy_reports:
+            assert acts == [] and r.status == "healthy", (i, acts)
+            continue
+        if setup.amp == "fp16":
+            assert acts == [], f"the scaler skipped the bad step already; the guard did {acts}"
+            assert r.first_nonfinite is not None and r.status == "recovered", r
+            continue
+        assert acts in ([], [(res.bad_steps[i], "rollback")]), (i, acts)
+        if acts:  # its updates were discarded and restored: not a healthy run
+            assert r.status == "recovered", (i, r.status)
+        rolled += acts
+    assert rolled or setup.amp == "fp16", "no guard rolled back the bad step"
