@@ -1,0 +1,144 @@
+"""Helpers for the realistic-program suite: run a script plainly, under the independent tracer
+(`scripts/_nantrace.py`, plain PyTorch), or under `nanguard run`, each in a real subprocess, and
+the data files the failure cases need."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+TIMEOUT = 120
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = dict(os.environ)
+    # NANGUARD_SRC: run the suite against another copy of the package (e.g. a snapshot).
+    src = os.environ.get("NANGUARD_SRC") or str(ROOT / "src")
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (src, e.get("PYTHONPATH")) if p)
+    e["OMP_NUM_THREADS"] = "1"
+    e["PYTHONUNBUFFERED"] = "1"
+    e.pop("NANTRACE", None)
+    e.update(extra)
+    return e
+
+
+def python(args: list[str], cwd: Path, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env(**extra),
+                          capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def script(name: str) -> str:
+    return str(SCRIPTS / name)
+
+
+def plain(cwd: Path, name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """The script alone, no nanguard, no tracer."""
+    return python([script(name), *args], cwd)
+
+
+def trace(cwd: Path, name: str, *args: str) -> dict[str, Any] | None:
+    """The script under the independent tracer: its first non-finite finding, or None."""
+    r = python([script(name), *args], cwd, NANTRACE="1")
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("NANTRACE ")]
+    assert len(lines) <= 1, r.stderr
+    return json.loads(lines[0][len("NANTRACE "):]) if lines else None
+
+
+def both(cwd: Path, name: str, *args: str,
+         prepare: Callable[[Path], object] | None = None
+         ) -> tuple[dict[str, Any] | None, Guarded]:
+    """The tracer run and the `nanguard run` of the same command, side by side (two processes
+    at once: most of their time is process start-up), each in a folder of its own
+    (`cwd/trace`, `cwd/guarded`) that `prepare(folder)` fills first (data files, checkpoints),
+    so that files the script writes never collide."""
+    dirs = []
+    for sub in ("trace", "guarded"):
+        (cwd / sub).mkdir()
+        if prepare is not None:
+            prepare(cwd / sub)
+        dirs.append(cwd / sub)
+    with ThreadPoolExecutor(2) as pool:
+        traced = pool.submit(trace, dirs[0], name, *args)
+        run = pool.submit(guarded, dirs[1], name, *args)
+        return traced.result(), run.result()
+
+
+@dataclass
+class Guarded:
+    proc: subprocess.CompletedProcess[str]
+    out: Path
+    report: dict[str, Any]
+
+    @property
+    def first(self) -> dict[str, Any]:
+        first: dict[str, Any] = self.report["first_nonfinite"]
+        return first
+
+    @property
+    def causes(self) -> list[str]:
+        return [d["cause"] for d in self.report.get("diagnosis") or []]
+
+    def explain(self) -> str:
+        """What to show when an assertion fails."""
+        rep = {k: self.report.get(k) for k in ("status", "steps", "first_nonfinite",
+                                               "diagnosis", "run")}
+        return (f"exit {self.proc.returncode}\nreport: {json.dumps(rep, default=str)[:3000]}\n"
+                f"stderr tail:\n{self.proc.stderr[-3000:]}")
+
+
+def guarded(cwd: Path, name: str, *args: str, out: str = "run",
+            policy: str | None = None) -> Guarded:
+    """`python -m nanguard run --out DIR [--policy P] SCRIPT ARGS` in `cwd`."""
+    opts = ["--policy", policy] if policy else []
+    folder = cwd / out
+    proc = python(["-m", "nanguard", "run", "--out", str(folder), *opts, script(name), *args],
+                  cwd)
+    path = folder / "report.json"
+    assert path.is_file(), f"no report.json; exit {proc.returncode}\n{proc.stderr[-4000:]}"
+    return Guarded(proc, folder, json.loads(path.read_text()))
+
+
+def report_exit(folder: Path) -> int:
+    """Exit code of `nanguard report DIR`."""
+    return python(["-m", "nanguard", "report", str(folder)], folder.parent).returncode
+
+
+# ------------------------------------------------------------------------------- data files
+
+
+def write_load_csv(path: Path, rows: int = 600, nan_row: int | None = None) -> Path:
+    """Hourly temperature / humidity / load readings; `nan_row` gets an empty humidity cell."""
+    rng = random.Random(0)
+    with path.open("w") as f:
+        f.write("timestamp,temperature,humidity,load\n")
+        for i in range(rows):
+            day = math.sin(2 * math.pi * i / 24)
+            t = 15 + 8 * day + rng.gauss(0, 0.5)
+            h = 0.6 - 0.2 * day + rng.gauss(0, 0.02)
+            load = 1 + 0.04 * (t - 15) + 0.3 * math.sin(2 * math.pi * i / 12) + rng.gauss(0, .05)
+            hs = "" if i == nan_row else f"{h:.4f}"
+            f.write(f"2024-01-{1 + i // 24:02d}T{i % 24:02d}:00,{t:.3f},{hs},{load:.4f}\n")
+    return path
+
+
+def write_points_csv(path: Path, n: int = 1024, nan_row: int | None = None) -> Path:
+    """Points around 8 centres on a circle of radius 2; `nan_row` gets x = nan."""
+    rng = random.Random(1)
+    with path.open("w") as f:
+        f.write("x,y\n")
+        for i in range(n):
+            a = rng.randrange(8) * 2 * math.pi / 8
+            x, y = 2 * math.cos(a) + rng.gauss(0, .05), 2 * math.sin(a) + rng.gauss(0, .05)
+            f.write(("nan" if i == nan_row else f"{x:.4f}") + f",{y:.4f}\n")
+    return path

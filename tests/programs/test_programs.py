@@ -1,0 +1,249 @@
+"""Realistic training programs run black box through `nanguard run` (real subprocesses, the
+scripts unmodified): a nanoGPT-style GPT (AdamW, warm-up + cosine, clipping, checkpoint resume),
+a word-level RNN LM with hand-written SGD updates, a float64 LSTM trained by L-BFGS with a
+closure, a CSV time-series forecaster (Dataset + DataLoader), and a two-network BCE GAN.
+
+Each program has a healthy configuration (no alarm: status `healthy`, exit 0) and a failing one,
+broken through a flag, a data file or a checkpoint. The expected finding of every failing case is
+established without nanguard: the step and phase come from the same script run under a small
+plain-PyTorch tracer (`scripts/_nantrace.py`, switched on by `NANTRACE=1`), and the cause from how
+the run was broken. nanguard must report `failed` with that step, phase and top cause, exit 1
+from `nanguard run` and non-zero from `nanguard report`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from programs_support import (
+    Guarded,
+    both,
+    plain,
+    report_exit,
+    write_load_csv,
+    write_points_csv,
+)
+
+
+def assert_healthy(cwd: Path, name: str, *args: str,
+                   prepare: Callable[[Path], object] | None = None,
+                   check_report: bool = False) -> None:
+    """The tracer sees nothing non-finite, and nanguard calls the run healthy without alarms
+    (`warned` would be a false alarm), exit 0; with `check_report`, `nanguard report` exits 0
+    too (one more process start, so only where asked)."""
+    traced, g = both(cwd, name, *args, prepare=prepare)
+    assert traced is None, f"the healthy configuration is not healthy: {traced}"
+    got = {"exit": g.proc.returncode, "status": g.report["status"],
+           "alarms": g.report["alarms"], "first_nonfinite": g.report["first_nonfinite"]}
+    want = {"exit": 0, "status": "healthy", "alarms": [], "first_nonfinite": None}
+    if check_report:
+        got["report_exit"], want["report_exit"] = report_exit(g.out), 0
+    assert got == want, g.explain()
+
+
+def assert_failed(g: Guarded, expected: dict[str, Any], exit_code: int = 1) -> None:
+    """nanguard's finding against the independently established one (all fields compared at
+    once, so a failure shows every mismatch)."""
+    first = g.report.get("first_nonfinite") or {}
+    got: dict[str, Any] = {
+        "status": g.report["status"], "exit": g.proc.returncode,
+        "report_exit_nonzero": report_exit(g.out) != 0,
+        "step": first.get("step"), "phase": first.get("phase"),
+        "cause": g.causes[0] if g.causes else None,
+    }
+    want: dict[str, Any] = {"status": "failed", "exit": exit_code, "report_exit_nonzero": True,
+                            **expected}
+    for key in ("samples",):
+        if key in expected:
+            got[key] = first.get(key)
+    assert got == want, g.explain()
+
+
+# ----------------------------------------------------------------------------------- GPT
+
+GPT = "gpt_train.py"
+GPT_ARGS = ("--max-iters", "30", "--eval-interval", "15", "--lr-decay-iters", "30")
+
+
+def test_gpt_healthy(tmp_path: Path) -> None:
+    """nanoGPT-style run with warm-up + cosine, clipping, eval passes under no_grad, checkpoint
+    saves: healthy, no alarm."""
+    assert_healthy(tmp_path, GPT, *GPT_ARGS, check_report=True)
+
+
+def test_gpt_lr_typo_diverges(tmp_path: Path) -> None:
+    """`--lr 1e3` (meant 1e-3): AdamW's decoupled decay (x(1 - lr*wd) = x-99 per step) makes the
+    weights grow geometrically until a LayerNorm's variance overflows in the forward."""
+    expected, g = both(tmp_path, GPT, *GPT_ARGS, "--lr", "1e3")
+    assert expected is not None and expected["phase"] == "forward", expected
+    assert_failed(g, {"step": expected["step"], "phase": "forward",
+                      "cause": "optimizer_divergence"})
+
+
+@pytest.fixture(scope="module")
+def gpt_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real checkpoint: 6 training steps of the script itself, saved by it at iter 6."""
+    d = tmp_path_factory.mktemp("gpt_ckpt")
+    r = plain(d, GPT, "--out-dir", "ckpt", "--always-save-checkpoint", "--max-iters", "6",
+              "--eval-interval", "6")
+    assert r.returncode == 0, r.stderr
+    assert (d / "ckpt" / "ckpt.pt").is_file()
+    return d / "ckpt" / "ckpt.pt"
+
+
+def _resume_dir(folder: Path, ckpt: Path, poison: str | None) -> None:
+    state = torch.load(ckpt, map_location="cpu")
+    if poison == "exp_avg_sq":
+        # Adam's second moment of one matrix (the first MLP weight of block 1).
+        names = [n for n, p in _gpt_param_order(state["model"])]
+        index = names.index("transformer.h.1.mlp.c_fc.weight")
+        state["optimizer"]["state"][index]["exp_avg_sq"][0, 0] = float("nan")
+    elif poison == "weight":
+        state["model"]["transformer.h.1.mlp.c_fc.weight"][0, 0] = float("nan")
+    (folder / "ckpt").mkdir()
+    torch.save(state, folder / "ckpt" / "ckpt.pt")
+
+
+def _gpt_param_order(model_state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The optimizer's parameter order in gpt_train.py: matrices (decayed) then the rest, each
+    in `named_parameters()` order (the tied `lm_head.weight` is `transformer.wte.weight`)."""
+    named = [(n, t) for n, t in model_state.items()
+             if not n.endswith(".attn.bias") and n != "lm_head.weight"]
+    return [x for x in named if x[1].dim() >= 2] + [x for x in named if x[1].dim() < 2]
+
+
+RESUME_ARGS = ("--init-from", "resume", "--out-dir", "ckpt", "--max-iters", "14",
+               "--eval-interval", "7")
+
+
+def test_gpt_resume_healthy(tmp_path: Path, gpt_checkpoint: Path) -> None:
+    """Resuming model + AdamW state from a clean checkpoint is healthy (the loaded optimizer
+    state is not an alarm)."""
+    assert_healthy(tmp_path, GPT, *RESUME_ARGS,
+                   prepare=lambda d: _resume_dir(d, gpt_checkpoint, None))
+
+
+@pytest.mark.parametrize("poison", ["exp_avg_sq", "weight"])
+def test_gpt_resume_poisoned_checkpoint(tmp_path: Path, gpt_checkpoint: Path,
+                                        poison: str) -> None:
+    """`--init-from resume` on a checkpoint with one NaN in an Adam `exp_avg_sq` (or in a
+    weight): the value was non-finite before the first step of this process, it came from the
+    checkpoint, not from the data or the step: phase `checkpoint`, cause
+    `checkpoint_nonfinite`, step 0."""
+    expected, g = both(tmp_path, GPT, *RESUME_ARGS,
+                       prepare=lambda d: _resume_dir(d, gpt_checkpoint, poison))
+    assert expected is not None and (expected["step"], expected["phase"]) == (0, "checkpoint")
+    assert_failed(g, {"step": 0, "phase": "checkpoint", "cause": "checkpoint_nonfinite"})
+
+
+# ---------------------------------------------------------------------------------- RNN LM
+
+RNN = "rnn_lm.py"
+RNN_ARGS = ("--model", "RNN_RELU", "--max-iters", "60")
+
+
+def test_rnn_lm_healthy(tmp_path: Path) -> None:
+    """ReLU RNN LM, hand-written SGD (lr 20) with manual clipping at 0.25: healthy. There is no
+    torch.optim optimizer: the step boundary is the backward."""
+    assert_healthy(tmp_path, RNN, *RNN_ARGS)
+
+
+def test_rnn_lm_no_clip_diverges(tmp_path: Path) -> None:
+    """`--clip 0`: the same run without clipping; the SGD updates blow the recurrent weights up
+    and the RNN's activations overflow in the forward a few batches in."""
+    expected, g = both(tmp_path, RNN, *RNN_ARGS, "--clip", "0")
+    assert expected is not None and expected["phase"] == "forward", expected
+    assert_failed(g, {"step": expected["step"], "phase": "forward",
+                      "cause": "optimizer_divergence"})
+
+
+# ------------------------------------------------------------------------------ L-BFGS f64
+
+LBFGS = "lbfgs_seq.py"
+LBFGS_ARGS = ("--max-iters", "8")
+
+
+def test_lbfgs_float64_healthy(tmp_path: Path) -> None:
+    """float64 LSTM, L-BFGS with a closure (several forward/backward per step), mini-batches
+    from a DataLoader, dead all-zero traces standardized with eps 1e-5: healthy."""
+    assert_healthy(tmp_path, LBFGS, *LBFGS_ARGS)
+
+
+def test_lbfgs_float64_eps0_division_by_zero(tmp_path: Path) -> None:
+    """`--eps 0`: the batch holding a dead (all-zero) trace divides 0 by sqrt(0) in the
+    model's standardization: NaN first made in the forward, cause division_by_zero."""
+    expected, g = both(tmp_path, LBFGS, *LBFGS_ARGS, "--eps", "0")
+    # Dead trace 29 is in batch 29 // 8 = 3 (no shuffling): an independent check of the step.
+    assert expected is not None and (expected["step"], expected["phase"]) == (3, "forward")
+    assert_failed(g, {"step": 3, "phase": "forward", "cause": "division_by_zero"})
+
+
+# ------------------------------------------------------------------------- CSV forecaster
+
+CSV = "csv_forecaster.py"
+NAN_ROW = 444
+
+
+def test_csv_forecaster_healthy(tmp_path: Path) -> None:
+    """GRU forecaster over sliding windows of a clean CSV, shuffled DataLoader, Adam: healthy."""
+    assert_healthy(tmp_path, CSV, "--csv", "load.csv",
+                   prepare=lambda d: write_load_csv(d / "load.csv"))
+
+
+def _windows_with_row(row: int, window: int = 8, batch: int = 16, rows: int = 600,
+                      val_frac: float = 0.1, seed: int = 0) -> tuple[int, list[int]]:
+    """Recomputed from the DataLoader's contract: the first batch (shuffled by a generator
+    seeded with `seed`, as the script does) holding a window that covers `row`, and the
+    positions of those windows in it."""
+    n_train = rows - int(rows * val_frac) - window
+    g = torch.Generator().manual_seed(seed)
+    # A DataLoader iterator draws its base seed from the loader's generator first, then the
+    # RandomSampler draws its permutation from the same generator.
+    torch.empty((), dtype=torch.int64).random_(generator=g)
+    perm = torch.randperm(n_train, generator=g).tolist()
+    for b in range(n_train // batch):
+        idx = perm[b * batch:(b + 1) * batch]
+        hits = [k for k, i in enumerate(idx) if i <= row < i + window]
+        if hits:
+            return b, hits
+    raise AssertionError("row not in any training window")
+
+
+def test_csv_forecaster_nan_cell(tmp_path: Path) -> None:
+    """One empty humidity cell (row 444): the first shuffled batch whose windows cover it has
+    NaN inputs: phase `data`, cause `data_nonfinite`, the culprit samples named."""
+    expected, g = both(tmp_path, CSV, "--csv", "load.csv",
+                       prepare=lambda d: write_load_csv(d / "load.csv", nan_row=NAN_ROW))
+    step, samples = _windows_with_row(NAN_ROW)
+    assert expected == {"step": step, "phase": "data", "samples": samples}
+    assert_failed(g, {"step": step, "phase": "data", "cause": "data_nonfinite",
+                      "samples": samples})
+
+
+# ---------------------------------------------------------------------------------- GAN
+
+GAN = "gan_bce.py"
+
+
+def test_gan_bce_healthy(tmp_path: Path) -> None:
+    """Generator + sigmoid discriminator, BCELoss, two Adam optimizers, real points from a CSV
+    through a shuffled DataLoader: healthy, no alarm on either optimizer."""
+    assert_healthy(tmp_path, GAN, "--data", "points.csv",
+                   prepare=lambda d: write_points_csv(d / "points.csv"))
+
+
+def test_gan_bce_nan_point_kills_the_script(tmp_path: Path) -> None:
+    """One real point with x = nan: the discriminator's output is NaN and BCELoss raises
+    (`all elements of input should be between 0 and 1`) before any backward of that step. The
+    script died after a non-finite value reached the model: `failed`, never `healthy`; the
+    finding is the discriminator's step holding the point, phase `data`, the culprit sample."""
+    expected, g = both(tmp_path, GAN, "--data", "points.csv",
+                       prepare=lambda d: write_points_csv(d / "points.csv", nan_row=700))
+    assert expected is not None and expected["phase"] == "data", expected
+    assert "all elements of input should be between 0 and 1" in g.proc.stderr
+    assert_failed(g, {"step": expected["step"], "phase": "data", "cause": "data_nonfinite",
+                      "samples": expected["samples"]})
