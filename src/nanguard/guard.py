@@ -99,6 +99,10 @@ class Guard:
         scaler: the `torch.amp.GradScaler`, if any: overflow steps it skips are counted (never
             an alarm), a collapsing scale is an alarm, and `rollback` restores its state.
         config: full settings; the keyword arguments above override its fields.
+        hook_optimizer: hook `optimizer.step()` (default). False: a framework adapter marks the
+            step boundary itself with `before_update()` / `after_update()` (Lightning runs the
+            training step as an optimizer closure: a step pre-hook would run before the
+            gradients exist).
 
     Raises:
         ValueError: on arguments that cannot work (unknown policy, not a module, an unwritable
@@ -117,6 +121,7 @@ class Guard:
         scheduler: Any = None,
         scaler: Any = None,
         config: GuardConfig | None = None,
+        hook_optimizer: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -193,8 +198,8 @@ class Guard:
         self._write_params()
         self.store.write_rng(0, rng.dumps(self._step_rng))
         self._handles = [
-            optimizer.register_step_pre_hook(self._pre_hook),
-            optimizer.register_step_post_hook(self._post_hook),
+            *([optimizer.register_step_pre_hook(self._pre_hook),
+               optimizer.register_step_post_hook(self._post_hook)] if hook_optimizer else []),
             model.register_load_state_dict_post_hook(self._on_load),
             optimizer.register_load_state_dict_post_hook(self._on_load),
         ]
@@ -247,6 +252,22 @@ class Guard:
                 self.recovery.check_stall(self.step)
         if batch is not None:
             self.batch_probe.observe(batch, accumulate=accumulate)
+
+    def before_update(self) -> None:
+        """For adapters built with `hook_optimizer=False`: call when the gradients are final
+        (after backward, AMP unscale and clipping) and before the optimizer updates. Runs
+        what the step pre-hook runs: reads, detects and, for `skip`, removes the gradients so
+        the coming update is a no-op (`after_update` gives them back)."""
+        if self._closed:
+            raise ValueError("this Guard is closed: create a new Guard for another run")
+        if self.error is None:
+            self._pre_hook(self.optimizer, (), {})
+
+    def after_update(self) -> None:
+        """For adapters built with `hook_optimizer=False`: call right after the optimizer's
+        update (or where it would have been, when the step was skipped)."""
+        if self.error is None and not self._closed:
+            self._post_hook(self.optimizer, (), {})
 
     def __enter__(self) -> Guard:
         if self._closed:
