@@ -14,7 +14,8 @@ import sys
 from collections.abc import Sequence
 
 # Module names (within nanguard.cli) that provide subcommands, in help order.
-COMMANDS: tuple[str, ...] = ("run", "demo", "report", "replay", "audit", "scan", "lint")
+COMMANDS: tuple[str, ...] = ("run", "demo", "report", "dashboard", "replay", "audit", "scan",
+                             "lint")
 
 
 class UserError(Exception):

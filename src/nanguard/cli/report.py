@@ -1,10 +1,13 @@
-"""`nanguard report RUN`: print the summary of a recorded run (`--json`: report.json)."""
+"""`nanguard report RUN [RUN...]`: print the summary of a recorded run (`--json`: report.json;
+`--html [FILE]`: a self-contained HTML report, by default RUN/report.html; several runs are
+overlaid in one page and need FILE)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sqlite3
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +22,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "report", help="print the summary of a recorded run", description=__doc__
     )
-    p.add_argument("run", help="a run folder (holds run.db and report.json)")
+    p.add_argument("run", nargs="+", help="a run folder (holds run.db and report.json); "
+                   "several: each summary, or with --html one page overlaying them")
     p.add_argument("--json", action="store_true", help="print report.json instead")
+    p.add_argument("--html", nargs="?", const="", default=None, metavar="FILE",
+                   help="also write a self-contained HTML report (opens offline) to FILE; "
+                   "default RUN/report.html (needs FILE for several runs)")
     p.set_defaults(func=run)
 
 
@@ -60,17 +67,33 @@ def _history_folder(run: str, info: dict[str, Any], first: dict[str, Any] | None
 
 
 def run(args: argparse.Namespace) -> int:
-    report = load_report(args.run)
+    runs: list[str] = list(args.run) if isinstance(args.run, (list, tuple)) else [args.run]
+    html_out = getattr(args, "html", None)
+    if html_out == "" and len(runs) > 1:
+        raise ValueError("several runs: pass the page to write, --html FILE")
+    reports = [load_report(r) for r in runs]
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        dicts = [r.to_dict() for r in reports]
+        print(json.dumps(dicts[0] if len(dicts) == 1 else dicts, indent=2))
     else:
-        first = report.first_nonfinite
-        until = first["step"] + 1 if first else None
-        folder = _history_folder(args.run, report.run, first)
         console = Console()
-        print_summary(report, console=console)
-        if folder is not None:
-            print_last_steps(console, _last_steps(folder, until))
+        for folder_arg, report in zip(runs, reports, strict=True):
+            _print_one(console, folder_arg, report)
+    if html_out is not None:
+        from nanguard.show.html import write_html
+
+        path = write_html(runs, html_out or str(Path(runs[0]) / "report.html"))
+        print(f"nanguard report: HTML report in {path}", file=sys.stderr)
     # A CI gate can trust it: only a run that was watched and ended healthy, warned or
     # recovered passes; failed, crashed, interrupted, died, degraded and unwatched do not.
-    return 0 if report.status in OK_STATUSES else 1
+    return 0 if all(r.status in OK_STATUSES for r in reports) else 1
+
+
+def _print_one(console: Console, folder_arg: str, report: Any) -> None:
+    """The terminal summary of one run and its last steps."""
+    first = report.first_nonfinite
+    until = first["step"] + 1 if first else None
+    folder = _history_folder(folder_arg, report.run, first)
+    print_summary(report, console=console)
+    if folder is not None:
+        print_last_steps(console, _last_steps(folder, until))
