@@ -74,3 +74,30 @@ def test_finding_fields(cascade_reports):
             assert set(a) >= {"step", "kind", "signal", "value", "message"}
         if f["phase"] == "forward":
             assert f["module"], "a forward finding names the module whose output overflowed"
+
+
+@pytest.mark.slow
+def test_warns_on_failures_within_the_first_20_steps():
+    """The outlier planted at step 6, 10 or 14 (seeds 0..9, 60 steps): failures in the first
+    steps, before any detector has `warmup_steps` of history. Every failing run warns before
+    its NaN; >= 80% warn >= 3 steps ahead (history-free rules: a jump 20x above every earlier
+    step, growth of 30x over 3 steps)."""
+    leads = {}
+    for at in (6, 10, 14):
+        for seed in range(10):
+            guards: list[Guard] = []
+
+            def factory(model, optimizer, guards=guards):
+                guard = Guard(model, optimizer, out="", activations=True,
+                              config=GuardConfig(record=RecordConfig(summary=False)))
+                guards.append(guard)
+                return guard
+
+            train_cascade(seed, factory, steps=60, outlier_at=at)
+            report = guards[0].report
+            if report.first_nonfinite is not None and report.first_nonfinite["step"] < 30:
+                leads[(at, seed)] = report.lead_steps
+    assert len(leads) >= 8, leads
+    assert all(lead is not None for lead in leads.values()), leads
+    early = [k for k, lead in leads.items() if lead >= 3]
+    assert len(early) >= 0.8 * len(leads), leads

@@ -99,6 +99,15 @@ class DetectConfig:
     decades, their norm is heavy-tailed (rare hard samples dominate it): a 100x jump that stays
     far below the run's normal scale is one hard sample, not an instability."""
 
+    early_spike_ratio: float = 20.0
+    """Before `warmup_steps` of history (no statistics yet): a grad norm this many times the
+    largest healthy one seen so far is a spike. Healthy runs' gradients fall or wander in their
+    first steps; a 20x jump over all of them is unmistakable."""
+
+    early_growth: float = 30.0
+    """Before `warmup_steps` of history: `cascade_steps` steps of growth that together multiply
+    the signal by this much are a cascade (and may be forecast to overflow)."""
+
     lead_window: int = 10
     """report.json's `first_warning` is the first alarm within this many steps before the first
     non-finite value (an unrelated spike long before does not count as a warning of it)."""

@@ -216,6 +216,16 @@ class SpikeDetector(_SeriesDetector):
                     f"grad norm {x:.3g} is {ratio:.3g}x its recent median {10**med:.3g} "
                     f"(robust z {z:.1f})",
                 )
+        elif hist and 10 ** (lx - max(hist)) >= self.config.early_spike_ratio:
+            # Too little history for statistics: only the unmistakable case, a jump far above
+            # every healthy step so far (the cascade's opening spike at the end of warm-up).
+            ratio = 10 ** (lx - max(hist))
+            is_spike = True
+            alarms = self._fire(
+                stats, "spike", "grad_norm", x,
+                f"grad norm {x:.3g} is {ratio:.3g}x the largest of the {len(hist)} healthy "
+                f"step(s) so far ({10 ** max(hist):.3g})",
+            )
         if not is_spike:
             hist.append(lx)
         return alarms
@@ -230,6 +240,7 @@ class CascadeDetector(_SeriesDetector):
         super().__init__(config)
         self.run: dict[str, int] = {s: 0 for s in self.signals}
         self.prev: dict[str, float] = {}
+        self.start: dict[str, float] = {}  # the value the current run of growth started from
 
     def check(self, stats: StepStats) -> list[Alarm]:
         alarms: list[Alarm] = []
@@ -241,6 +252,8 @@ class CascadeDetector(_SeriesDetector):
             prev = self.prev.get(signal)
             grew = prev is not None and x >= prev * self.config.cascade_growth
             self.run[signal] = self.run[signal] + 1 if grew else 0
+            if self.run[signal] == 1 and prev is not None:
+                self.start[signal] = prev
             self.prev[signal] = x
             hist = self.history[signal]
             if self.run[signal] == 0:
@@ -249,9 +262,11 @@ class CascadeDetector(_SeriesDetector):
                 continue
             med = median(hist)
             self._note_level(signal, med)
+            early = (len(hist) < self.config.warmup_steps
+                     and x >= self.config.early_growth * self.start.get(signal, math.inf))
             if (
                 self.run[signal] >= self.config.cascade_steps
-                and len(hist) >= self.config.warmup_steps
+                and (len(hist) >= self.config.warmup_steps or early)
                 and x >= self.config.cascade_ratio * med
                 and self._reaches_level(signal, x)
             ):
@@ -266,12 +281,14 @@ class CascadeDetector(_SeriesDetector):
         return alarms
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "run": dict(self.run), "prev": dict(self.prev)}
+        return {**super().state_dict(), "run": dict(self.run), "prev": dict(self.prev),
+                "start": dict(self.start)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.run.update(state["run"])
         self.prev = dict(state["prev"])
+        self.start = dict(state.get("start", {}))
 
 
 class ForecastDetector(_SeriesDetector):
@@ -310,7 +327,10 @@ class ForecastDetector(_SeriesDetector):
             if not growing:
                 hist.append(x)
                 continue
-            if len(hist) < self.config.warmup_steps or x < self.config.cascade_ratio * median(hist):
+            # Before `warmup_steps` of history only an unmistakable growth is extrapolated.
+            early = recent[-1] - recent[0] >= math.log10(self.config.early_growth)
+            if (len(hist) < self.config.warmup_steps and not early) or (
+                    hist and x < self.config.cascade_ratio * median(hist)):
                 continue
             slope = (recent[-1] - recent[0]) / (len(recent) - 1)
             # Activations overflow the dtype they are computed in (float16 under autocast).
@@ -340,7 +360,8 @@ class ForecastDetector(_SeriesDetector):
 
 
 class DivergenceDetector(_SeriesDetector):
-    """The loss climbs and stays far above its recent level."""
+    """The loss climbs and stays far above its recent level (z-score, ratio to the median, and
+    an absolute rise of at least `level_floor` of the highest typical loss of the run)."""
 
     signals = ("loss",)
 
@@ -362,9 +383,13 @@ class DivergenceDetector(_SeriesDetector):
         ):
             mean_recent = sum(self.recent) / len(self.recent)
             z, med = _robust_z(mean_recent, hist, floor=1e-3 * max(abs(median(hist)), 1e-8))
+            self._note_level("loss", med)
             # Sustained: every recent step is far above the median, not one outlier batch.
             ratio_ok = med > 0 and min(self.recent) >= self.config.divergence_ratio * med
-            if z >= self.config.spike_z and ratio_ok:
+            # ...and by an amount that matters on the loss's own scale: a GAN discriminator's
+            # 0.001 -> 0.004 is 4x, yet far below the ~1.4 it started from (no divergence).
+            floor_ok = mean_recent - med >= self.config.level_floor * self.peak.get("loss", 0.0)
+            if z >= self.config.spike_z and ratio_ok and floor_ok:
                 diverging = True
                 alarms = self._fire(
                     stats,

@@ -32,13 +32,13 @@ class CascadeSetup:
 
 
 def _batches(
-    seed: int, steps: int, outlier_p: float, outlier_scale: float
+    seed: int, steps: int, outlier_p: float, outlier_scale: float, outlier_at: int | None = None
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(DIM, 1, generator=g) / math.sqrt(DIM)
-    for _ in range(steps):
+    for step in range(steps):
         x = torch.randn(BATCH, DIM, generator=g)
-        if torch.rand(1, generator=g).item() < outlier_p:
+        if torch.rand(1, generator=g).item() < outlier_p or step == outlier_at:
             x[0] *= outlier_scale
         y = x @ w + 0.1 * torch.randn(BATCH, 1, generator=g)
         yield x, y
@@ -52,8 +52,12 @@ def make_cascade(
     momentum: float = 0.9,
     outlier_p: float = 0.005,
     outlier_scale: float = 25.0,
+    outlier_at: int | None = None,
 ) -> CascadeSetup:
-    """Build model, optimizer and the seeded stream of `steps` batches for one seed."""
+    """Build model, optimizer and the seeded stream of `steps` batches for one seed.
+
+    `outlier_at` also plants the outlier sample at that step (an early failure: the end of a
+    warm-up, the first batches of a fine-tune)."""
     torch.manual_seed(seed)
     model = nn.Sequential(
         nn.Linear(DIM, 64), nn.LeakyReLU(0.01),
@@ -63,7 +67,7 @@ def make_cascade(
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     return CascadeSetup(
         model=model, optimizer=optimizer,
-        batches=_batches(seed, steps, outlier_p, outlier_scale),
+        batches=_batches(seed, steps, outlier_p, outlier_scale, outlier_at),
         loss_fn=nn.functional.mse_loss,
     )
 
