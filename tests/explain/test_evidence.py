@@ -357,6 +357,11 @@ def test_early_nonfinite_loss_with_ordinary_magnitudes_is_not_init() -> None:
     assert R.exploding_init(ev) is None
     assert R.exploding_init(Evidence(first_nonfinite={"step": 1, "phase": "loss"},
                                      history=history)) is None
+    loaded = {"step": 0, "phase": "loss", "op": "aten.set_", "kind": "op",
+              "tensors": ["h.1.mlp.c_fc.weight"],
+              "inputs": [{"dtype": "float32", "min": "nan", "max": "nan", "nonfinite": True}]}
+    assert R.exploding_init(Evidence(first_nonfinite=loaded)) is None
+    assert R.exploding_init(Evidence(first_nonfinite={**loaded, "tensors": None})) is None
     huge = [{"step": 0, "loss": 1e30, "grad_norm": 1e32, "act_max": 4e18, "lr": 1e-3}]
     cause = R.exploding_init(Evidence(first_nonfinite={"step": 0, "phase": "loss"},
                                       history=huge))

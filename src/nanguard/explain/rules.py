@@ -234,18 +234,20 @@ def checkpoint_nonfinite(ev: Evidence) -> Cause | None:
     """Needs: phase `checkpoint` (weights, optimizer state or buffers already non-finite at the
     guard's first step, before any update), with `tensors` (their names) and `source` (the
     `file.py:LINE` of the load call, None when unknown); `tensors` alone counts too (a replay
-    may have rewritten phase and source). Weaker, at step 0 only: a `state`
-    value (a parameter the replay found non-finite before any op made it), or a `data` phase
-    with no evidence that the batch holds the value. Ruled out after step 0 (an update may
-    have made it) and when the batch is shown to hold the value (data_nonfinite)."""
+    may have rewritten phase and source). Weaker, at step 0 only: a `state` value (a
+    parameter the replay found non-finite before any op made it), or a `data` phase with no
+    evidence that the batch holds the value.
+
+    Ruled out: the weaker forms after step 0 (an update may have made the value), and
+    whenever the batch is shown to hold the value (data_nonfinite)."""
     first = ev.first_nonfinite or {}
     if ev.phase == "checkpoint" or first.get("tensors"):
         # `tensors` is the guard's checkpoint finding; a replay may have rewritten the phase.
-        conf = 0.97
+        form, conf = "found", 0.97
     elif ev.step == 0 and first.get("kind") == "state":
-        conf = 0.8
+        form, conf = "state", 0.8
     elif ev.step == 0 and ev.phase == "data" and not _batch_evidence(ev):
-        conf = 0.6
+        form, conf = "unexplained", 0.6
     else:
         return None
     tensors = [str(t) for t in first.get("tensors") or []]
@@ -253,17 +255,17 @@ def checkpoint_nonfinite(ev: Evidence) -> Cause | None:
         tensors = [str(first["param"])]
     load = first.get("load_source") or (first.get("source") if ev.phase == "checkpoint"
                                          else None)
-    if conf == 0.97 and ev.phase != "checkpoint" and not first.get("load_source"):
+    if form == "found" and ev.phase != "checkpoint" and not first.get("load_source"):
         load = None  # `source` now names the replayed op's line, not the load call
     named = ", ".join(f"`{t}`" for t in tensors[:6]) + (" ..." if len(tensors) > 6 else "")
     what = named or "a tensor the batch does not hold"
     were = "were" if len(tensors) > 1 else "was"
     loaded = f"the state loaded at {load}" if load else (
         "loaded state (the load call's line is unknown)")
-    if conf == 0.97:
+    if form == "found":
         evidence = (f"{what} {were} already non-finite at step {ev.step}, before the first "
                     f"update: {'they' if len(tensors) > 1 else 'it'} came with {loaded}")
-    elif conf == 0.8:
+    elif form == "state":
         evidence = (f"{what} {were} non-finite at step {ev.step} before any op made "
                     f"{'them' if len(tensors) > 1 else 'it'} and before the first update: "
                     f"{loaded}, presumably")
@@ -702,14 +704,17 @@ def exploding_init(ev: Evidence) -> Cause | None:
     overflow / forecast alarm, or the origin op's inputs >= 1e6. Ruled out: magnitudes
     measured and ordinary (a log(0) at step 1 is not an init problem), spike / cascade alarms
     or a one-step jump after an update (optimizer_divergence). Nothing measured: it fires at
-    low confidence and says what is missing. A value no op made (`kind` state / input) is
-    never an init overflow."""
+    low confidence and says what is missing. A value no op made (`kind` state / input, the
+    guard's checkpoint finding) or an op fed a NaN is never an init overflow."""
     if ev.step is None or ev.step > 2:
         return None
     if ev.phase not in ("forward", "loss") and not (ev.phase == "backward" and ev.step == 0):
         return None
-    if (ev.first_nonfinite or {}).get("kind") in ("state", "input"):
+    first = ev.first_nonfinite or {}
+    if first.get("kind") in ("state", "input") or first.get("tensors"):
         return None  # no op made it: it was loaded or fed in (checkpoint / data)
+    if any(i.get("nonfinite") and math.isnan(_num(i.get("min"), 0.0)) for i in ev.inputs):
+        return None  # the op received a NaN: it carried a value on, it overflowed nothing
     if ev.warnings_before(("spike", "cascade")) or _jump(ev) or _ordinary_before(ev):
         return None  # the update made it (optimizer_divergence), not the init
     seen, what = _early_magnitude(ev)
