@@ -155,6 +155,8 @@ def make_handler(board: Dashboard) -> type[BaseHTTPRequestHandler]:
                 elif url.path == "/api/runs":
                     runs = [_run_info(board.root, f) for f in find_runs(board.root)]
                     self._send(200, "application/json", json.dumps(runs))
+                elif url.path == "/favicon.ico":
+                    self._send(204, "image/x-icon", "")
                 else:
                     self._send(404, "text/plain", "not found")
             except ValueError as exc:
