@@ -34,7 +34,8 @@ def test_argparse_scheduler_healthy_keeps_stdout_and_exit_code(tmp_path: Path) -
     assert r.returncode == 3, r.stderr
     assert "scheduler_argparse.py exited with code 3 (the script's own exit" in r.stderr
     rep = report(out)
-    assert rep["status"] == "healthy" and rep["steps"] == 30
+    # Exited non-zero with nothing non-finite seen: `crashed`, never `healthy`.
+    assert rep["status"] == "crashed" and rep["steps"] == 30
     assert rep["first_nonfinite"] is None and rep["alarms"] == []
     assert rep["run"]["script"] == {"outcome": "exit", "exit_code": 3, "message": "exit code 3"}
     assert "replay" not in rep["run"]
@@ -103,7 +104,7 @@ def test_script_error_is_the_scripts_and_missing_script(tmp_path: Path) -> None:
     assert "broken.py failed with its own error, not a numerical one" in r.stderr
     assert "nanguard run: error" not in r.stderr and "a nanguard bug" not in r.stderr
     rep = report(out)
-    assert rep["status"] == "healthy" and rep["steps"] == 5
+    assert rep["status"] == "crashed" and rep["steps"] == 5
     assert rep["run"]["script"]["outcome"] == "error"
 
     r = nanguard_run(tmp_path / "x", tmp_path / "nope.py")

@@ -6,7 +6,18 @@
   it (its own hooks then run in that same step: global pre-hooks run before per-optimizer ones);
 * global module forward pre/post hooks: the root modules (called while no other module's forward
   runs) and the first tensor arguments of each root's forward, i.e. the batch;
-* a wrapper around `torch.Tensor.backward`: the scalar being backpropagated is the loss.
+* a wrapper around `torch.Tensor.backward`: the scalar being backpropagated is the loss;
+* `ManualBoundaries` (integrations/manual.py): while the script has no optimizer at all
+  (hand-written updates), the step boundaries come from `backward()` through a no-op
+  `ManualStep` optimizer, which gets a guard like any other;
+* `optimizer.step(closure)` (LBFGS and every torch.optim optimizer): the global pre-hook runs
+  the closure once itself, before the guard's own pre-hook, and hands the optimizer a closure
+  whose first call returns that result: the guard checks the gradients the closure made, and
+  the optimizer computes exactly what it would have (the same single call, only earlier).
+
+Hooks inherited by a forked child (DataLoader workers, Hogwild trainers started with
+`torch.multiprocessing`) do nothing there; `processes_started` counts the worker processes
+started, so a run that watched nothing can say why.
 
 The model given to a guard is the root module that holds the optimizer's parameters (several
 roots: a `ModuleDict` over them, names prefixed by the root's class). The batch given to a guard
@@ -37,6 +48,7 @@ from torch.utils.hooks import RemovableHandle
 
 from nanguard.config import GuardConfig, RecordConfig
 from nanguard.guard import Guard
+from nanguard.integrations.manual import ManualBoundaries, ManualStep, forked
 
 _MAX_OUTPUTS = 32
 
@@ -56,6 +68,13 @@ class Watched:
     what `pinpoint.armed` counts."""
     loss_seq: int = 0
     error: str | None = None
+    note: str | None = None
+    """A one-line remark printed with the summary (e.g. a policy that could not apply)."""
+
+    @property
+    def manual(self) -> bool:
+        """Hand-written updates, watched through a `ManualStep`."""
+        return isinstance(self.optimizer, ManualStep)
 
     @property
     def name(self) -> str:
@@ -101,6 +120,13 @@ class Discovery:
         self._steps = 0
         self._handles: list[RemovableHandle] = []
         self._backward: Any = None
+        self._train_outputs: list[tuple[str, torch.Tensor]] = []
+        """(module class, [has NaN, has Inf]) of the last few grad-enabled root forwards'
+        outputs (model output, loss module): two reductions on the device per root forward,
+        read only at the end of the run (the outputs themselves are not kept)."""
+        self._manual = ManualBoundaries(roots=lambda: list(self._roots.values()))
+        self._start: Any = None
+        self.processes_started = 0
 
     # ------------------------------------------------------------------ install / remove
 
@@ -122,28 +148,92 @@ class Discovery:
 
         backward.__doc__ = original.__doc__
         torch.Tensor.backward = backward  # type: ignore[method-assign,assignment]
+        self._manual.install()  # wraps the wrapper: a boundary ends before the loss is taken
+
+        import multiprocessing.process as mp_process
+
+        start = mp_process.BaseProcess.start
+        self._start = start
+
+        def counted_start(proc: Any) -> None:
+            d = me()
+            if d is not None and not forked():
+                d.processes_started += 1
+            start(proc)
+
+        mp_process.BaseProcess.start = counted_start  # type: ignore[method-assign,assignment]
         return self
+
+    @property
+    def steps_started(self) -> int:
+        """Optimizer steps started so far, all optimizers together (what `armed` counts)."""
+        return self._steps
+
+    def finish(self) -> None:
+        """At the end of the script (also after an error): end a pending hand-written step."""
+        if not forked():
+            self._manual.finish()
 
     def remove(self) -> None:
         """Remove every global hook and the `backward` patch (idempotent)."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._manual.remove()
+        if self._start is not None:
+            import multiprocessing.process as mp_process
+
+            mp_process.BaseProcess.start = self._start  # type: ignore[method-assign]
+            self._start = None
         if self._backward is not None:
             torch.Tensor.backward = self._backward  # type: ignore[method-assign]
             self._backward = None
         self._outputs.clear()
         self._inputs.clear()
+
+    def release(self) -> None:
+        """Drop the references kept for the end-of-run checks (the last loss)."""
         self._loss = None
+        self._train_outputs.clear()
+
+    # ------------------------------------------------------------------ end-of-run evidence
+
+    def nonfinite_evidence(self, *, on_error: bool) -> dict[str, Any] | None:
+        """Whether the script saw a non-finite value that no guarded step recorded: the last
+        loss backpropagated after the last step, or the last outputs of grad-enabled root
+        forwards (a NaN; on the error path also an Inf: an error such as BCE's "all elements
+        of input should be between 0 and 1" follows from it). Called once, when the script has
+        ended (a few host reads); never on the hot path.
+
+        Returns:
+            `{"signals": [...], "module": ...}` naming what held the value, or None.
+        """
+        signals: list[str] = []
+        module = None
+        unconsumed = all(self._loss_seq > w.loss_seq for w in self.watched)
+        if self._loss is not None and unconsumed and not bool(torch.isfinite(self._loss).all()):
+            signals.append("loss")
+        for name, flags in reversed(self._train_outputs):
+            nan, inf = (bool(v) for v in flags.tolist())
+            if nan or (inf and on_error):
+                signals.append(f"output of {name}")
+                module = module or name
+        if not signals:
+            return None
+        return {"signals": signals, "module": module}
 
     # ------------------------------------------------------------------ hooks
 
     def _saw_backward(self, tensor: torch.Tensor) -> None:
+        if forked():
+            return
         if tensor.numel() == 1 and tensor.is_floating_point():
             self._loss = tensor.detach()
             self._loss_seq += 1
 
     def _forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if forked():
+            return
         self._depth += 1
         if self._depth != 1:
             return
@@ -160,9 +250,19 @@ class Discovery:
             rec.other = tensors
 
     def _forward_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        self._depth = max(0, self._depth - 1)
-        if self._depth or not isinstance(output, torch.Tensor):
+        if forked():
             return
+        self._depth = max(0, self._depth - 1)
+        if self._depth:
+            return
+        if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+            output = output[0]  # an RNN's (output, hidden)
+        if not isinstance(output, torch.Tensor):
+            return
+        if torch.is_grad_enabled() and output.is_floating_point() and output.numel():
+            with torch.no_grad():
+                flags = torch.stack([output.isnan().any(), output.isinf().any()])
+            self._train_outputs = [*self._train_outputs[-3:], (type(module).__name__, flags)]
         self._outputs = [r for r in self._outputs if r() is not None][-_MAX_OUTPUTS:]
         self._outputs.append(weakref.ref(output))
 
@@ -178,18 +278,39 @@ class Discovery:
                 return True
         return False
 
-    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Global step pre-hook: runs first in every `optimizer.step()` (and in a
+        `ManualStep.begin()`), before the guard's own pre-hook."""
+        if forked():
+            return None
         w = self._by_opt.get(id(optimizer))
         if w is None or w.optimizer is not optimizer:
             w = self._attach(optimizer)
         w.starts.append(self._steps)
         self._steps += 1
         if w.guard is None or w.guard._closed:
-            return
+            return None
+        result = _run_closure_first(optimizer, args, kwargs)
         loss = self._loss if self._loss_seq > w.loss_seq else None
         w.loss_seq = self._loss_seq
         batch = self._take_batch(w)
         w.guard.watch(loss=loss, batch=batch)
+        return result
+
+    def attach_unstepped(self) -> Watched | None:
+        """At the end of a run that saw a non-finite value before any step was watched: a
+        guard for the optimizer the script built but never stepped (or for the hand-written
+        updates of the root modules seen), so the finding has a record and a diagnosis."""
+        if self.watched:
+            return self.watched[0]
+        opts = [o for r in self._manual.created if (o := r()) is not None]
+        if opts:
+            return self._attach(opts[0])
+        params = [p for r in self._roots.values() for p in r.parameters() if p.requires_grad]
+        if not params:
+            return None
+        return self._attach(ManualStep(list(dict.fromkeys(params))))
 
     # ------------------------------------------------------------------ guards
 
@@ -200,9 +321,17 @@ class Discovery:
         model = _as_model(roots, optimizer)
         w = Watched(index=index, optimizer=optimizer, guard=None, model=model, folder=folder,
                     roots=roots)
+        policy = self.policy
+        if w.manual and policy in ("skip", "rollback"):
+            # Discarding an update means taking the gradients away from the optimizer; a
+            # hand-written update would then fail on `p.grad is None`. Watch only.
+            w.note = (f"--policy {policy} cannot undo hand-written updates (no optimizer "
+                      "steps in this script): watched with observe")
+            policy = "observe"
         try:
-            w.guard = Guard(model, optimizer, policy=self.policy, out=str(folder),
+            w.guard = Guard(model, optimizer, policy=policy, out=str(folder),
                             config=self.config)
+            w.guard.run_entry = "run"  # fixes are phrased as `nanguard run` flags
             # How to run it again (`nanguard replay`): sys.argv is the script's here.
             w.guard.store.write_meta(script=os.path.abspath(sys.argv[0]), argv=sys.argv[1:],
                                      cwd=os.getcwd(), optimizers=index + 1)
@@ -238,6 +367,56 @@ class Discovery:
         return None
 
 
+class _Leaves(nn.Module):
+    """Holds raw trained tensors (`W = torch.zeros(..., requires_grad=True)`) that belong to no
+    module, so a guard can name them: `named_parameters()` yields them under the script's
+    names (they are not `nn.Parameter`s and are not registered as such)."""
+
+    def __init__(self, tensors: list[torch.Tensor], names: dict[int, str]) -> None:
+        super().__init__()
+        self._leaves = [(names.get(id(t), f"param{i}"), t) for i, t in enumerate(tensors)]
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        seen: set[int] = set()
+        for name, t in self._leaves:
+            if id(t) not in seen:
+                seen.add(id(t))
+                yield name, t
+
+    def parameters(self, *args: Any, **kwargs: Any) -> Any:
+        for _, t in self.named_parameters():
+            yield t
+
+
+def _run_closure_first(
+    optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """`optimizer.step(closure)`: run the closure now (it makes the loss and the gradients the
+    guard must check) and give the optimizer one whose first call returns that result, later
+    calls (LBFGS line search) the real closure. Only for torch.optim's own optimizers, which
+    all call the closure first thing; a custom optimizer might not call it at all."""
+    if isinstance(optimizer, ManualStep) or not type(optimizer).__module__.startswith(
+            "torch.optim"):
+        return None
+    in_args = len(args) > 1 and callable(args[1])
+    closure = args[1] if in_args else kwargs.get("closure")
+    if not callable(closure):
+        return None
+    with torch.enable_grad():
+        first = closure()
+    calls = [0]
+
+    def replayed() -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            return first
+        return closure()
+
+    if in_args:
+        return (args[0], replayed, *args[2:]), kwargs
+    return args, {**kwargs, "closure": replayed}
+
+
 def _as_model(roots: list[nn.Module], optimizer: torch.optim.Optimizer) -> nn.Module:
     """The module handed to the guard: the one root, a `ModuleDict` over several, or a holder
     of the bare parameters when no module was seen."""
@@ -252,8 +431,5 @@ def _as_model(roots: list[nn.Module], optimizer: torch.optim.Optimizer) -> nn.Mo
                 name, i = f"{base}{i}", i + 1
             names[name] = r
         return nn.ModuleDict(names)
-    holder = nn.Module()
-    holder.params = nn.ParameterList(
-        [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, nn.Parameter)]
-    )
-    return holder
+    leaf_names = optimizer.names if isinstance(optimizer, ManualStep) else {}
+    return _Leaves([p for g in optimizer.param_groups for p in g["params"]], leaf_names)

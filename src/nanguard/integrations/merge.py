@@ -21,6 +21,10 @@ from typing import Any
 from nanguard.integrations.distributed import PHASE_ORDER
 from nanguard.record.report import REPORT_NAME, Report, build_report, load_report
 
+SEVERITY = ("failed", "died", "degraded", "crashed", "interrupted", "unwatched", "recovered",
+            "warned", "healthy")
+"""Statuses from the worst to the best: a merged report takes the worst of its parts."""
+
 
 def finding_key(first: dict[str, Any], order: int = 0) -> tuple[int, int, int, int]:
     """Sort key of a `first_nonfinite` entry: step, phase, rank (then the part's order)."""
@@ -66,7 +70,7 @@ def merge_reports(parts: Sequence[tuple[str, Report]], run: dict[str, Any] | Non
         for k in ("policy", "version"):
             if k in r.run and k not in info:
                 info[k] = r.run[k]
-    return build_report(
+    merged = build_report(
         steps=max((r.steps for _, r in parts), default=0),
         alarms=alarms,
         actions=actions,
@@ -74,6 +78,14 @@ def merge_reports(parts: Sequence[tuple[str, Report]], run: dict[str, Any] | Non
         diagnosis=diagnosis,
         run=info,
     )
+    # How each part ended (crashed, interrupted, degraded, unwatched) is in its own status:
+    # the merged one is the worst of them, never better than a part.
+    merged.status = min((merged.status, *(r.status for _, r in parts)), key=_severity)
+    return merged
+
+
+def _severity(status: str) -> int:
+    return SEVERITY.index(status) if status in SEVERITY else 0
 
 
 def collect_rank_reports(

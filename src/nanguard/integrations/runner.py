@@ -4,18 +4,28 @@ The script runs in this process as `__main__` (`runpy.run_path`, `sys.argv` rewr
 `sys.path[0]` = the script's folder, as `python -m cProfile` does) while `Discovery` attaches a
 guard to every optimizer that steps. When the script is done:
 
-1. each guard is closed (one run folder per optimizer: DIR itself when there is one, else
-   DIR/optimizer-N plus a merged DIR/report.json; under torchrun DIR/rank-R/ per rank);
+1. each guard is closed with how the script ended (`ok`, `error`, `interrupted`: one run
+   folder per optimizer: DIR itself when there is one, else DIR/optimizer-N plus a merged
+   DIR/report.json; under torchrun DIR/rank-R/ per rank). A script that ended (by an error, or
+   on its own) right after a non-finite value no guarded step recorded (the loss of its last
+   backward, the output of its last training forward: BCE's "all elements of input should be
+   between 0 and 1", `torch.multinomial`'s "probability tensor contains either inf, nan or
+   element < 0") gets that value as its finding: status `failed`, pinpointed like any other;
 2. on a non-finite value (single process), the script is re-run deterministically in a
    subprocess (same initial RNG states) with `pinpoint.armed(step)` at the failing step, within
    `replay_budget` seconds; its origin refines `first_nonfinite` and the diagnosis is redone;
 3. under torchrun, rank 0 merges the ranks' reports from their files (never through the
    process group, so a dead rank cannot hang it);
 4. the summary is printed (rank 0 only) and the exit code chosen: the script's own non-zero
-   code, or an error of the script itself, wins (with a line saying it was the script); else 1
-   when training failed or `raise` stopped it, else 0.
+   code, or an error of the script itself, wins (with a line saying what it was); else 1 when
+   the status is not `healthy`, `warned` or `recovered` (`failed`, `crashed`, `unwatched`,
+   `degraded`, `interrupted`) or `raise` stopped training, else 0.
 
-Every global hook and patch is removed in `finally`, and `sys.argv` / `sys.path` restored.
+While the script runs, SIGTERM (a scheduler's time limit, `timeout`) raises `Terminated`, a
+`KeyboardInterrupt`, in the main thread: the script unwinds as on Ctrl-C and the run is
+written with status `interrupted` (or `failed` when a non-finite value came first); the
+previous handler is restored afterwards. Every global hook and patch is removed in `finally`,
+and `sys.argv` / `sys.path` restored.
 """
 
 from __future__ import annotations
@@ -41,6 +51,14 @@ from nanguard.integrations.merge import collect_rank_reports, finding_key, merge
 from nanguard.record.report import REPORT_NAME, Report
 from nanguard.watch import rng
 
+OK_STATUSES = ("healthy", "warned", "recovered")
+"""Statuses for which `nanguard run` exits 0 (when the script itself did)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM while the script runs: unwinds it like Ctrl-C (its own `except
+    KeyboardInterrupt` and `finally` blocks run), then the run is written `interrupted`."""
+
 
 @dataclass(kw_only=True)
 class RunOptions:
@@ -65,12 +83,25 @@ class ScriptOutcome:
     kind: str = "ok"
     """`ok`, `exit` (SystemExit with a non-zero code), `error` (an exception of its own),
     `stopped` (nanguard's `raise` policy), `internal` (an error inside nanguard's own hooks) or
-    `interrupted`."""
+    `interrupted` (SIGINT, SIGTERM)."""
     code: int = 0
     message: str | None = None
+    evidence: dict[str, Any] | None = None
+    """A non-finite value the script held when it ended that no guarded step recorded (see
+    `Discovery.nonfinite_evidence`)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"outcome": self.kind, "exit_code": self.code, "message": self.message}
+        out = {"outcome": self.kind, "exit_code": self.code, "message": self.message}
+        if self.evidence:
+            out["nonfinite_before_end"] = self.evidence["signals"]
+        return out
+
+    @property
+    def ended(self) -> str:
+        """How the training ended, in the Guard's words (`Guard.close(ended=...)`)."""
+        if self.kind == "interrupted":
+            return "interrupted"
+        return "error" if self.kind in ("exit", "error", "internal") else "ok"
 
 
 def world() -> tuple[int, int]:
@@ -106,7 +137,12 @@ def run(opts: RunOptions) -> int:
     initial_rng = rng.capture()
     outcome = _run_script(script, opts.args, disc)
 
-    reports = _close(disc)
+    late = _late_finding(disc, outcome, rank)
+    reports = _close(disc, outcome)
+    if late is not None:
+        w, finding = late
+        reports[w.index] = _set_finding(w, finding)
+    disc.release()
     replay: dict[str, Any] | None = None
     target = _first_failure(disc.watched, reports)
     if target is not None:
@@ -115,8 +151,12 @@ def run(opts: RunOptions) -> int:
                       "a multi-rank script; the watched signals name the rank and batch"}
         elif opts.replay_budget <= 0:
             replay = {"status": "skipped", "reason": "--replay-budget 0"}
+        elif outcome.kind == "interrupted":
+            replay = {"status": "skipped", "reason": "interrupted: no time for a re-run"}
         else:
-            replay = _replay(script, opts.args, target, initial_rng, opts.replay_budget)
+            late_step = disc.steps_started if late is not None and late[0] is target else None
+            replay = _replay(script, opts.args, target, initial_rng, opts.replay_budget,
+                             global_step=late_step)
             if replay.get("origin"):
                 reports[target.index] = _refine(target, replay["origin"])
         reports[target.index].run["replay"] = {k: v for k, v in replay.items() if k != "origin"}
@@ -125,7 +165,8 @@ def run(opts: RunOptions) -> int:
     if world_size > 1:
         if rank != 0:
             if opts.summary:
-                _print_outcome(outcome, script, None, prefix=f"rank {rank}: ")
+                _print_outcome(outcome, script, None, prefix=f"rank {rank}: ", report=report,
+                               disc=disc)
             return _exit_code(outcome, report)
         parts, missing = collect_rank_reports(out, world_size, opts.merge_wait)
         report = merge_reports(parts, {"folder": str(out), "world_size": world_size,
@@ -135,7 +176,7 @@ def run(opts: RunOptions) -> int:
             _say(f"no report from rank(s) {missing} within {opts.merge_wait:g} s; merged the rest")
     if opts.summary:
         _print_summary(report, disc, target)
-        _print_outcome(outcome, script, replay)
+        _print_outcome(outcome, script, replay, report=report, disc=disc)
     return _exit_code(outcome, report)
 
 
@@ -143,9 +184,13 @@ def run(opts: RunOptions) -> int:
 
 
 def _run_script(script: Path, args: list[str], disc: Discovery) -> ScriptOutcome:
-    """Run `script` as `__main__` with every hook installed; every hook removed afterwards."""
+    """Run `script` as `__main__` with every hook installed; every hook removed afterwards.
+
+    The end-of-run check for a non-finite value no step recorded runs here, while what the
+    script held is still alive (its globals; on an error, the frames of its traceback)."""
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     outcome = ScriptOutcome()
+    previous_term = _install_sigterm()
     try:
         sys.argv = [str(script), *args]
         script_dir = str(script.resolve().parent)
@@ -154,11 +199,20 @@ def _run_script(script: Path, args: list[str], disc: Discovery) -> ScriptOutcome
         else:
             sys.path.append(script_dir)
         disc.install()
-        runpy.run_path(str(script), run_name="__main__")
+        script_globals = runpy.run_path(str(script), run_name="__main__")
+        _end_steps(disc)
+        outcome.evidence = _evidence(disc, on_error=False)
+        del script_globals
     except SystemExit as exc:
         outcome = _system_exit(exc)
-    except KeyboardInterrupt:
-        outcome = ScriptOutcome("interrupted", 130, "interrupted")
+        _end_steps(disc)
+        if outcome.kind != "ok":
+            outcome.evidence = _evidence(disc, on_error=True)
+    except KeyboardInterrupt as exc:
+        sigterm = isinstance(exc, Terminated)
+        outcome = ScriptOutcome("interrupted", 143 if sigterm else 130,
+                                "SIGTERM" if sigterm else "KeyboardInterrupt")
+        _end_steps(disc)
     except BaseException as exc:  # noqa: BLE001 - whatever the script raises is reported
         stop = _nanguard_error(exc)
         if stop is not None:
@@ -169,13 +223,53 @@ def _run_script(script: Path, args: list[str], disc: Discovery) -> ScriptOutcome
         else:
             _print_script_traceback(exc, script)
             outcome = ScriptOutcome("error", 1, f"{type(exc).__name__}: {exc}")
+            _end_steps(disc)
+            outcome.evidence = _evidence(disc, on_error=True)
+        exc.__traceback__ = None  # let the script's frames (and tensors) go
     finally:
         disc.remove()
+        _restore_sigterm(previous_term)
         sys.argv = saved_argv
         if saved_path0 is not None:
             sys.path[0] = saved_path0
         sys.stdout.flush()
     return outcome
+
+
+def _install_sigterm() -> tuple[bool, Any]:
+    """SIGTERM raises `Terminated` in the main thread while the script runs. Returns (whether
+    it was installed, the previous handler): not in the main thread, signals cannot be set."""
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise Terminated("SIGTERM")
+
+    try:
+        return True, signal.signal(signal.SIGTERM, on_sigterm)
+    except ValueError:  # not the main thread
+        return False, None
+
+
+def _restore_sigterm(previous: tuple[bool, Any]) -> None:
+    installed, handler = previous
+    if installed:  # None: the previous handler was not set from Python; the default then
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
+
+
+def _end_steps(disc: Discovery) -> None:
+    """End a pending hand-written step; never lets an error out (fail open)."""
+    try:
+        disc.finish()
+    except Exception as exc:  # noqa: BLE001 - the run's record matters more
+        _say(f"could not end the last hand-written step: {type(exc).__name__}: {exc}")
+
+
+def _evidence(disc: Discovery, *, on_error: bool) -> dict[str, Any] | None:
+    if any(w.guard is not None and w.guard.first_nonfinite for w in disc.watched):
+        return None  # already recorded by a step: nothing to add
+    try:
+        return disc.nonfinite_evidence(on_error=on_error)
+    except Exception:  # noqa: BLE001 - a check at the end must never fail the run
+        return None
 
 
 def _system_exit(exc: SystemExit) -> ScriptOutcome:
@@ -200,19 +294,31 @@ def _nanguard_error(exc: BaseException) -> NanguardError | None:
 
 
 def _raised_in_nanguard(exc: BaseException, script: Path) -> bool:
-    """The exception came out of nanguard's own code (its hooks), not the script's."""
+    """The exception came out of nanguard's own code (its hooks), not the script's: below the
+    script's first frame, the innermost frame outside torch is nanguard's. The `backward`
+    wrappers only pass autograd's errors on, and a closure nanguard runs first (LBFGS) is the
+    script's code: neither makes an error nanguard's."""
     package = Path(__file__).resolve().parents[1]
+    user_dirs = (package / "scenarios",)
+    torch_dir = Path(torch_file()).resolve().parent
     target = script.resolve()
-    tb, in_script = exc.__traceback__, False
+    tb, in_script, last_is_ours = exc.__traceback__, False, False
     while tb is not None:
         code = tb.tb_frame.f_code
         path = Path(code.co_filename).resolve()
         in_script = in_script or path == target
-        # The `backward` wrapper only passes the script's own autograd errors on.
-        if in_script and package in path.parents and code.co_name != "backward":
-            return True
+        if in_script and torch_dir not in path.parents and not code.co_filename.startswith("<"):
+            ours = package in path.parents and not any(d in path.parents for d in user_dirs)
+            if not (ours and code.co_name == "backward"):
+                last_is_ours = ours
         tb = tb.tb_next
-    return False
+    return last_is_ours
+
+
+def torch_file() -> str:
+    import torch
+
+    return torch.__file__
 
 
 def _print_script_traceback(exc: BaseException, script: Path) -> None:
@@ -227,13 +333,45 @@ def _print_script_traceback(exc: BaseException, script: Path) -> None:
 # ---------------------------------------------------------------------- guards and reports
 
 
-def _close(disc: Discovery) -> dict[int, Report]:
+def _close(disc: Discovery, outcome: ScriptOutcome) -> dict[int, Report]:
+    """Close every guard, telling it how the script ended."""
     reports: dict[int, Report] = {}
     for w in disc.watched:
         if w.guard is None:
             continue
-        reports[w.index] = w.guard.close()
+        reports[w.index] = _close_guard(w, outcome)
     return reports
+
+
+def _close_guard(w: Watched, outcome: ScriptOutcome) -> Report:
+    guard = w.guard
+    assert guard is not None
+    return guard.close(ended=outcome.ended, error=outcome.message)
+
+
+def _late_finding(disc: Discovery, outcome: ScriptOutcome, rank: int
+                  ) -> tuple[Watched, dict[str, Any]] | None:
+    """The finding for a non-finite value the script held when it ended that no guarded step
+    recorded, and the part it belongs to (a guard attached now if none was); None if none."""
+    if outcome.evidence is None:
+        return None
+    try:
+        w = disc.attach_unstepped()
+    except Exception:  # noqa: BLE001 - fail open: the evidence is still reported
+        w = None
+    if w is None or w.guard is None:
+        return None
+    step = w.guard.step
+    finding = {"step": step, "phase": None, "module": None, "op": None, "source": None,
+               "samples": [], "rank": rank, "signals": list(outcome.evidence["signals"]),
+               "after_last_step": True}
+    return w, finding
+
+
+def _set_finding(w: Watched, finding: dict[str, Any]) -> Report:
+    guard = w.guard
+    assert guard is not None
+    return guard.refine(finding)
 
 
 def _first_failure(watched: list[Watched], reports: dict[int, Report]) -> Watched | None:
@@ -278,8 +416,12 @@ def _write(
         parts = [(w.name, reports[w.index]) for w in watched if w.index in reports]
         report = merge_reports(parts, {"folder": str(folder)})
     else:
-        report = Report(run={"folder": str(folder), "note": "no optimizer stepped"})
+        report = Report(status="unwatched",
+                        run={"folder": str(folder), "note": "no optimizer stepped"})
     report.run["script"] = outcome.to_dict()
+    notes = [w.note for w in watched if w.note]
+    if notes:
+        report.run["notes"] = notes
     if replay is not None:
         report.run["replay"] = {k: v for k, v in replay.items() if k != "origin"}
     if errors:
@@ -312,13 +454,17 @@ def _move_into(src: Path, dst: Path) -> None:
 
 
 def _replay(
-    script: Path, args: list[str], w: Watched, initial_rng: dict[str, Any], budget: float
+    script: Path, args: list[str], w: Watched, initial_rng: dict[str, Any], budget: float,
+    *, global_step: int | None = None,
 ) -> dict[str, Any]:
-    """Re-run the script in a subprocess with the checker armed at the failing step."""
+    """Re-run the script in a subprocess with the checker armed at the failing step
+    (`global_step` overrides the step counted over all optimizers: a value found after the
+    last step is in the step that never completed)."""
     guard = w.guard
     assert guard is not None and guard.first_nonfinite is not None
     step = int(guard.first_nonfinite["step"])
-    global_step = w.global_step(step)
+    if global_step is None:
+        global_step = w.global_step(step)
     info: dict[str, Any] = {"status": "error", "step": step, "budget_s": budget}
     if global_step is None:
         info["reason"] = "the failing step was not seen starting"
@@ -331,6 +477,9 @@ def _replay(
         cmd = [sys.executable, "-m", "nanguard.integrations.replay", "--step", str(global_step),
                "--rng", str(rng_file), "--result", str(result_file), "--", str(script), *args]
         env = dict(os.environ)
+        expected = _failing_loss(guard, step)
+        if expected is not None:  # `reproduced`: the re-run's loss at that step, bit for bit
+            env["NANGUARD_EXPECT_LOSS"] = repr(expected)
         src_root = str(Path(__file__).resolve().parents[2])  # importable as we are
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src_root, env.get("PYTHONPATH")) if p)
         started = time.monotonic()
@@ -363,6 +512,13 @@ def _replay(
     return info
 
 
+def _failing_loss(guard: Any, step: int) -> float | None:
+    stats = getattr(guard, "failing_stats", None)
+    if stats is None or stats.step != step or stats.loss is None:
+        return None
+    return float(stats.loss)
+
+
 def _kill(proc: subprocess.Popen[bytes]) -> None:
     """Kill the re-run and everything it started (its own session)."""
     try:
@@ -383,25 +539,39 @@ def _print_summary(report: Report, disc: Discovery, target: Watched | None) -> N
     from nanguard.show.summary import print_summary
 
     history = target.guard.history if target is not None and target.guard is not None else []
-    if not history and len(disc.watched) == 1 and disc.watched[0].guard is not None:
+    parts: dict[str, Any] = {}
+    if len(disc.watched) > 1:
+        parts = {w.name: w.guard.history for w in disc.watched if w.guard is not None}
+    elif not history and len(disc.watched) == 1 and disc.watched[0].guard is not None:
         history = disc.watched[0].guard.history
     sys.stdout.flush()
-    if not disc.watched:
-        _say("no optimizer stepped: nothing was watched")
-    print_summary(report, history)
+    print_summary(report, history, parts_history=parts or None)
 
 
 def _print_outcome(outcome: ScriptOutcome, script: Path, replay: dict[str, Any] | None,
-                   prefix: str = "") -> None:
+                   prefix: str = "", *, report: Report | None = None,
+                   disc: Discovery | None = None) -> None:
+    if disc is not None:
+        for w in disc.watched:
+            if w.note:
+                _say(w.note, prefix=prefix)
+            if w.error:
+                _say(f"could not watch {w.name} ({type(w.optimizer).__name__}): {w.error}",
+                     prefix=prefix)
     if replay is not None and replay.get("status") == "budget_exhausted":
         _say(f"the re-run to pinpoint the origin ran out of its budget "
              f"(--replay-budget {replay['budget_s']:g} s); the finding above is from the "
              "watched signals only", prefix=prefix)
     elif replay is not None and replay.get("status") in ("error", "not_reproduced"):
         _say(f"the re-run could not pinpoint the origin: {replay.get('reason')}", prefix=prefix)
+    numerical = report is not None and report.first_nonfinite is not None
     if outcome.kind == "exit":
-        _say(f"{script.name} exited with code {outcome.code} (the script's own exit, "
-             "not a nanguard failure)", prefix=prefix)
+        _say(f"{script.name} exited with code {outcome.code} (the script's own exit"
+             + (", after non-finite values appeared: see above)" if numerical
+                else ", not a nanguard failure)"), prefix=prefix)
+    elif outcome.kind == "error" and numerical:
+        _say(f"{script.name} failed with an error after non-finite values appeared: a "
+             f"numerical failure (see above): {outcome.message}", prefix=prefix)
     elif outcome.kind == "error":
         _say(f"{script.name} failed with its own error, not a numerical one: "
              f"{outcome.message}", prefix=prefix)
@@ -410,11 +580,28 @@ def _print_outcome(outcome: ScriptOutcome, script: Path, replay: dict[str, Any] 
              f"it): {outcome.message}", prefix=prefix)
     elif outcome.kind == "stopped":
         _say(f"training stopped by the raise policy: {outcome.message}", prefix=prefix)
+    elif outcome.kind == "interrupted":
+        _say(f"{script.name} was interrupted ({outcome.message}); the record holds every "
+             "step up to then", prefix=prefix)
+    if report is not None and report.status == "unwatched":
+        _say(_unwatched_reason(disc), prefix=prefix)
+
+
+def _unwatched_reason(disc: Discovery | None) -> str:
+    started = disc.processes_started if disc is not None else 0
+    if started:
+        return (f"nothing was watched: no optimizer stepped and no backward ran in this "
+                f"process, and it started {started} worker process(es); training inside "
+                "worker processes (torch.multiprocessing, Hogwild) is not watched")
+    return ("nothing was watched: the script ran no optimizer step and no backward() in "
+            "this process")
 
 
 def _exit_code(outcome: ScriptOutcome, report: Report) -> int:
+    """The script's own non-zero code wins; else 1 unless the status is one a CI gate may
+    pass (`healthy`, `warned`, `recovered`)."""
     if outcome.kind in ("exit", "error", "interrupted", "internal"):
         return outcome.code
-    if outcome.kind == "stopped" or report.status == "failed":
+    if outcome.kind == "stopped" or report.status not in OK_STATUSES:
         return 1
     return 0

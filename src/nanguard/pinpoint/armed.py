@@ -6,6 +6,17 @@ counted by a global step post-hook, the checker is entered right after step N-1'
 once for N == 0) and left after step N's post-hook. Global module forward hooks give phases and
 module names; the model is discovered as it runs.
 
+A script with no optimizer (hand-written updates) gets its step boundaries from `backward()`
+exactly as `nanguard run` counted them (`integrations.manual.ManualBoundaries`). Ops run by a
+closure inside `optimizer.step(closure)` (LBFGS) get the phase of what they are (forward, loss,
+backward), not `optimizer`: the global pre-hook wraps the closure and lifts the optimizer phase
+while it runs.
+
+`reproduced` is set on the origin: with an expected loss (`expect_loss`, or the environment
+variable NANGUARD_EXPECT_LOSS that `nanguard run` sets for its re-run), whether the loss
+backpropagated in the armed step equals it bit for bit (NaN equals NaN); else whether the step
+went non-finite again.
+
     with armed(first_nonfinite_step) as a:
         train(seed)              # unchanged training code
     print(a.origin)
@@ -13,7 +24,9 @@ module names; the model is discovered as it runs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +39,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
+from nanguard.integrations.manual import ManualBoundaries
 from nanguard.pinpoint.attribution import Attribution
 from nanguard.pinpoint.checker import NonfiniteChecker
 from nanguard.pinpoint.origin import Origin
@@ -42,11 +56,14 @@ class Armed:
     ran: bool = False
     """The checker was active for step `step` (the script got that far)."""
     ops_seen: int = 0
+    loss: float | None = None
+    """The last scalar backpropagated during the armed step (read once, when it ends)."""
     _checker: NonfiniteChecker | None = field(default=None, repr=False)
 
 
 @contextmanager
-def armed(step: int, *, model: nn.Module | None = None, rank: int = 0) -> Iterator[Armed]:
+def armed(step: int, *, model: nn.Module | None = None, rank: int = 0,
+          expect_loss: float | None = None) -> Iterator[Armed]:
     """Run the enclosed code with the checker active during optimizer step `step` (0-based).
 
     Args:
@@ -54,6 +71,10 @@ def armed(step: int, *, model: nn.Module | None = None, rank: int = 0) -> Iterat
             counted from entering the context (all optimizers together; one per step).
         model: optional, for module names; None discovers models as they run.
         rank: written into the origin.
+        expect_loss: the loss the original run recorded at that step: `origin.reproduced`
+            then says whether the re-run's loss equals it bit for bit. None reads
+            NANGUARD_EXPECT_LOSS (set by `nanguard run`); absent, `reproduced` says whether the
+            step went non-finite again.
 
     Yields:
         An `Armed` record; `origin` is filled in when the step's post-hook runs (or when the
@@ -61,14 +82,22 @@ def armed(step: int, *, model: nn.Module | None = None, rank: int = 0) -> Iterat
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
+    if expect_loss is None and os.environ.get("NANGUARD_EXPECT_LOSS"):
+        try:
+            expect_loss = float(os.environ["NANGUARD_EXPECT_LOSS"])
+        except ValueError:
+            expect_loss = None
     state = Armed(step=step)
     attr = Attribution(model=model).install()
+    manual = ManualBoundaries(roots=lambda: list(attr.roots)).install()
     handles: list[RemovableHandle] = []
+    loss_seq = [0]
 
     def arm() -> None:
         checker = NonfiniteChecker(attr, step=step, rank=rank)
         attr.seen_forward = attr.seen_backward = False
         attr.batch_size = None
+        loss_seq[0] = manual.loss_seq
         checker.__enter__()
         state._checker, state.ran = checker, True
 
@@ -79,9 +108,15 @@ def armed(step: int, *, model: nn.Module | None = None, rank: int = 0) -> Iterat
         state._checker = None
         checker.__exit__(None, None, None)
         state.origin, state.ops_seen = checker.origin, checker.ops_seen
+        if manual.loss_seq > loss_seq[0] and manual.last_loss is not None:
+            state.loss = float(manual.last_loss.reshape(-1)[0])
+        if state.origin is not None:
+            state.origin.reproduced = _reproduced(state.loss, expect_loss)
 
-    def pre(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    def pre(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         attr.optimizer_pre(optimizer)
+        return _lift_closure(attr, optimizer, args, kwargs)
 
     def post(optimizer: torch.optim.Optimizer, *_: Any) -> None:
         attr.optimizer_post(optimizer)
@@ -101,4 +136,36 @@ def armed(step: int, *, model: nn.Module | None = None, rank: int = 0) -> Iterat
         disarm()
         for h in handles:
             h.remove()
+        manual.remove()
         attr.remove()
+
+
+def _reproduced(loss: float | None, expected: float | None) -> bool:
+    """The armed step failed again; with both losses known, also bit for bit the same loss."""
+    if loss is None or expected is None:
+        return True
+    return (math.isnan(loss) and math.isnan(expected)) or loss == expected
+
+
+def _lift_closure(attr: Attribution, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Wrap `optimizer.step(closure)`'s closure: while it runs (forward, loss, backward of a
+    fresh evaluation), the optimizer phase is lifted; it is restored when it returns."""
+    in_args = len(args) > 1 and callable(args[1])
+    closure: Callable[[], Any] | None = args[1] if in_args else kwargs.get("closure")
+    if not callable(closure):
+        return None
+    inner = closure
+
+    def lifted() -> Any:
+        saved = attr.optimizer
+        attr.optimizer = None
+        attr.seen_forward = attr.seen_backward = False
+        try:
+            return inner()
+        finally:
+            attr.optimizer = saved
+
+    if in_args:
+        return (args[0], lifted, *args[2:]), kwargs
+    return args, {**kwargs, "closure": lifted}

@@ -19,7 +19,14 @@ A candidate becomes the origin once its value flows on (a later op with a tainte
 non-finite output; pure views and copies defer that), or when it is still alive and non-finite
 at the end of the run (a parameter written by the optimizer). A candidate healed in place
 (`x / norm` then `masked_fill_(norm == 0, 0)`, as `linalg_vector_norm`'s backward does) or
-freed unused never becomes one. Non-finite inputs that no op made (the batch, a corrupted
+freed unused never becomes one.
+
+A candidate *absorbed* by a later op (read by it, the op's output finite: `nll_loss` or
+`gather` read only the target entries of a `log` that is `-inf` elsewhere, `clamp` or `where`
+cut it off) is still the origin when the NaN it causes shows up in backward: the backward op
+that makes a NaN from finite inputs (`LogBackward0`'s `grad / x` at `x == 0`) runs for a node
+created on the same source line as the absorbed value. With no origin at all at the end, the
+earliest absorbed candidate is the origin. Non-finite inputs that no op made (the batch, a corrupted
 parameter) open a candidate of kind `input` or `state`. After the origin is settled the mode
 only passes ops through.
 """
@@ -75,6 +82,9 @@ class _Candidate:
     origin: Origin
     refs: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
     confirmed: bool = False
+    absorbed: bool = False
+    """Read by a later op whose outputs were finite (and not healed in place)."""
+    healed: bool = False
     persists: bool = True
     """Counts as the origin if still alive and non-finite at the end (not for the batch)."""
 
@@ -122,8 +132,18 @@ class NonfiniteChecker(TorchDispatchMode):
         if not self.done:
             for k, c in enumerate(self._cands):
                 if c.confirmed or (c.persists and self._alive(k, recheck=True)):
-                    self.origin = c.origin
+                    j = None if c.confirmed else self._absorbed_before(k)
+                    if j is not None:
+                        self._cands[j].origin.propagated_by = {
+                            "op": c.origin.op, "phase": c.origin.phase,
+                            "module": c.origin.module, "node": c.origin.node}
+                    self.origin = (c if j is None else self._cands[j]).origin
                     break
+            else:
+                absorbed = [c for c in self._cands if c.absorbed and not c.healed
+                            and c.origin.kind == "op"]
+                if absorbed:
+                    self.origin = absorbed[0].origin
             self.done = True
         return self.origin
 
@@ -178,8 +198,12 @@ class NonfiniteChecker(TorchDispatchMode):
             attr.defer_tag(outs, user_source())
         if all_finite(outs):
             for t in targets:  # overwritten with finite values: no longer tracked
-                self._taint.pop(id(t), None)
+                hit = self._taint.pop(id(t), None)
+                if hit is not None and hit[0]() is t:
+                    self._cands[hit[1]].healed = True
                 self._intended.pop(id(t), None)
+            if self._cands:
+                self._absorb(args, kwargs, target_ids={id(t) for t in targets})
             return out
         self._on_nonfinite(func, args, kwargs, outs, targets, pre_bad)
         return out
@@ -228,6 +252,28 @@ class NonfiniteChecker(TorchDispatchMode):
         self._settle()
 
     # ------------------------------------------------------------------ candidates
+
+    def _absorb(self, args: Any, kwargs: Any, target_ids: set[int]) -> None:
+        """An op read tainted inputs and gave finite outputs: their candidates are absorbed."""
+        for t in float_tensors([*args, *kwargs.values()]):
+            if id(t) in target_ids:
+                continue
+            k = self._label(t)
+            if k is not None and k >= 0:
+                self._cands[k].absorbed = True
+
+    def _absorbed_before(self, k: int) -> int | None:
+        """An earlier absorbed candidate made on the forward line that created the backward
+        node candidate `k` runs for: the value that caused candidate `k`."""
+        o = self._cands[k].origin
+        if o.phase != "backward" or o.source is None:
+            return None
+        for j in range(k):
+            c = self._cands[j]
+            if (c.absorbed and not c.healed and not c.confirmed and c.origin.kind == "op"
+                    and c.origin.source == o.source):
+                return j
+        return None
 
     def _describe(self, name: str, args: Any, kwargs: Any, ins: list[torch.Tensor],
                   outs: list[torch.Tensor]) -> Origin:
@@ -279,6 +325,12 @@ class NonfiniteChecker(TorchDispatchMode):
         if node is not None:
             module = node_origin(node)[0]
         c.origin.propagated_by = {"op": f"aten.{name}", "phase": phase, "module": module}
+        j = self._absorbed_before(k)
+        if j is not None:  # the absorbed forward value caused this backward NaN
+            earlier = self._cands[j]
+            earlier.confirmed = True
+            earlier.origin.propagated_by = {"op": c.origin.op, "phase": c.origin.phase,
+                                            "module": c.origin.module, "node": c.origin.node}
         o = c.origin
         if o.op is None:  # an input: name the op that consumed it, where it entered the model
             o.op, o.module, o.source = f"aten.{name}", module, user_source()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -11,7 +11,9 @@ from rich.table import Table
 from nanguard.record.report import Report
 from nanguard.watch.stats import StepStats
 
-_STATUS_STYLE = {"healthy": "green", "warned": "yellow", "failed": "red", "recovered": "cyan"}
+_STATUS_STYLE = {"healthy": "green", "warned": "yellow", "failed": "red", "recovered": "cyan",
+                 "crashed": "red", "degraded": "magenta", "unwatched": "magenta",
+                 "interrupted": "yellow", "died": "red"}
 _SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -33,15 +35,40 @@ def sparkline(values: Sequence[float | None]) -> str:
     return "".join(out)
 
 
+def headline(report: Report) -> str:
+    """`failed after 12 steps`; a failure before any update says so instead of reading like a
+    crash (`failed: non-finite at step 0, before any update`)."""
+    first = report.first_nonfinite
+    if report.status == "failed" and first and report.steps == 0:
+        return f"{report.status}: non-finite at step {first.get('step', 0)}, before any update"
+    if report.status == "unwatched":
+        return f"{report.status}: no training step was watched"
+    return f"{report.status} after {report.steps} step{'' if report.steps == 1 else 's'}"
+
+
 def print_summary(
-    report: Report, history: Sequence[StepStats] = (), console: Console | None = None
+    report: Report,
+    history: Sequence[StepStats] = (),
+    console: Console | None = None,
+    *,
+    parts_history: Mapping[str, Sequence[StepStats]] | None = None,
 ) -> None:
-    """Print status, the first non-finite value, alarms, actions and the last steps."""
+    """Print status, the first non-finite value (with its source line), alarms, actions and
+    the last steps.
+
+    Args:
+        report: the report (a merged one for several optimizers or ranks).
+        history: the steps of the part that failed (or of the only part).
+        console: where to print; stderr by default.
+        parts_history: for a merged report, each part's last steps by part label: one table
+            per part instead of `history`.
+    """
     console = console or Console(stderr=True)
     style = _STATUS_STYLE.get(report.status, "white")
     folder = report.run.get("folder")
+    status, _, rest = headline(report).partition(report.status)
     console.print(
-        f"[bold]nanguard[/]: [{style}]{report.status}[/] after {report.steps} steps"
+        f"[bold]nanguard[/]: {status}[{style}]{report.status}[/]{rest}"
         + (f" — record in {folder}" if folder else "")
     )
     first = report.first_nonfinite
@@ -50,12 +77,15 @@ def print_summary(
             f"{k} {first[k]}" for k in ("phase", "module", "op") if first.get(k) not in (None, "")
         )
         samples = first.get("samples") or []
+        part = f" in {first['part']}" if first.get("part") else ""
         console.print(
-            f"  [red]first non-finite[/] at step {first['step']}"
+            f"  [red]first non-finite[/] at step {first['step']}{part}"
             + (f" ({where})" if where else "")
             + (f", samples {samples[:8]}" if samples else "")
             + f"; in: {', '.join(first.get('signals') or []) or '?'}"
         )
+        if first.get("source"):
+            console.print(f"    at {first['source']}")
     if report.first_warning is not None and first:
         console.print(
             f"  first warning at step {report.first_warning}: "
@@ -80,8 +110,19 @@ def print_summary(
         if len(report.alarms) > len(shown):
             console.print(f"  ... {len(report.alarms) - len(shown)} more in report.json")
     for act in report.actions[:8]:
-        console.print(f"  action at step {act['step']}: {act['action']} — {act['detail']}")
-    if history:
+        part = f" ({act['part']})" if act.get("part") else ""
+        console.print(f"  action at step {act['step']}{part}: {act['action']} — "
+                      f"{act['detail']}")
+    if parts_history:
+        info = report.run.get("parts") or {}
+        for label, steps in parts_history.items():
+            if not steps:
+                continue
+            what = info.get(label, {})
+            desc = ", ".join(str(what[k]) for k in ("model", "optimizer") if what.get(k))
+            console.print(f"  {label}" + (f" ({desc})" if desc else "") + ":")
+            print_last_steps(console, [step_row(s) for s in steps])
+    elif history:
         print_last_steps(console, [step_row(s) for s in history])
 
 

@@ -1,0 +1,354 @@
+"""`nanguard run` on the step boundaries and endings real scripts have: hand-written updates
+(no optimizer), LBFGS closures in float64, a script error that follows a NaN (BCE's range
+check, `torch.multinomial`), a NaN before any update, Hogwild workers, SIGTERM, gradient
+accumulation with a real optimizer (never watched twice), and the merged summary of a GAN."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _run import EXAMPLES, env, nanguard_run, report
+
+from nanguard.integrations.runner import RunOptions, run
+
+MANUAL_SGD = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+lr = 0.05
+for step in range(6):
+    x = torch.randn(16, 4)
+    if step == 2 and "--poison" in __import__("sys").argv:
+        x[5, 1] = float("nan")
+    model.zero_grad()
+    loss = (model(x) - 1).pow(2).mean()
+    loss.backward()
+    for p in model.parameters():
+        p.data.add_(p.grad, alpha=-lr)
+print("done")
+"""
+
+
+def test_manual_sgd_is_watched_and_stopped_at_its_third_batch(tmp_path: Path) -> None:
+    script = tmp_path / "manual.py"
+    script.write_text(MANUAL_SGD)
+    healthy = tmp_path / "healthy"
+    r = nanguard_run(healthy, script)
+    assert r.returncode == 0, r.stderr
+    rep = report(healthy)
+    assert (rep["status"], rep["steps"]) == ("healthy", 6)  # one step per backward
+
+    out = tmp_path / "poisoned"
+    r = nanguard_run(out, script, "--poison", options=("--policy", "raise"))
+    assert r.returncode == 1, r.stderr
+    assert "done" not in r.stdout  # stopped
+    rep = report(out)
+    first = rep["first_nonfinite"]
+    assert rep["status"] == "failed" and rep["steps"] == 2
+    assert (first["step"], first["phase"], first["samples"]) == (2, "data", [5])
+    assert rep["run"]["replay"]["status"] == "found"  # the re-run counted the same boundaries
+    assert first["source"].endswith("manual.py:11") and first["reproduced"] is True
+
+
+RAW_TENSORS = """
+import torch
+torch.manual_seed(0)
+W = torch.zeros(3, 1, requires_grad=True)
+b = torch.zeros(1, requires_grad=True)
+true_w = torch.tensor([[1.0], [-2.0], [0.5]])
+for step in range(5):
+    x = torch.randn(8, 3)
+    y = x @ true_w
+    if step == 3:
+        x[6, 2] = float("inf")
+    loss = ((x @ W + b - y) ** 2).mean()
+    loss.backward()
+    with torch.no_grad():
+        W -= 0.1 * W.grad
+        b -= 0.1 * b.grad
+        W.grad.zero_()
+        b.grad.zero_()
+"""
+
+
+def test_raw_tensors_updated_by_hand(tmp_path: Path) -> None:
+    script = tmp_path / "raw.py"
+    script.write_text(RAW_TENSORS)
+    out = tmp_path / "run"
+    rc = run(RunOptions(script=str(script), out=str(out), summary=False))
+    assert rc == 1
+    rep = report(out)
+    first = rep["first_nonfinite"]
+    assert rep["status"] == "failed" and rep["steps"] == 5
+    assert (first["step"], first["kind"], first["samples"]) == (3, "input", [6])
+    assert first["source"].endswith("raw.py:13")
+    assert first["reproduced"] is True  # the re-run's loss at step 3 is the recorded one
+
+
+ACCUMULATION = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(3, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(4):
+    for micro in range(3):
+        model(torch.randn(4, 3)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_real_optimizer_with_accumulation_is_not_watched_twice(tmp_path: Path) -> None:
+    script = tmp_path / "accum.py"
+    script.write_text(ACCUMULATION)
+    out = tmp_path / "run"
+    assert run(RunOptions(script=str(script), out=str(out), summary=False)) == 0
+    rep = report(out)
+    assert (rep["status"], rep["steps"]) == ("healthy", 4)
+    assert "parts" not in rep["run"]  # one optimizer, no ManualStep beside it
+
+
+LBFGS = """
+import sys
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(3, 1).double()
+opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+x = torch.randn(32, 3, dtype=torch.float64)
+y = x @ torch.tensor([[1.0], [2.0], [3.0]], dtype=torch.float64)
+for step in range(5):
+    if step == 3 and sys.argv[1:] == ["--poison"]:
+        x[4, 0] = float("nan")
+
+    def closure():
+        opt.zero_grad()
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+print("done")
+"""
+
+
+def test_lbfgs_closure_float64(tmp_path: Path) -> None:
+    script = tmp_path / "lbfgs.py"
+    script.write_text(LBFGS)
+    healthy = tmp_path / "healthy"
+    r = nanguard_run(healthy, script)
+    assert r.returncode == 0, r.stderr
+    rep = report(healthy)
+    assert (rep["status"], rep["steps"]) == ("healthy", 5)
+    plain = subprocess.run([sys.executable, str(script)], env=env(), capture_output=True,
+                           text=True, timeout=60)
+    assert r.stdout == plain.stdout
+
+    bad = tmp_path / "poisoned"
+    r = nanguard_run(bad, script, "--poison")
+    assert r.returncode == 1, r.stderr
+    rep = report(bad)
+    first = rep["first_nonfinite"]
+    # The closure's gradients were checked at the step that made them, and the re-run gave
+    # the closure's ops their own phase, not `optimizer`.
+    assert (first["step"], first["phase"], first["samples"]) == (3, "data", [4])
+    assert "loss" in first["signals"]
+    assert rep["run"]["replay"]["status"] == "found"
+    assert first["propagated_by"]["phase"] == "forward"
+    assert first["source"].endswith("lbfgs.py:15")
+
+
+BCE_AFTER_NAN = """
+import torch
+import torch.nn.functional as F
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1), torch.nn.Sigmoid())
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+for step in range(6):
+    x = torch.randn(8, 3)
+    y = (x[:, :1] > 0).float()
+    if step == 3:
+        x[2, 1] = float("nan")
+    loss = F.binary_cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_bce_error_after_a_nan_is_a_numerical_failure(tmp_path: Path) -> None:
+    script = tmp_path / "bce.py"
+    script.write_text(BCE_AFTER_NAN)
+    out = tmp_path / "run"
+    r = nanguard_run(out, script)
+    assert r.returncode == 1
+    assert "all elements of input should be between 0 and 1" in r.stderr
+    assert "bce.py failed with an error after non-finite values appeared" in r.stderr
+    rep = report(out)
+    first = rep["first_nonfinite"]
+    assert rep["status"] == "failed" and rep["steps"] == 3
+    assert (first["step"], first["phase"], first["samples"]) == (3, "data", [2])
+    assert rep["run"]["replay"]["status"] == "found"
+    assert rep["run"]["script"]["outcome"] == "error"
+
+
+MULTINOMIAL = """
+import torch
+torch.manual_seed(0)
+policy = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+opt = torch.optim.SGD(policy.parameters(), lr=0.01)
+for episode in range(6):
+    state = torch.randn(5, 4)
+    if episode == 4:
+        state[1, 3] = float("inf")
+    probs = torch.softmax(policy(state), dim=-1)
+    actions = torch.multinomial(probs, 1)
+    loss = -(torch.log(probs.gather(1, actions)) * torch.randn(5, 1)).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_multinomial_error_after_a_nan(tmp_path: Path) -> None:
+    script = tmp_path / "pg.py"
+    script.write_text(MULTINOMIAL)
+    out = tmp_path / "run"
+    rc = run(RunOptions(script=str(script), out=str(out), summary=False))
+    assert rc == 1
+    rep = report(out)
+    first = rep["first_nonfinite"]
+    assert rep["status"] == "failed" and rep["steps"] == 4
+    assert (first["step"], first["phase"], first["samples"]) == (4, "data", [1])
+    assert rep["run"]["script"]["nonfinite_before_end"]
+
+
+FIRST_BATCH = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(3, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(8, 3)
+x[2, 0] = float("nan")
+out = model(x)
+loss = out.pow(2).mean()
+if torch.isnan(loss):
+    raise SystemExit("loss is nan at the first batch")
+loss.backward()
+opt.step()
+"""
+
+
+def test_nan_before_any_update_is_not_healthy(tmp_path: Path) -> None:
+    script = tmp_path / "first.py"
+    script.write_text(FIRST_BATCH)
+    out = tmp_path / "run"
+    r = nanguard_run(out, script)
+    assert r.returncode == 1  # the script's own exit code
+    rep = report(out)
+    first = rep["first_nonfinite"]
+    assert rep["status"] == "failed" and rep["steps"] == 0
+    assert (first["step"], first["phase"], first["samples"]) == (0, "data", [2])
+    assert "failed: non-finite at step 0, before any update" in r.stderr
+
+
+HOGWILD = """
+import torch
+import torch.multiprocessing as mp
+
+def train(model):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(5):
+        opt.zero_grad()
+        model(torch.randn(4, 3)).pow(2).mean().backward()
+        opt.step()
+
+if __name__ == "__main__":
+    model = torch.nn.Linear(3, 1)
+    model.share_memory()
+    workers = [mp.Process(target=train, args=(model,)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    print("exit codes", [w.exitcode for w in workers])
+"""
+
+
+def test_hogwild_workers_are_unwatched_never_healthy(tmp_path: Path) -> None:
+    script = tmp_path / "hogwild.py"
+    script.write_text(HOGWILD)
+    out = tmp_path / "run"
+    r = nanguard_run(out, script)
+    assert "exit codes [0, 0]" in r.stdout, r.stderr
+    assert r.returncode == 1
+    rep = report(out)
+    assert rep["status"] == "unwatched" and rep["steps"] == 0
+    assert "started 2 worker process(es)" in r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["report.json"]  # workers recorded nothing
+
+
+SLOW = """
+import sys
+import time
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(3, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(10_000):
+    x = torch.randn(4, 3)
+    if step == 2 and sys.argv[1:] == ["--poison"]:
+        x[1, 1] = float("nan")
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    if step == 4:
+        print("started", flush=True)
+    time.sleep(0.05)
+"""
+
+
+def _terminate_after_start(out: Path, script: Path, *args: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "nanguard", "run", "--out", str(out), str(script), *args]
+    proc = subprocess.Popen(cmd, cwd=out.parent, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.stdout.readline().strip() != "started":
+        pass
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    return proc
+
+
+def test_sigterm_writes_an_honest_report(tmp_path: Path) -> None:
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW)
+    out = tmp_path / "run"
+    proc = _terminate_after_start(out, script)
+    assert proc.returncode == 143
+    rep = report(out)
+    assert rep["status"] == "interrupted" and rep["steps"] >= 5
+    assert rep["run"]["script"]["message"] == "SIGTERM"
+
+    bad = tmp_path / "poisoned"
+    proc = _terminate_after_start(bad, script, "--poison")
+    assert proc.returncode == 143
+    rep = report(bad)
+    assert rep["status"] == "failed" and rep["first_nonfinite"]["step"] == 2
+    assert rep["run"]["replay"]["status"] == "skipped"
+
+
+def test_gan_merged_summary_shows_source_and_every_part(tmp_path: Path) -> None:
+    out = tmp_path / "gan"
+    r = nanguard_run(out, EXAMPLES / "gan_two_optimizers.py", "--steps", "20",
+                     "--poison-step", "12")
+    assert r.returncode == 1, r.stderr
+    assert "gan_two_optimizers.py:45" in r.stderr  # the origin's source line
+    assert "optimizer-0 (" in r.stderr and "optimizer-1 (" in r.stderr  # a table per part
+    merged = json.loads((out / "report.json").read_text())
+    assert merged["first_nonfinite"]["reproduced"] is True
