@@ -47,33 +47,6 @@ def plain(cwd: Path, name: str, *args: str) -> subprocess.CompletedProcess[str]:
     return python([script(name), *args], cwd)
 
 
-def trace(cwd: Path, name: str, *args: str) -> dict[str, Any] | None:
-    """The script under the independent tracer: its first non-finite finding, or None."""
-    r = python([script(name), *args], cwd, NANTRACE="1")
-    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("NANTRACE ")]
-    assert len(lines) <= 1, r.stderr
-    return json.loads(lines[0][len("NANTRACE "):]) if lines else None
-
-
-def both(cwd: Path, name: str, *args: str,
-         prepare: Callable[[Path], object] | None = None
-         ) -> tuple[dict[str, Any] | None, Guarded]:
-    """The tracer run and the `nanguard run` of the same command, side by side (two processes
-    at once: most of their time is process start-up), each in a folder of its own
-    (`cwd/trace`, `cwd/guarded`) that `prepare(folder)` fills first (data files, checkpoints),
-    so that files the script writes never collide."""
-    dirs = []
-    for sub in ("trace", "guarded"):
-        (cwd / sub).mkdir()
-        if prepare is not None:
-            prepare(cwd / sub)
-        dirs.append(cwd / sub)
-    with ThreadPoolExecutor(2) as pool:
-        traced = pool.submit(trace, dirs[0], name, *args)
-        run = pool.submit(guarded, dirs[1], name, *args)
-        return traced.result(), run.result()
-
-
 @dataclass
 class Guarded:
     proc: subprocess.CompletedProcess[str]
@@ -95,6 +68,43 @@ class Guarded:
                                                "diagnosis", "run")}
         return (f"exit {self.proc.returncode}\nreport: {json.dumps(rep, default=str)[:3000]}\n"
                 f"stderr tail:\n{self.proc.stderr[-3000:]}")
+
+
+@dataclass
+class Trace:
+    """What the tracer saw: the first non-finite finding (None: none) and the update steps."""
+
+    first: dict[str, Any] | None
+    steps: int | None
+
+
+def trace(cwd: Path, name: str, *args: str) -> Trace:
+    """The script under the independent tracer."""
+    r = python([script(name), *args], cwd, NANTRACE="1")
+    found = [json.loads(ln.split(" ", 1)[1]) for ln in r.stderr.splitlines()
+             if ln.startswith("NANTRACE ")]
+    end = [json.loads(ln.split(" ", 1)[1]) for ln in r.stderr.splitlines()
+           if ln.startswith("NANTRACE_END ")]
+    assert len(found) <= 1 and len(end) == 1, r.stderr[-3000:]
+    return Trace(found[0] if found else None, end[0]["steps"])
+
+
+def both(cwd: Path, name: str, *args: str,
+         prepare: Callable[[Path], object] | None = None) -> tuple[Trace, Guarded]:
+    """The tracer run and the `nanguard run` of the same command, side by side (two processes
+    at once: most of their time is process start-up), each in a folder of its own
+    (`cwd/trace`, `cwd/guarded`) that `prepare(folder)` fills first (data files, checkpoints),
+    so that files the script writes never collide."""
+    dirs = []
+    for sub in ("trace", "guarded"):
+        (cwd / sub).mkdir()
+        if prepare is not None:
+            prepare(cwd / sub)
+        dirs.append(cwd / sub)
+    with ThreadPoolExecutor(2) as pool:
+        traced = pool.submit(trace, dirs[0], name, *args)
+        run = pool.submit(guarded, dirs[1], name, *args)
+        return traced.result(), run.result()
 
 
 def guarded(cwd: Path, name: str, *args: str, out: str = "run",

@@ -33,13 +33,15 @@ def assert_healthy(cwd: Path, name: str, *args: str,
                    prepare: Callable[[Path], object] | None = None,
                    check_report: bool = False) -> None:
     """The tracer sees nothing non-finite, and nanguard calls the run healthy without alarms
-    (`warned` would be a false alarm), exit 0; with `check_report`, `nanguard report` exits 0
-    too (one more process start, so only where asked)."""
+    (`warned` would be a false alarm) after watching every step the tracer counted, exit 0;
+    with `check_report`, `nanguard report` exits 0 too (one more process start, so only where
+    asked)."""
     traced, g = both(cwd, name, *args, prepare=prepare)
-    assert traced is None, f"the healthy configuration is not healthy: {traced}"
-    got = {"exit": g.proc.returncode, "status": g.report["status"],
+    assert traced.first is None, f"the healthy configuration is not healthy: {traced}"
+    got = {"exit": g.proc.returncode, "status": g.report["status"], "steps": g.report["steps"],
            "alarms": g.report["alarms"], "first_nonfinite": g.report["first_nonfinite"]}
-    want = {"exit": 0, "status": "healthy", "alarms": [], "first_nonfinite": None}
+    want = {"exit": 0, "status": "healthy", "steps": traced.steps, "alarms": [],
+            "first_nonfinite": None}
     if check_report:
         got["report_exit"], want["report_exit"] = report_exit(g.out), 0
     assert got == want, g.explain()
@@ -78,7 +80,8 @@ def test_gpt_healthy(tmp_path: Path) -> None:
 def test_gpt_lr_typo_diverges(tmp_path: Path) -> None:
     """`--lr 1e3` (meant 1e-3): AdamW's decoupled decay (x(1 - lr*wd) = x-99 per step) makes the
     weights grow geometrically until a LayerNorm's variance overflows in the forward."""
-    expected, g = both(tmp_path, GPT, *GPT_ARGS, "--lr", "1e3")
+    traced, g = both(tmp_path, GPT, *GPT_ARGS, "--lr", "1e3")
+    expected = traced.first
     assert expected is not None and expected["phase"] == "forward", expected
     assert_failed(g, {"step": expected["step"], "phase": "forward",
                       "cause": "optimizer_divergence"})
@@ -134,8 +137,9 @@ def test_gpt_resume_poisoned_checkpoint(tmp_path: Path, gpt_checkpoint: Path,
     weight): the value was non-finite before the first step of this process, it came from the
     checkpoint, not from the data or the step: phase `checkpoint`, cause
     `checkpoint_nonfinite`, step 0."""
-    expected, g = both(tmp_path, GPT, *RESUME_ARGS,
+    traced, g = both(tmp_path, GPT, *RESUME_ARGS,
                        prepare=lambda d: _resume_dir(d, gpt_checkpoint, poison))
+    expected = traced.first
     assert expected is not None and (expected["step"], expected["phase"]) == (0, "checkpoint")
     assert_failed(g, {"step": 0, "phase": "checkpoint", "cause": "checkpoint_nonfinite"})
 
@@ -155,7 +159,8 @@ def test_rnn_lm_healthy(tmp_path: Path) -> None:
 def test_rnn_lm_no_clip_diverges(tmp_path: Path) -> None:
     """`--clip 0`: the same run without clipping; the SGD updates blow the recurrent weights up
     and the RNN's activations overflow in the forward a few batches in."""
-    expected, g = both(tmp_path, RNN, *RNN_ARGS, "--clip", "0")
+    traced, g = both(tmp_path, RNN, *RNN_ARGS, "--clip", "0")
+    expected = traced.first
     assert expected is not None and expected["phase"] == "forward", expected
     assert_failed(g, {"step": expected["step"], "phase": "forward",
                       "cause": "optimizer_divergence"})
@@ -176,8 +181,9 @@ def test_lbfgs_float64_healthy(tmp_path: Path) -> None:
 def test_lbfgs_float64_eps0_division_by_zero(tmp_path: Path) -> None:
     """`--eps 0`: the batch holding a dead (all-zero) trace divides 0 by sqrt(0) in the
     model's standardization: NaN first made in the forward, cause division_by_zero."""
-    expected, g = both(tmp_path, LBFGS, *LBFGS_ARGS, "--eps", "0")
+    traced, g = both(tmp_path, LBFGS, *LBFGS_ARGS, "--eps", "0")
     # Dead trace 29 is in batch 29 // 8 = 3 (no shuffling): an independent check of the step.
+    expected = traced.first
     assert expected is not None and (expected["step"], expected["phase"]) == (3, "forward")
     assert_failed(g, {"step": 3, "phase": "forward", "cause": "division_by_zero"})
 
@@ -216,10 +222,10 @@ def _windows_with_row(row: int, window: int = 8, batch: int = 16, rows: int = 60
 def test_csv_forecaster_nan_cell(tmp_path: Path) -> None:
     """One empty humidity cell (row 444): the first shuffled batch whose windows cover it has
     NaN inputs: phase `data`, cause `data_nonfinite`, the culprit samples named."""
-    expected, g = both(tmp_path, CSV, "--csv", "load.csv",
+    traced, g = both(tmp_path, CSV, "--csv", "load.csv",
                        prepare=lambda d: write_load_csv(d / "load.csv", nan_row=NAN_ROW))
     step, samples = _windows_with_row(NAN_ROW)
-    assert expected == {"step": step, "phase": "data", "samples": samples}
+    assert traced.first == {"step": step, "phase": "data", "samples": samples}
     assert_failed(g, {"step": step, "phase": "data", "cause": "data_nonfinite",
                       "samples": samples})
 
@@ -241,8 +247,9 @@ def test_gan_bce_nan_point_kills_the_script(tmp_path: Path) -> None:
     (`all elements of input should be between 0 and 1`) before any backward of that step. The
     script died after a non-finite value reached the model: `failed`, never `healthy`; the
     finding is the discriminator's step holding the point, phase `data`, the culprit sample."""
-    expected, g = both(tmp_path, GAN, "--data", "points.csv",
+    traced, g = both(tmp_path, GAN, "--data", "points.csv",
                        prepare=lambda d: write_points_csv(d / "points.csv", nan_row=700))
+    expected = traced.first
     assert expected is not None and expected["phase"] == "data", expected
     assert "all elements of input should be between 0 and 1" in g.proc.stderr
     assert_failed(g, {"step": expected["step"], "phase": "data", "cause": "data_nonfinite",

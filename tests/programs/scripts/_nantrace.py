@@ -6,11 +6,13 @@ was already non-finite before the first step (a loaded checkpoint), the batch (r
 NaN/Inf), module outputs of grad-enabled forwards, the loss, the gradients, and the parameters
 and optimizer state after the update. The first non-finite value it meets is printed once to
 stderr as `NANTRACE {"step": K, "phase": P, ...}` where K is the 0-based index of the update
-step (updates completed before it). The tests compare nanguard's report against this line.
+step (updates completed before it); at exit `NANTRACE_END {"steps": N}` gives the number of
+update steps. The tests compare nanguard's report against these lines.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import sys
 from collections.abc import Iterable
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 PREFIX = "NANTRACE "
+END = "NANTRACE_END "
 
 
 def _tensors(obj: Any) -> Iterable[torch.Tensor]:
@@ -56,6 +59,10 @@ class Tracer:
         for m in self.models:
             for name, mod in m.named_modules():
                 mod.register_forward_hook(self._hook(name))
+        atexit.register(self._end)
+
+    def _end(self) -> None:
+        print(END + json.dumps({"steps": self.step}), file=sys.stderr, flush=True)
 
     def _hook(self, name: str) -> Any:
         def hook(mod: nn.Module, inputs: Any, output: Any) -> None:
