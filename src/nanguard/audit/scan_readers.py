@@ -15,7 +15,9 @@ import io
 import math
 import mmap
 import os
+import sys
 import threading
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -362,6 +364,35 @@ def read_npz(path: str) -> list[Table]:
     return arrays_to_tables(path, list(members))
 
 
+_trusted: set[str] = set()
+
+
+@contextlib.contextmanager
+def trusting(path: str) -> Iterator[None]:
+    """While in this block, `path` (a .pt / .pth file the user trusts: `nanguard scan --trust`)
+    is loaded with `weights_only=False`, so numpy arrays and other objects inside it can be
+    read. Loading a pickle runs code from it: never for a file from elsewhere."""
+    key = os.path.realpath(path)
+    _trusted.add(key)
+    try:
+        yield
+    finally:
+        _trusted.discard(key)
+
+
+def _load_trusted(path: str) -> Any:
+    import torch
+
+    print(f"nanguard scan: warning: loading {path} with weights_only=False (--trust): it may "
+          "run code stored in the file", file=sys.stderr)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any failure is a one-line input error
+        raise AuditInputError(f"{path}: could not be loaded ({one_line(exc)})") from None
+
+
 def read_torch(path: str) -> list[Table]:
     import torch
 
@@ -370,10 +401,18 @@ def read_torch(path: str) -> list[Table]:
     kind = sniff(path)
     if kind == "safetensors":
         raise AuditInputError(f"{path}: a safetensors checkpoint; use `nanguard audit`")
-    obj = load_torch(path, kind)
-    if isinstance(obj, torch.Tensor):
+    trusted = os.path.realpath(path) in _trusted
+    try:
+        obj = _load_trusted(path) if trusted else load_torch(path, kind)
+    except AuditInputError as exc:
+        if trusted or "unsafe" not in str(exc):
+            raise
+        raise AuditInputError(f"{exc}; if you made this file yourself, `nanguard scan --trust "
+                              f"{path}` loads it") from None
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
         return arrays_to_tables(path, [(None, obj)])
-    members = [(n, t) for n, t in flatten(obj) if isinstance(t, torch.Tensor)]
+    members = [(n, t) for n, t in flatten(obj) if isinstance(t, torch.Tensor)
+               or (trusted and isinstance(t, np.ndarray) and t.dtype.kind in "biuf")]
     if not members:
         raise AuditInputError(f"{path}: holds no tensors")
     return arrays_to_tables(path, [(n, t) for n, t in members])

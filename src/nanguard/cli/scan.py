@@ -49,6 +49,13 @@ def register(subparsers: Any) -> None:
         metavar="COL",
         help="leave COL out of the extreme / constant / one-hot checks (repeatable)",
     )
+    p.add_argument(
+        "--trust",
+        action="store_true",
+        help="a .pt/.pth file you trust (you made it): load it with weights_only=False so "
+        "numpy arrays and other objects inside it can be read; this runs code stored in the "
+        "file, so never use it for a file from elsewhere",
+    )
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--all", action="store_true", help="list every column, not only the first 30")
     p.set_defaults(func=run)
@@ -68,7 +75,12 @@ def run(args: argparse.Namespace) -> int:
         auto_onehot=not args.no_auto_onehot,
         ignore=args.ignore,
     )
-    report = scan_file(args.data, config)
+    import contextlib
+
+    from nanguard.audit.scan_readers import trusting
+
+    with trusting(args.data) if args.trust else contextlib.nullcontext():
+        report = scan_file(args.data, config)
     if args.format == "json":
         print(json.dumps(report.to_dict(), indent=2))
         return 0 if report.ok else 1
