@@ -7,9 +7,14 @@ the script is re-run in a subprocess with the op checker armed at the failing st
 --replay-budget seconds) to pinpoint its origin. Works under
 `torchrun --nproc-per-node N -m nanguard run train.py ...`.
 
+Scripts with no optimizer (hand-written updates) get a step per backward(); LBFGS closures
+are checked after they ran. SIGTERM (a scheduler's time limit) unwinds the script like Ctrl-C
+and writes the report (status interrupted, or failed after a non-finite value).
+
 Options go before SCRIPT; everything after SCRIPT is the script's own. The script's output and
-exit code are kept; otherwise the exit code is 1 when training failed (a non-finite value, or
-stopped by --policy raise), else 0.
+exit code are kept; otherwise the exit code is 0 for the statuses healthy, warned and
+recovered, and 1 for failed, crashed, unwatched, degraded, interrupted (or stopped by --policy
+raise).
 """
 
 from __future__ import annotations
