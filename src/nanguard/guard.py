@@ -53,7 +53,7 @@ from nanguard.recover.policy import Recovery
 from nanguard.watch import loads, rng
 from nanguard.watch.activations import ActivationProbe, dtype_max
 from nanguard.watch.batch import BatchProbe
-from nanguard.watch.stats import StepProbe, StepStats
+from nanguard.watch.stats import StepProbe, StepStats, local
 
 
 @dataclass
@@ -443,8 +443,9 @@ class Guard:
         if not named or self.first_nonfinite is not None:
             return [], None
         with torch.no_grad():
-            device = named[0][1].device
-            flags = torch.stack([torch.isfinite(t.detach()).all().to(device)
+            device = local(named[0][1]).device
+            # DTensors (FSDP2): each rank checks its own shard; the finding is per rank.
+            flags = torch.stack([torch.isfinite(local(t.detach())).all().to(device)
                                  for _, t in named])
         return [n for n, _ in named], flags.double()
 
@@ -949,7 +950,7 @@ def _watched_buffers(model: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
     if not named:
         return [], []
     with torch.no_grad():
-        has_inf = torch.stack([torch.isinf(b).any().cpu() for _, b in named]).tolist()
+        has_inf = torch.stack([torch.isinf(local(b)).any().cpu() for _, b in named]).tolist()
     kept = [(n, b) for (n, b), inf in zip(named, has_inf, strict=True) if not inf]
     return [n for n, _ in kept], [b for _, b in kept]
 

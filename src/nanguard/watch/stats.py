@@ -160,7 +160,7 @@ class StepStats:
         return out
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor; any other tensor as it is."""
     return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
 
@@ -223,7 +223,7 @@ def foreach_norms(tensors: list[torch.Tensor], like: list[torch.Tensor] | None =
     dts: list[Any] = [t if _is_dtensor(t) else None for t in specs]
     if not any(d is not None for d in dts):
         return _plain_norms(tensors)
-    norms = _plain_norms([_local(t) for t in tensors])
+    norms = _plain_norms([local(t) for t in tensors])
     groups: dict[tuple[int, tuple[int, ...]], tuple[Any, list[int]]] = {}
     for i, d in enumerate(dts):
         if d is None:
@@ -273,14 +273,14 @@ class StepProbe:
         self._with_update = snapshot_update and bool(idx)
         if self._with_update:
             if self._update_buf is not None and any(
-                b.dtype != p.dtype or b.shape != _local(p).shape
+                b.dtype != p.dtype or b.shape != local(p).shape
                 for b, p in zip(self._update_buf, self.params, strict=True)
             ):  # the model was converted (`.double()`, `.to()`) after the guard was built
                 self._update_buf = None
             if self._update_buf is None:
-                self._update_buf = [torch.empty_like(_local(p)) for p in self.params]
+                self._update_buf = [torch.empty_like(local(p)) for p in self.params]
             with torch.no_grad():
-                torch._foreach_copy_(self._update_buf, [_local(p.detach()) for p in self.params])
+                torch._foreach_copy_(self._update_buf, [local(p.detach()) for p in self.params])
         if not idx:
             return None, idx
         grads = [self.params[i].grad for i in idx]
@@ -317,7 +317,7 @@ class StepProbe:
         if self._with_update:
             assert self._update_buf is not None
             with torch.no_grad():  # in place: no transient parameter-sized allocation
-                torch._foreach_sub_(self._update_buf, [_local(p.detach()) for p in self.params])
+                torch._foreach_sub_(self._update_buf, [local(p.detach()) for p in self.params])
             norms = foreach_norms(self._update_buf, like=self.params)
             parts.append(norms.double().pow(2).sum().sqrt().reshape(1))
             layout.append(("update", [0]))
