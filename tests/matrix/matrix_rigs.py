@@ -32,6 +32,7 @@ from torch import nn
 
 import nanguard
 from nanguard import GuardConfig, RecordConfig
+from nanguard.config import RecoverConfig
 
 STEPS = 6
 BAD = 3
@@ -139,7 +140,10 @@ def _counter(opt: torch.optim.Optimizer) -> list[int]:
 
 
 def _config(policy: str = "observe") -> GuardConfig:
-    return GuardConfig(policy=policy, record=RecordConfig(summary=False))
+    """Quiet guards; `rollback` snapshots every healthy step and does not back the LR off, so a
+    rolled-back run must equal the same run without the bad batch (`run(..., drop_bad=True)`)."""
+    recover = RecoverConfig(snapshot_every=1, quiet_steps=0, backoff_factor=1.0)
+    return GuardConfig(policy=policy, record=RecordConfig(summary=False), recover=recover)
 
 
 def _snapshot(result: Result, models: dict[str, nn.Module], init: bool) -> None:
@@ -200,9 +204,10 @@ def _optimizers(setup: Setup, model: Net) -> list[torch.optim.Optimizer]:
     return [torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)]
 
 
-def run_standard(setup: Setup, case: str, folder: Path | None, policy: str = "observe"
-                 ) -> Result:
-    """The README loop, varied as `setup` says; guarded when `folder` is given."""
+def run_standard(setup: Setup, case: str, folder: Path | None, policy: str = "observe",
+                 drop_bad: bool = False) -> Result:
+    """The README loop, varied as `setup` says; guarded when `folder` is given; without the
+    bad batch (`BAD`) when `drop_bad`."""
     torch.manual_seed(0)
     net = Net(lora=setup.lora, sparse=setup.sparse is not None, complex_=setup.complex_)
     model: nn.Module = torch.compile(net) if setup.compile else net
@@ -234,6 +239,8 @@ def run_standard(setup: Setup, case: str, folder: Path | None, policy: str = "ob
         for i, batch in enumerate(make_batches(case, sparse=setup.sparse is not None)):
             if i == BAD:
                 result.bad_steps = [c[0] for c in counters]
+                if drop_bad:
+                    continue
             if setup.accumulate:
                 n = batch[0].shape[0]
                 micro = [tuple(t[a:b] for t in batch) for a, b in ((0, 3), (3, 6), (6, n))]
@@ -398,3 +405,13 @@ SETUPS = [
 
 def run(setup: Setup, case: str, folder: Path | None, policy: str = "observe") -> Result:
     return (setup.run or run_standard)(setup, case, folder, policy)
+
+
+def run_without_bad(setup: Setup, case: str) -> Result | None:
+    """The unguarded run that never saw the bad batch: what a rollback to the state before it
+    (snapshot every step, no LR backoff) must end equal to. None where no such run exists: two
+    models (the other model still learns in the bad step), a GradScaler (it skipped the bad
+    step itself and backed its scale off)."""
+    if setup.run is not None or setup.amp == "fp16":
+        return None
+    return run_standard(setup, case, None, drop_bad=True)

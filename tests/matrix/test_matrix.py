@@ -12,8 +12,9 @@ Each cell is (setup x case), see `matrix_rigs`. A cell passes when, under the `o
 
 and in every case: no record is lost (each guard's run folder is its own, report.json's `steps`
 is the number of optimizer steps that ran, and run.db holds every one of them), no guard claims a
-finding before the bad step, an unrelated run in the same process stays healthy, and parameters
-match the unguarded run (NaN where it has NaN).
+finding before the bad step, an unrelated run in the same process stays healthy, a run after the
+guarded one computes the same numbers as before it (no global side effect, e.g. on
+torch.compile's caches), and parameters match the unguarded run (NaN where it has NaN).
 
 A setup nanguard does not support must be refused at `Guard(...)` with a one-line ValueError:
 such setups are listed in REFUSED with a fragment of the message, and their cells assert the
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from matrix_rigs import ROW, SETUPS, Result, Setup, run
+from matrix_rigs import ROW, SETUPS, Result, Setup, run, run_without_bad
 
 REFUSED: dict[str, str] = {}
 """Setup name -> fragment of the ValueError message `Guard(...)` refuses it with."""
@@ -110,8 +111,16 @@ def test_cell(setup: Setup, case: str, tmp_path: Path, monkeypatch: pytest.Monke
             run(setup, case, tmp_path / "runs")
         assert "\n" not in str(info.value)
         return
+    before = run_without_bad(setup, case)
     guarded = run(setup, case, tmp_path / "runs")
     plain = run(setup, case, None)
+    after = run_without_bad(setup, case)
+    if before is not None and after is not None:
+        # Nothing global changed: a run after nanguard's computes what it did before (finite
+        # parameters: the run without the bad batch).
+        for name, p in before.params.items():
+            assert torch.equal(p, after.params[name]), (
+                f"{name}: the same run gives other numbers after a guarded run")
     _check_records(guarded)
     if case == "healthy":
         for r in guarded.reports:
@@ -129,9 +138,10 @@ ROLLBACK_CELLS = [pytest.param(s, c, id=f"{s.name}-{c}") for s in SETUPS for c i
 @pytest.mark.parametrize(("setup", "case"), ROLLBACK_CELLS)
 def test_rollback_cell(setup: Setup, case: str, tmp_path: Path,
                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same setups under `rollback`: the bad step is rolled back by the guard that sees it
-    (and by every other rolling-back guard of the same model), training ends with finite
-    parameters, nothing stands down, every record is kept, an unrelated run is untouched.
+    """The same setups under `rollback` (snapshot every step, no LR backoff): the bad step is
+    rolled back by the guard that sees it (and by every other rolling-back guard of the same
+    model), training ends with finite parameters bitwise equal to the run that never saw the
+    bad batch, nothing stands down, every record is kept, an unrelated run is untouched.
     With a GradScaler, the scaler has already skipped the bad step's update: the guard records
     it and leaves the next (good) steps alone."""
     monkeypatch.chdir(tmp_path)
@@ -159,3 +169,8 @@ def test_rollback_cell(setup: Setup, case: str, tmp_path: Path,
             assert r.status == "recovered", (i, r.status)
         rolled += acts
     assert rolled or setup.amp == "fp16", "no guard rolled back the bad step"
+    ref = run_without_bad(setup, case)
+    if ref is not None:  # restored bit for bit: as if the bad batch had never come
+        for name, p in res.params.items():
+            assert p.dtype == ref.params[name].dtype and torch.equal(p, ref.params[name]), (
+                f"{name} differs from the run that never saw the bad batch")

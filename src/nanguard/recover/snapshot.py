@@ -74,6 +74,7 @@ class HostSnapshot:
         self._params: list[torch.Tensor] = []  # the trained parameters at capture time
         self._buffers: list[torch.Tensor] = []  # the model's buffers at capture time
         self._host: list[torch.Tensor] = []
+        self._layout: list[tuple[torch.Size, torch.dtype, torch.layout]] = []
         self._opt_meta: dict[int, dict[str, Any]] = {}  # per param: non-tensor state by value
         self._opt_keys: dict[int, list[str]] = {}  # per param: tensor state keys, in order
         self._groups: list[dict[str, Any]] = []  # param-group hyperparameters (lr, ...)
@@ -107,17 +108,25 @@ class HostSnapshot:
         the module docstring).
         """
         params, buffers, tensors, keys, meta = self._live()
-        shapes = [(t.shape, t.dtype) for t in tensors]
-        if shapes != [(h.shape, h.dtype) for h in self._host]:
+        layout = [(t.shape, t.dtype, t.layout) for t in tensors]
+        if layout != self._layout:
             # First capture, or the optimizer state appeared / changed layout: allocate again.
             pin = any(t.is_cuda for t in tensors) and torch.cuda.is_available()
             self._host = []  # free the old buffers first: never two copies at once
             self._host = [
-                torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin) for t in tensors
+                torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+                if t.layout == torch.strided else torch.empty(0)
+                for t in tensors
             ]
+            self._layout = layout
         with torch.no_grad():
-            for h, t in zip(self._host, tensors, strict=True):
-                h.copy_(t, non_blocking=True)
+            for i, t in enumerate(tensors):
+                if t.layout == torch.strided:
+                    self._host[i].copy_(t, non_blocking=True)
+                else:
+                    # Sparse state (SGD momentum of a sparse gradient): its size changes from
+                    # step to step, so it is copied whole, not into a buffer.
+                    self._host[i] = t.detach().to("cpu", copy=True)
         if any(t.is_cuda for t in tensors):
             torch.cuda.current_stream().synchronize()  # the copies must land before training
         self._params, self._buffers = params, buffers
@@ -150,7 +159,8 @@ class HostSnapshot:
                 h = self._host[pos]
                 pos += 1
                 cur = state.get(k)
-                if isinstance(cur, torch.Tensor) and cur.shape == h.shape:
+                if (isinstance(cur, torch.Tensor) and cur.shape == h.shape
+                        and cur.layout == h.layout == torch.strided):
                     with torch.no_grad():
                         cur.copy_(h, non_blocking=True)
                 else:
@@ -172,4 +182,13 @@ class HostSnapshot:
     @property
     def nbytes(self) -> int:
         """Host memory held by the snapshot's tensor buffers."""
-        return sum(h.numel() * h.element_size() for h in self._host)
+        return sum(_nbytes(h) for h in self._host)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    if t.layout == torch.sparse_coo:
+        return (t._values().numel() * t._values().element_size()
+                + t._indices().numel() * t._indices().element_size())
+    if t.layout != torch.strided:
+        return 0  # other sparse layouts: not kept by any torch.optim optimizer
+    return t.numel() * t.element_size()
