@@ -1,0 +1,185 @@
+"""Lightning adapter (`nanguard.integrations.lightning.NanguardCallback`) with real Lightning on
+CPU: a healthy run is recorded healthy and left bitwise untouched; a NaN row is found at its step
+and row (data_nonfinite); `skip` discards exactly that update and training goes on; `raise`
+stops; the callback state round-trips through a checkpoint; options are refused early."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+from lightning_rig import BATCH, ParamRecorder, Regressor, loader, make_data, trainer  # noqa: E402
+
+from nanguard import GuardConfig, NanguardError, RecordConfig  # noqa: E402
+from nanguard.integrations.lightning import NanguardCallback  # noqa: E402
+
+QUIET = GuardConfig(record=RecordConfig(summary=False))
+STEPS = 12
+
+
+def _fit(cb: list, data, steps: int = STEPS, **kw):
+    model = Regressor()
+    t = trainer(cb, steps, **kw)
+    t.fit(model, loader(data))
+    return model, t
+
+
+def test_healthy_run_is_healthy_and_bitwise_untouched(tmp_path):
+    data = make_data(BATCH * STEPS)
+    plain, _ = _fit([], data)
+    cb = NanguardCallback(out=tmp_path / "run", config=QUIET)
+    watched, _ = _fit([cb], data)
+    for a, b in zip(plain.parameters(), watched.parameters(), strict=True):
+        assert torch.equal(a, b)
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["status"] == "healthy"
+    assert report["steps"] == STEPS
+    assert report["run"]["entry"] == "lightning"
+    assert cb.report is not None and cb.report.status == "healthy"
+
+
+def test_nan_row_found_at_its_step_and_row(tmp_path):
+    bad_row = 5 * BATCH + 3  # step 5, row 3
+    cb = NanguardCallback(out=tmp_path / "run", config=QUIET)
+    _fit([cb], make_data(BATCH * STEPS, bad_row))
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["status"] == "failed"
+    first = report["first_nonfinite"]
+    assert first["step"] == 5
+    assert first["phase"] == "data"
+    assert 3 in first["samples"]
+    assert report["diagnosis"][0]["cause"] == "data_nonfinite"
+
+
+def test_loss_is_watched_as_training_step_returned_it(tmp_path):
+    """The loss the guard records is training_step's, also under gradient accumulation
+    (Lightning back-propagates loss / accumulate_grad_batches)."""
+    from nanguard.record.store import dec, open_run
+
+    cb = NanguardCallback(out=tmp_path / "run", config=QUIET)
+    data = make_data(BATCH * 8)
+    t = trainer([cb], 4, accumulate_grad_batches=2)
+    t.fit(Regressor(), loader(data))
+    assert cb.report is not None and cb.report.steps == 4
+    db = open_run(tmp_path / "run")
+    losses = [dec(v) for (v,) in db.execute("SELECT loss FROM steps ORDER BY step")]
+    db.close()
+    # Step 0 keeps the last micro-batch's loss (batch 1) at the initial parameters.
+    fresh = Regressor()
+    x, y = data.tensors
+    with torch.no_grad():
+        expected = fresh.training_step((x[BATCH:2 * BATCH], y[BATCH:2 * BATCH]), 1).item()
+    assert len(losses) == 4
+    assert losses[0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_skip_discards_exactly_that_update_and_goes_on(tmp_path):
+    steps = 60
+    bad_step = 30
+    rec = ParamRecorder()
+    cb = NanguardCallback(policy="skip", out=tmp_path / "run", config=QUIET)
+    model, _ = _fit([cb, rec], make_data(BATCH * steps, bad_step * BATCH + 1), steps=steps,
+                    max_epochs=1)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    for a, b in zip(rec.after[bad_step - 1], rec.after[bad_step], strict=True):
+        assert torch.equal(a, b)  # the bad step changed nothing
+    assert any(not torch.equal(a, b)
+               for a, b in zip(rec.after[bad_step], rec.after[bad_step + 1], strict=True))
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert [(a["step"], a["action"]) for a in report["actions"]] == [(bad_step, "skip")]
+    assert report["first_nonfinite"]["step"] == bad_step
+    assert report["status"] == "recovered"
+    assert report["steps"] == steps
+
+
+def test_skip_with_step_scheduler_and_clipping(tmp_path):
+    """Gradient clipping runs after the guard (on removed gradients: a no-op) and the
+    per-step scheduler keeps stepping."""
+    steps, bad_step = 24, 7
+    model = Regressor(scheduler=True)
+    cb = NanguardCallback(policy="skip", out=tmp_path / "run", config=QUIET)
+    t = trainer([cb], steps, gradient_clip_val=1.0)
+    t.fit(model, loader(make_data(BATCH * steps, bad_step * BATCH)))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert cb.report is not None
+    assert [(a["step"], a["action"]) for a in cb.report.actions] == [(bad_step, "skip")]
+    assert t.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** 2)
+
+
+def test_raise_stops_fit_with_the_report(tmp_path):
+    cb = NanguardCallback(policy="raise", out=tmp_path / "run", config=QUIET)
+    with pytest.raises(NanguardError) as info:
+        _fit([cb], make_data(BATCH * STEPS, 2 * BATCH))
+    assert info.value.report.first_nonfinite["step"] == 2
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["status"] == "failed"
+    assert [a["action"] for a in report["actions"]] == ["raise"]
+
+
+def test_error_in_training_is_recorded_as_crashed(tmp_path):
+    class Boom(Regressor):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 3:
+                raise RuntimeError("user bug")
+            return super().training_step(batch, batch_idx)
+
+    cb = NanguardCallback(out=tmp_path / "run", config=QUIET)
+    with pytest.raises(RuntimeError, match="user bug"):
+        trainer([cb], STEPS).fit(Boom(), loader(make_data(BATCH * STEPS)))
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["status"] == "crashed"
+    assert report["steps"] == 3
+
+
+def test_state_round_trips_through_a_lightning_checkpoint(tmp_path):
+    data = make_data(BATCH * STEPS, 4 * BATCH)
+    cb = NanguardCallback(policy="skip", out=tmp_path / "run", config=QUIET)
+    model = Regressor()
+    t = trainer([cb], 6)
+    t.fit(model, loader(data))
+    ckpt = tmp_path / "a.ckpt"
+    t.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    (state,) = saved.values()
+    assert state["guard"]["step"] == 6
+
+    cb2 = NanguardCallback(policy="skip", config=QUIET)  # out from the checkpoint
+    t2 = trainer([cb2], STEPS)
+    t2.fit(Regressor(), loader(data), ckpt_path=ckpt)
+    assert cb2.guard is not None
+    assert cb2.guard.folder is not None and cb2.guard.folder.samefile(tmp_path / "run")
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["steps"] == STEPS
+    # The loader is not resumable: the resumed epoch starts again at batch 0, so the bad
+    # batch comes back at step 6 + 4; the guard's step count went on from 6.
+    assert [(a["step"], a["action"]) for a in report["actions"]] == [(4, "skip"), (10, "skip")]
+    assert report["first_nonfinite"]["step"] == 4
+
+
+def test_bad_options_refused_at_construction():
+    with pytest.raises(ValueError, match="unknown option"):
+        NanguardCallback(polcy="skip")
+    with pytest.raises(ValueError, match="policy"):
+        NanguardCallback(policy="skipp")
+
+
+def test_several_optimizers_refused(tmp_path):
+    class Two(Regressor):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            return None
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.net[0].parameters(), lr=0.1),
+                    torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+
+    cb = NanguardCallback(out=tmp_path / "run", config=QUIET)
+    with pytest.raises(ValueError, match="exactly one optimizer"):
+        trainer([cb], 2).fit(Two(), loader(make_data(BATCH * 2)))
