@@ -49,6 +49,7 @@ from torch.utils.hooks import RemovableHandle
 from nanguard.config import GuardConfig, RecordConfig
 from nanguard.guard import Guard
 from nanguard.integrations.manual import ManualBoundaries, ManualStep, forked
+from nanguard.watch import loads
 
 _MAX_OUTPUTS = 32
 
@@ -162,6 +163,9 @@ class Discovery:
             start(proc)
 
         mp_process.BaseProcess.start = counted_start  # type: ignore[method-assign,assignment]
+        # State loaded before the first optimizer step (a resume) is loaded before any guard
+        # exists: remember the line that loaded it, for a non-finite value found there.
+        loads.track()
         return self
 
     @property
@@ -179,6 +183,7 @@ class Discovery:
         for h in self._handles:
             h.remove()
         self._handles = []
+        loads.untrack()
         self._manual.remove()
         if self._start is not None:
             import multiprocessing.process as mp_process

@@ -153,6 +153,12 @@ def run(opts: RunOptions) -> int:
             replay = {"status": "skipped", "reason": "--replay-budget 0"}
         elif outcome.kind == "interrupted":
             replay = {"status": "skipped", "reason": "interrupted: no time for a re-run"}
+        elif (target.guard is not None and target.guard.first_nonfinite is not None
+              and target.guard.first_nonfinite.get("phase") == "checkpoint"):
+            # No op produced the value: it was loaded. The guard named the tensors and the
+            # load line; a re-run could only blame the first op that read it.
+            replay = {"status": "skipped", "reason": "the non-finite value was loaded "
+                      "(phase checkpoint): no op produced it"}
         else:
             late_step = disc.steps_started if late is not None and late[0] is target else None
             replay = _replay(script, opts.args, target, initial_rng, opts.replay_budget,
@@ -389,6 +395,13 @@ def _refine(w: Watched, origin: dict[str, Any]) -> Report:
     assert guard is not None and guard.first_nonfinite is not None
     first = guard.first_nonfinite
     keep = {k: first.get(k) for k in ("step", "rank", "signals")}
+    if first.get("samples"):
+        # The guard's rows are rows of the step's batch (what `samples` means); the re-run may
+        # have met the value earlier, in the whole data set a collate function reads from:
+        # those rows are kept apart.
+        keep["samples"] = first["samples"]
+        if origin.get("samples") and origin["samples"] != first["samples"]:
+            keep["origin_rows"] = origin["samples"]
     first.update({k: v for k, v in origin.items() if v is not None and v != []})
     first.update(keep)
     return guard.refine(first)

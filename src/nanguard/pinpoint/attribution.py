@@ -95,6 +95,8 @@ class Attribution:
         self._pending: list[tuple[weakref.ref[torch.Tensor], tuple[str | None, str | None]]] = []
         self._handles: list[RemovableHandle] = []
         self.on_optimizer: list[Any] = []
+        self.on_model_input: list[Any] = []
+        """Called with the positional inputs of each top-level model forward (the batch)."""
         """Called with the optimizer when its step starts (the checker scans its state)."""
 
     # ------------------------------------------------------------------ hooks
@@ -145,6 +147,8 @@ class Attribution:
             if self.batch_size is None:
                 first = next((a for a in args if isinstance(a, torch.Tensor) and a.dim()), None)
                 self.batch_size = None if first is None else int(first.shape[0])
+            for fn in self.on_model_input:
+                fn(args)
         self._stack.append(name)
         self._depth += name is not None
 

@@ -114,6 +114,7 @@ class NonfiniteChecker(TorchDispatchMode):
         self._taint: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._intended: dict[int, weakref.ref[torch.Tensor]] = {}
         attribution.on_optimizer.append(self._scan_state)
+        attribution.on_model_input.append(self._batch_rows)
 
     # ------------------------------------------------------------------ public
 
@@ -304,6 +305,19 @@ class NonfiniteChecker(TorchDispatchMode):
                    kind="state" if state else "input", param=names.get(id(t)),
                    samples=[] if state else nonfinite_rows(t, t.shape[0]))
         return self._open(o, [t], persists=False)
+
+    def _batch_rows(self, args: Any) -> None:
+        """The model's forward receives a batch that carries a value first met in a tensor
+        outside the batch (a collate function reading a whole data set): `samples` become the
+        rows of the batch, as everywhere else; the data set's rows are kept as `dataset_rows`."""
+        for t in float_tensors(list(args)):
+            k = self._label(t)
+            if k is None or k < 0 or t.dim() == 0:
+                continue
+            origin = self._cands[k].origin
+            if origin.kind == "input" and origin.dataset_rows is None:
+                origin.dataset_rows = origin.samples
+                origin.samples = nonfinite_rows(t, t.shape[0])
 
     def _open(self, origin: Origin, tensors: list[torch.Tensor], persists: bool = True) -> int:
         k = len(self._cands)

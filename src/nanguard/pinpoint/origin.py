@@ -80,6 +80,9 @@ class Origin:
     tool that reports the first non-finite output, not its origin, would name."""
     batch_item: str | None = None
     """For `data`: which element of the batch held it, e.g. `[0]` or `['y']`."""
+    dataset_rows: list[int] | None = None
+    """For `data` met before the batch existed (a collate function stacking rows of a whole
+    data set): the rows of that tensor; `samples` are the rows of the batch."""
 
     def to_dict(self) -> dict[str, Any]:
         """The report.json `first_nonfinite` entry (JSON-safe: no NaN/Inf floats)."""
@@ -89,7 +92,7 @@ class Origin:
             "param": self.param, "reproduced": self.reproduced,
             "inputs": [i.to_dict() for i in self.inputs], "kind": self.kind, "node": self.node,
             "output": dict(self.output), "propagated_by": self.propagated_by,
-            "batch_item": self.batch_item,
+            "batch_item": self.batch_item, "dataset_rows": self.dataset_rows,
         }
 
 
