@@ -1,0 +1,242 @@
+"""transformers: `NanguardCallback` for `Trainer`, a thin adapter over a framework-free `Guard`.
+
+    from nanguard.integrations.transformers import NanguardCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[NanguardCallback(policy="skip", out="runs/x")])
+    trainer.train()                     # report.json and the summary when training ends
+
+What the Trainer hides and how the callback gets it:
+
+- The loss. `logging_nan_inf_filter` (on by default) replaces a NaN/Inf loss by the running
+  average in the logs, and no callback event receives the loss. The callback reads it on the
+  device from the model's own output (`output.loss`, a forward hook on the model while it is in
+  training mode), with the batch (the forward's tensor arguments, for per-sample fingerprints).
+  A custom `compute_loss` or `compute_loss_func` computes the loss outside the model: use
+  `NanguardTrainer` (or `NanguardTrainerMixin`), which takes the loss from `compute_loss`.
+- The step boundary. The Guard is built with `hook_optimizer=False`: `on_pre_optimizer_step`
+  (gradients final: after backward, accumulation and the Trainer's clipping, before
+  `optimizer.step()`) -> `guard.before_update()`; `on_optimizer_step` (right after the update)
+  -> `guard.after_update()`.
+- Skipping. The Trainer has no skip flag; `skip` removes the gradients in `on_pre_optimizer_step`,
+  so the coming `optimizer.step()` changes nothing (no update, no Adam step count); the LR
+  scheduler steps as usual, and the gradients are given back before `zero_grad`.
+- The end. `on_train_end` closes the guard. The Trainer has no exception event: a `train()`
+  that raises leaves the guard to its at-exit close, or use `NanguardTrainer`, which closes it
+  with `ended="error"` (or `interrupted`) at once.
+
+Clipping happens before the callback sees the gradients: with `max_grad_norm > 0` a NaN in one
+gradient turns every gradient NaN through the clip coefficient, so `first_nonfinite.param` may
+name any parameter; the step, phase, rows and diagnosis are unaffected.
+
+Under multi-process training every rank records into `OUT/rank-R/` and the guard's decisions are
+agreed across ranks; the main process merges the rank reports into `OUT/report.json`.
+
+Importing this module imports transformers; `import nanguard` does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback
+
+from nanguard.config import GuardConfig
+from nanguard.guard import Guard
+from nanguard.record import ending
+from nanguard.record.report import Report
+
+GUARD_OPTIONS = ("activations", "replay", "scheduler", "scaler", "config")
+"""Guard keyword arguments the callback passes through (besides `policy` and `out`)."""
+
+
+def _check_options(policy: str | None, options: dict[str, Any]) -> None:
+    unknown = sorted(set(options) - set(GUARD_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown option(s) {', '.join(unknown)}; the callback takes policy, "
+                         f"out and: {', '.join(GUARD_OPTIONS)}")
+    cfg = options.get("config")
+    if cfg is not None and not isinstance(cfg, GuardConfig):
+        raise ValueError(f"config must be a nanguard.GuardConfig, got {type(cfg).__name__}")
+    cfg = dataclasses.replace(cfg) if cfg else GuardConfig()
+    if policy is not None:
+        cfg.policy = policy
+    cfg.validate()
+
+
+class NanguardCallback(TrainerCallback):
+    """Watches the Trainer's model and optimizer every optimizer step.
+
+    Args:
+        policy: `observe` (default), `raise`, `skip` or `rollback` (see `nanguard.Guard`).
+        out: run folder; None: the Guard's default. Required under multi-process training
+            (each rank records into `out/rank-R/`).
+        **options: the Guard's other options: `activations`, `replay` (`replay(batch) ->
+            loss`, e.g. `lambda b: model(**b).loss`), `scheduler` (default: the Trainer's),
+            `scaler`, `config` (a `GuardConfig`).
+
+    Raises:
+        ValueError: at construction, on an unknown option, policy or config field; when
+            training starts, on a multi-process run without `out`.
+
+    After training, `report` holds the Report (the merged one on the main process under
+    multi-process training) and `guard` the Guard.
+    """
+
+    def __init__(self, policy: str | None = None, out: str | Path | None = None,
+                 **options: Any) -> None:
+        _check_options(policy, options)
+        self.policy = policy
+        self.out = out
+        self.options = options
+        self.guard: Guard | None = None
+        self.report: Report | None = None
+        self.loss_from_trainer = False
+        """Set by `NanguardTrainerMixin`: the loss comes from `compute_loss`, not the model."""
+        self._hook: Any = None
+        self._in_step = False
+        self._world = 1
+        self._rank = 0
+
+    # ------------------------------------------------------------------ building the guard
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                       optimizer: Any = None, lr_scheduler: Any = None, **kwargs: Any) -> None:
+        """Runs once `train()` has built the optimizer and scheduler (and loaded a checkpoint
+        to resume from), before the first batch: builds the Guard."""
+        if self.guard is not None and not self.guard._closed:
+            return
+        if model is None or optimizer is None:
+            raise ValueError("NanguardCallback needs the Trainer's model and optimizer")
+        raw = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
+        self._world, self._rank = int(args.world_size), int(args.process_index)
+        opts = dict(self.options)
+        cfg: GuardConfig = dataclasses.replace(opts.pop("config", None) or GuardConfig())
+        out: str | Path | None = self.out
+        if self._world > 1:
+            if out is None:
+                raise ValueError("NanguardCallback under multi-process training needs out=: "
+                                 "every rank records into OUT/rank-R/")
+            out = Path(out) / f"rank-{self._rank}"
+            if self._rank != 0:
+                cfg.record = dataclasses.replace(cfg.record, summary=False)
+        if "scheduler" not in opts and lr_scheduler is not None:
+            opts["scheduler"] = lr_scheduler
+        guard = Guard(model, raw, policy=self.policy, out=out, config=cfg,
+                      hook_optimizer=False, **opts)
+        guard.run_entry = "transformers"
+        self.guard = guard
+        self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
+
+    # ------------------------------------------------------------------ the step
+
+    def _on_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    output: Any) -> None:
+        """Forward hook on the model: in training mode, its loss and its tensor inputs."""
+        guard = self.guard
+        if guard is None or not module.training or not torch.is_grad_enabled():
+            return
+        batch = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        batch.update({f"arg{i}": a for i, a in enumerate(args) if isinstance(a, torch.Tensor)})
+        loss = None
+        if not self.loss_from_trainer:
+            loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss",
+                                                                                  None)
+            if not isinstance(loss, torch.Tensor):
+                loss = None
+        guard.watch(loss=loss, batch=batch or None)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Runs after the last micro-batch's backward and the Trainer's gradient clipping,
+        before `optimizer.step()`: the guard reads, detects and decides here."""
+        if self.guard is None or self.guard._closed:
+            return
+        self._in_step = True
+        self.guard.before_update()
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Runs right after `optimizer.step()`, before the scheduler step and `zero_grad`."""
+        if self._in_step and self.guard is not None:
+            self._in_step = False
+            self.guard.after_update()
+
+    # ------------------------------------------------------------------ the end
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Runs when `train()` finishes normally: report.json and the summary."""
+        self.close("ok")
+
+    def close(self, ended: str = "ok", error: str | None = None) -> Report | None:
+        """Close the guard (idempotent); the main process merges rank reports under DDP."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        guard = self.guard
+        if guard is None:
+            return None
+        already = guard._closed
+        self.report = guard.close(ended, error)
+        if not already and self._world > 1 and self._rank == 0 and self.out is not None:
+            from nanguard.integrations.merge import collect_rank_reports, merge_reports
+
+            parts, missing = collect_rank_reports(Path(self.out), self._world)
+            merged = merge_reports(parts, {"folder": str(self.out), "world_size": self._world,
+                                           "missing_ranks": missing, "entry": "transformers"})
+            merged.write(Path(self.out))
+            self.report = merged
+        return self.report
+
+
+class NanguardTrainerMixin:
+    """Mix into a `Trainer` subclass (`class T(NanguardTrainerMixin, Trainer)`) to take the loss
+    from `compute_loss` (custom losses, `compute_loss_func`, a subclass's own `compute_loss`:
+    the most derived one is wrapped on the instance) and to close the guard at once
+    when `train()` raises. Adds a `NanguardCallback` built from `nanguard=` options when the
+    Trainer has none: `NanguardTrainer(model=..., args=..., nanguard={"policy": "skip"})`."""
+
+    def __init__(self, *args: Any, nanguard: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        handler = self.callback_handler  # type: ignore[attr-defined]
+        found = [cb for cb in handler.callbacks if isinstance(cb, NanguardCallback)]
+        if not found:
+            found = [NanguardCallback(**(nanguard or {}))]
+            handler.add_callback(found[0])
+        elif nanguard:
+            raise ValueError("pass nanguard= or a NanguardCallback in callbacks=, not both")
+        self.nanguard_callback: NanguardCallback = found[0]
+        self.nanguard_callback.loss_from_trainer = True
+        self._wrap_compute_loss()
+
+    def _wrap_compute_loss(self) -> None:
+        """Wrap the most derived `compute_loss` (a subclass's own override included) on the
+        instance: its loss goes to the guard on the device, before any GA scaling."""
+        inner: Any = getattr(self, "compute_loss")  # noqa: B009 - the most derived one
+        cb = self.nanguard_callback
+
+        def compute_loss(model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            result = inner(model, inputs, *args, **kwargs)
+            return_outputs = kwargs.get("return_outputs", args[0] if args else False)
+            guard = cb.guard
+            if guard is not None and model.training and torch.is_grad_enabled():
+                loss = result[0] if return_outputs else result
+                if isinstance(loss, torch.Tensor):
+                    guard.watch(loss=loss)
+            return result
+
+        setattr(self, "compute_loss", compute_loss)  # noqa: B010 - on the instance
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`, closing the guard with how it ended when it raises."""
+        try:
+            return super().train(*args, **kwargs)  # type: ignore[misc]
+        except BaseException as exc:
+            self.nanguard_callback.close(*ending.classify(exc))
+            raise
+
+
+class NanguardTrainer(NanguardTrainerMixin, Trainer):
+    """`Trainer` with `NanguardTrainerMixin`: `NanguardTrainer(..., nanguard={...})`."""

@@ -1,0 +1,190 @@
+"""transformers adapter (`nanguard.integrations.transformers`) with a real `Trainer` on CPU and a
+2-layer GPT-2 built from a config (random init, nothing downloaded), fed float `inputs_embeds`
+so a data row can hold a NaN. Covers: a healthy run (healthy, bitwise untouched); a NaN row found
+at its step and row although the Trainer's logging_nan_inf_filter hides the NaN loss, with the
+same findings as a plain-loop Guard; `skip` discarding exactly that update; the
+`NanguardTrainer` wrapper (loss from compute_loss, guard closed when train() raises)."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from torch.utils.data import Dataset  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+from nanguard import Guard, GuardConfig, RecordConfig  # noqa: E402
+from nanguard.integrations.transformers import (  # noqa: E402
+    NanguardCallback,
+    NanguardTrainer,
+)
+
+warnings.filterwarnings("ignore", ".*torch_dtype.*")
+QUIET = GuardConfig(record=RecordConfig(summary=False))
+BATCH, SEQ, EMBD, VOCAB = 4, 8, 16, 32
+
+
+class Embeds(Dataset):
+    """Float input embeddings and next-token labels; row `bad_row` holds a NaN."""
+
+    def __init__(self, n: int, bad_row: int | None = None) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, SEQ, EMBD, generator=g)
+        self.y = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+        if bad_row is not None:
+            self.x[bad_row, 3, 5] = float("nan")
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"inputs_embeds": self.x[i], "labels": self.y[i]}
+
+
+def make_model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=EMBD, vocab_size=VOCAB, n_positions=SEQ,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def make_args(tmp_path, steps: int, **kw) -> TrainingArguments:
+    args = dict(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=BATCH,
+                max_steps=steps, learning_rate=1e-3, report_to=[], save_strategy="no",
+                logging_steps=1, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+                seed=0)
+    if "train_sampling_strategy" in TrainingArguments.__dataclass_fields__:
+        args["train_sampling_strategy"] = "sequential"
+    args.update(kw)
+    return TrainingArguments(**args)
+
+
+def train(tmp_path, steps, data, callbacks=(), cls=Trainer, **kw):
+    model = make_model()
+    trainer = cls(model=model, args=make_args(tmp_path, steps), train_dataset=data,
+                  callbacks=list(callbacks), **kw)
+    trainer.train()
+    return model, trainer
+
+
+def test_healthy_run_is_healthy_and_bitwise_untouched(tmp_path):
+    data = Embeds(BATCH * 6)
+    plain, _ = train(tmp_path, 6, data)
+    cb = NanguardCallback(out=tmp_path / "run", config=QUIET)
+    watched, _ = train(tmp_path, 6, data, [cb])
+    for a, b in zip(plain.parameters(), watched.parameters(), strict=True):
+        assert torch.equal(a, b)
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["status"] == "healthy"
+    assert report["steps"] == 6
+    assert report["run"]["entry"] == "transformers"
+
+
+def _plain_guard_report(tmp_path, data, steps):
+    """The same model, data order and optimizer in a plain loop under Guard."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = Guard(model, opt, out=tmp_path / "plain", config=QUIET)
+    for s in range(steps):
+        batch = {k: torch.stack([data[i][k] for i in range(s * BATCH, (s + 1) * BATCH)])
+                 for k in ("inputs_embeds", "labels")}
+        loss = model(**batch).loss
+        guard.watch(loss=loss, batch=batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return guard.close()
+
+
+def test_nan_row_found_although_the_trainer_filters_the_loss(tmp_path):
+    steps, bad_step, row = 6, 3, 2
+    data = Embeds(BATCH * steps, bad_step * BATCH + row)
+    cb = NanguardCallback(out=tmp_path / "run", config=QUIET)
+    _, trainer = train(tmp_path, steps, data, [cb])
+    # The Trainer's own log shows no NaN at the bad step (logging_nan_inf_filter).
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert math.isfinite(logged[bad_step])
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["status"] == "failed"
+    first = report["first_nonfinite"]
+    assert (first["step"], first["phase"]) == (bad_step, "data")
+    assert row in first["samples"]
+    assert "loss" in first["signals"]
+    assert report["diagnosis"][0]["cause"] == "data_nonfinite"
+    plain = _plain_guard_report(tmp_path, data, steps)
+    assert plain.first_nonfinite is not None
+    for key in ("step", "phase", "samples"):
+        assert first[key] == plain.first_nonfinite[key], key
+    assert report["diagnosis"][0]["cause"] == plain.diagnosis[0]["cause"]
+
+
+def test_skip_discards_exactly_that_update(tmp_path):
+    steps, bad_step = 8, 4
+    seen: list[list[torch.Tensor]] = []
+
+    class Rec(NanguardCallback.__mro__[1]):  # a plain TrainerCallback
+        def on_step_end(self, args, state, control, model=None, **kw):
+            seen.append([p.detach().clone() for p in model.parameters()])
+
+    cb = NanguardCallback(policy="skip", out=tmp_path / "run", config=QUIET)
+    model, _ = train(tmp_path, steps, Embeds(BATCH * steps, bad_step * BATCH + 1), [cb, Rec()])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    for a, b in zip(seen[bad_step - 1], seen[bad_step], strict=True):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b)
+               for a, b in zip(seen[bad_step], seen[bad_step + 1], strict=True))
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert [(a["step"], a["action"]) for a in report["actions"]] == [(bad_step, "skip")]
+    assert report["steps"] == steps
+
+
+def test_nanguard_trainer_takes_the_loss_from_compute_loss(tmp_path):
+    """A custom compute_loss (the model gets no labels, so its output has no loss)."""
+
+    class Custom(NanguardTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs.pop("labels")
+            logits = model(**inputs).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+                                                     labels.reshape(-1))
+            return (loss, logits) if return_outputs else loss
+
+    steps, bad_step = 5, 2
+    data = Embeds(BATCH * steps, bad_step * BATCH)
+    trainer = Custom(model=make_model(), args=make_args(tmp_path, steps), train_dataset=data,
+                     nanguard={"policy": "skip", "out": tmp_path / "run", "config": QUIET})
+    trainer.train()
+    report = trainer.nanguard_callback.report
+    assert report is not None
+    assert report.first_nonfinite is not None and "loss" in report.first_nonfinite["signals"]
+    assert [(a["step"], a["action"]) for a in report.actions] == [(bad_step, "skip")]
+
+
+def test_nanguard_trainer_closes_the_guard_when_train_raises(tmp_path):
+    class Boom(NanguardTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            if self.state.global_step == 2:
+                raise RuntimeError("user bug")
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    trainer = Boom(model=make_model(), args=make_args(tmp_path, 5), train_dataset=Embeds(20),
+                   nanguard={"out": tmp_path / "run", "config": QUIET})
+    with pytest.raises(RuntimeError, match="user bug"):
+        trainer.train()
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["status"] == "crashed"
+    assert report["steps"] == 2
+
+
+def test_bad_options_refused_at_construction():
+    with pytest.raises(ValueError, match="unknown option"):
+        NanguardCallback(polcy="skip")
+    with pytest.raises(ValueError, match="policy"):
+        NanguardCallback(policy="skipp")
