@@ -1,0 +1,89 @@
+"""TensorBoard exporter (`nanguard.export.tensorboard.write_run`): a run with a NaN row at a
+known step, under `skip`, written and read back with TensorBoard's own EventAccumulator: the NaN
+loss is there at that step (not dropped, not replaced), the nonfinite/skipped markers are 1.0
+there only, and the alarm, action and finding text events sit at that step. Importing the export
+package imports no tracker."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("tensorboard")
+
+from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E402
+    EventAccumulator,
+)
+
+from nanguard import Guard, GuardConfig, RecordConfig  # noqa: E402
+from nanguard.export.tensorboard import write_run  # noqa: E402
+
+BAD = 3
+
+
+def _run(out):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    guard = Guard(model, opt, policy="skip", out=out,
+                  config=GuardConfig(record=RecordConfig(summary=False)))
+    g = torch.Generator().manual_seed(1)
+    for step in range(8):
+        x, y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+        if step == BAD:
+            x[5, 1] = float("nan")
+        loss = nn.functional.mse_loss(model(x), y)
+        guard.watch(loss=loss, batch=(x, y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return guard.close()
+
+
+def _texts(acc, tag):
+    # torch.utils.tensorboard stores add_text(tag) as a text-plugin tensor "tag/text_summary".
+    return {e.step: e.tensor_proto.string_val[0].decode()
+            for e in acc.Tensors(f"{tag}/text_summary")}
+
+
+def test_nan_step_kept_and_marked(tmp_path):
+    report = _run(tmp_path / "run")
+    assert report.first_nonfinite is not None and report.first_nonfinite["step"] == BAD
+    logdir = write_run(tmp_path / "run")
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    loss = {e.step: e.value for e in acc.Scalars("nanguard/loss")}
+    assert sorted(loss) == list(range(8))
+    assert math.isnan(loss[BAD])
+    assert all(math.isfinite(v) for s, v in loss.items() if s != BAD)
+    marks = {e.step: e.value for e in acc.Scalars("nanguard/nonfinite")}
+    assert [s for s, v in marks.items() if v == 1.0] == [BAD]
+    skipped = {e.step: e.value for e in acc.Scalars("nanguard/skipped")}
+    assert [s for s, v in skipped.items() if v == 1.0] == [BAD]
+    alarms = _texts(acc, "nanguard/alarms")
+    assert BAD in alarms and "nonfinite" in alarms[BAD]
+    actions = _texts(acc, "nanguard/actions")
+    assert list(actions) == [BAD] and "skip" in actions[BAD]
+    first = _texts(acc, "nanguard/first_nonfinite")
+    assert list(first) == [BAD] and "data" in first[BAD]
+    assert "data_nonfinite" in _texts(acc, "nanguard/diagnosis")[BAD]
+    assert "status: " in _texts(acc, "nanguard/report")[7]
+
+
+def test_not_a_run_refused(tmp_path):
+    with pytest.raises(ValueError, match="not a nanguard run folder"):
+        write_run(tmp_path)
+
+
+def test_importing_export_imports_no_tracker():
+    code = ("import sys, nanguard, nanguard.export, nanguard.export.tensorboard; "
+            "print([m for m in ('tensorboard', 'torch.utils.tensorboard', 'wandb', 'mlflow') "
+            "if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]"
