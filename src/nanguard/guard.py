@@ -253,9 +253,15 @@ class Guard:
         if batch is not None:
             self.batch_probe.observe(batch, accumulate=accumulate)
 
+    @property
+    def closed(self) -> bool:
+        """True once `close()` ran (the report is written; the guard cannot be used again)."""
+        return self._closed
+
     def before_update(self) -> None:
         """For adapters built with `hook_optimizer=False`: call when the gradients are final
-        (after backward, AMP unscale and clipping) and before the optimizer updates. Runs
+        for the update (after backward and AMP unscale; before or after clipping, as the
+        framework allows) and before the optimizer updates. Runs
         what the step pre-hook runs: reads, detects and, for `skip`, removes the gradients so
         the coming update is a no-op (`after_update` gives them back)."""
         if self._closed:
@@ -286,9 +292,10 @@ class Guard:
         process is ending — an uncaught exception, SIGTERM — is taken into account).
 
         Args:
-            ended: how the training ended: `ok`, `error` (it raised or exited non-zero) or
-                `interrupted` (SIGINT / SIGTERM); None: as far as nanguard saw (`ok` unless an
-                uncaught exception or SIGTERM is on its way). A `with` block passes it.
+            ended: how the training ended: `ok`, `error` (it raised or exited non-zero),
+                `interrupted` (SIGINT / SIGTERM) or `stopped` (the `raise` policy); None: as
+                far as nanguard saw (`ok` unless an uncaught exception or SIGTERM is on its
+                way). A `with` block passes it.
             error: a one-line description of that error, kept in report.json's `run.ended`.
         """
         if self._closed:
@@ -804,8 +811,9 @@ class Guard:
         if self._current is not None:
             self._record(stats, self._current)
             self._current = None
-        report = self.close()
-        raise NanguardError(f"nanguard stopped training at step {stats.step}: {why}", report)
+        message = f"nanguard stopped training at step {stats.step}: {why}"
+        report = self.close("stopped", message)
+        raise NanguardError(message, report)
 
     def _action(self, step: int, action: str, detail: str) -> None:
         self.actions.append({"step": step, "action": action, "detail": detail})

@@ -177,7 +177,7 @@ class NanguardCallback(Callback):
                                  optimizer: torch.optim.Optimizer) -> None:
         """Runs after the closure (training_step + backward) and the AMP unscale, before
         gradient clipping and the update: the guard reads, detects and decides here."""
-        if self.guard is None or self.guard._closed:
+        if self.guard is None or self.guard.closed:
             return
         self._in_step = True
         self.guard.before_update()
@@ -209,7 +209,7 @@ class NanguardCallback(Callback):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Runs last in every stage; closes a guard left open (never raises)."""
-        if stage == "fit" and self.guard is not None and not self.guard._closed:
+        if stage == "fit" and self.guard is not None and not self.guard.closed:
             self._close("ok", None)
 
     def _close(self, ended: str, error: str | None) -> None:
@@ -219,7 +219,7 @@ class NanguardCallback(Callback):
         guard = self.guard
         if guard is None:
             return
-        already = guard._closed
+        already = guard.closed
         report = guard.close(ended, error)
         self.report = report
         if already or self._world <= 1 or self._rank != 0 or self.out is None:

@@ -108,7 +108,7 @@ class NanguardCallback(TrainerCallback):
                        optimizer: Any = None, lr_scheduler: Any = None, **kwargs: Any) -> None:
         """Runs once `train()` has built the optimizer and scheduler (and loaded a checkpoint
         to resume from), before the first batch: builds the Guard."""
-        if self.guard is not None and not self.guard._closed:
+        if self.guard is not None and not self.guard.closed:
             return
         if model is None or optimizer is None:
             raise ValueError("NanguardCallback needs the Trainer's model and optimizer")
@@ -153,7 +153,7 @@ class NanguardCallback(TrainerCallback):
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Runs after the last micro-batch's backward and the Trainer's gradient clipping,
         before `optimizer.step()`: the guard reads, detects and decides here."""
-        if self.guard is None or self.guard._closed:
+        if self.guard is None or self.guard.closed:
             return
         self._in_step = True
         self.guard.before_update()
@@ -178,7 +178,7 @@ class NanguardCallback(TrainerCallback):
         guard = self.guard
         if guard is None:
             return None
-        already = guard._closed
+        already = guard.closed
         self.report = guard.close(ended, error)
         if not already and self._world > 1 and self._rank == 0 and self.out is not None:
             from nanguard.integrations.merge import collect_rank_reports, merge_reports

@@ -20,10 +20,10 @@ import threading
 import types
 from typing import Any
 
-ENDINGS = ("ok", "error", "interrupted")
+ENDINGS = ("ok", "error", "interrupted", "stopped")
 """`ok`: the training returned normally; `error`: it raised (or exited non-zero);
-`interrupted`: SIGINT or SIGTERM stopped it. (A report rebuilt from run.db of a process that
-never closed its guard says `died`.)"""
+`interrupted`: SIGINT or SIGTERM stopped it; `stopped`: nanguard's `raise` policy stopped it.
+(A report rebuilt from run.db of a process that never closed its guard says `died`.)"""
 
 _users = 0
 _saw: tuple[str, str | None] | None = None

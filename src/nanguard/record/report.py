@@ -32,8 +32,8 @@ STATUSES = {
     "healthy": "watched from the first to the last step; no alarm, nothing non-finite",
     "warned": "watched to the end; alarms (spike, cascade, ...) but nothing non-finite",
     "recovered": "non-finite values appeared and the policy (skip / rollback) got past them",
-    "failed": "non-finite values appeared and the run ended with them, was stopped, or died "
-              "of an error after them",
+    "failed": "non-finite values appeared and the run ended with them or died of an error "
+              "after them, or nanguard's `raise` policy (or a rollback give-up) stopped it",
     "unwatched": "no training step was watched (no optimizer step, no backward)",
     "degraded": "nanguard stood down after an error in its own hooks (traceback in "
                 "nanguard_error.txt); training went on unwatched",
@@ -126,7 +126,8 @@ def build_report(
     recovering = bool(kinds & {"skip", "rollback"})
     if failed is None:
         failed = first_nonfinite is not None and not recovering
-    if first_nonfinite is not None and (failed or stopped or not recovering):
+    stopped = stopped or ended == "stopped"
+    if stopped or (first_nonfinite is not None and (failed or not recovering)):
         status = "failed"
     elif first_nonfinite is not None:
         status = "recovered"
