@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from nanguard.pinpoint.attribution import Attribution, node_origin, user_source
 from nanguard.pinpoint.origin import (
@@ -316,8 +316,12 @@ class NonfiniteChecker(TorchDispatchMode):
                 continue
             origin = self._cands[k].origin
             if origin.kind == "input" and origin.dataset_rows is None:
+                # Called from a module hook, outside the dispatch handler: our own ops must not
+                # be seen by the checker as the training's.
+                with _disable_current_modes():
+                    rows = nonfinite_rows(t, t.shape[0])
                 origin.dataset_rows = origin.samples
-                origin.samples = nonfinite_rows(t, t.shape[0])
+                origin.samples = rows
 
     def _open(self, origin: Origin, tensors: list[torch.Tensor], persists: bool = True) -> int:
         k = len(self._cands)
