@@ -11,6 +11,13 @@ Scripts with no optimizer (hand-written updates) get a step per backward(); LBFG
 are checked after they ran. SIGTERM (a scheduler's time limit) unwinds the script like Ctrl-C
 and writes the report (status interrupted, or failed after a non-finite value).
 
+--preflight checks the model before it trains: at the script's first optimizer step, copies of
+its model, optimizer and batch get the init scale per layer, the loss's numerics (sigmoid into
+BCELoss, log without a floor), an LR range probe against the script's LR and an overfit-one-batch
+check; the verdict is printed and written to report.json (run.preflight), and training goes on
+untouched. --preflight-only stops after the verdict: exit 1 for an error-level finding, 0 for
+none, 2 when the preflight could not run (a CI gate).
+
 Options go before SCRIPT; everything after SCRIPT is the script's own. The script's output and
 exit code are kept; otherwise the exit code is 0 for the statuses healthy, warned and
 recovered, and 1 for failed, crashed, unwatched, degraded, interrupted (or stopped by --policy
@@ -42,6 +49,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--merge-wait", type=float, default=30.0, metavar="SECONDS",
                    help="under torchrun: how long rank 0 waits for the other ranks' reports "
                         "(default 30)")
+    p.add_argument("--preflight", action="store_true",
+                   help="check init, loss numerics and LR on copies at the first optimizer "
+                        "step, print the verdict, then train on")
+    p.add_argument("--preflight-only", action="store_true",
+                   help="run the preflight and stop: exit 1 on an error-level finding, else 0 "
+                        "(2: it could not run)")
     p.add_argument("script", help="the training script (a .py file)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     p.set_defaults(func=run)
@@ -54,4 +67,5 @@ def run(args: argparse.Namespace) -> int:
     return run_script(RunOptions(
         script=args.script, args=list(args.args), out=args.out, policy=args.policy,
         replay_budget=args.replay_budget, merge_wait=args.merge_wait,
+        preflight=args.preflight, preflight_only=args.preflight_only,
     ))

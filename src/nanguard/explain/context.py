@@ -17,8 +17,9 @@ def evidence_from_guard(guard: Guard) -> Evidence:
     """Evidence for `diagnose` from what the guard saw and how the optimizer is set up.
 
     Optional guard attributes set by other parts (read with a default, never required):
-    `run_entry` (`"run"` when `nanguard run` made the guard, else `"api"`) and `script_clip`
-    (the `max_norm` of the script's own gradient clipping, 0 when it is off).
+    `run_entry` (`"run"` when `nanguard run` made the guard, else `"api"`), `script_clip`
+    (the `max_norm` of the script's own gradient clipping, 0 when it is off) and `preflight`
+    (the verdict of `nanguard run --preflight`, a dict; used only when it ran).
     """
     group = guard.optimizer.param_groups[0] if guard.optimizer.param_groups else {}
     momentum = group.get("momentum")
@@ -50,6 +51,7 @@ def evidence_from_guard(guard: Guard) -> Evidence:
         history=[_step_record(s) for s in getattr(guard, "history", [])],
         clip=_float_or_none(getattr(guard, "script_clip", None)),
         entry=str(getattr(guard, "run_entry", "api") or "api"),
+        preflight=_preflight(getattr(guard, "preflight", None)),
     )
 
 
@@ -63,6 +65,10 @@ def _step_record(stats: Any) -> dict[str, Any]:
         "act_max": max(acts) if acts else None,
         "lr": stats.lr,
     }
+
+
+def _preflight(v: object) -> dict[str, Any] | None:
+    return v if isinstance(v, dict) and v.get("ran") else None
 
 
 def _float_or_none(v: object) -> float | None:

@@ -54,6 +54,11 @@ class Evidence:
     entry: str = "api"
     """How nanguard was started: `api` (a `Guard` in the user's code) or `run` (zero code,
     `nanguard run SCRIPT`); fixes name the matching knob."""
+    preflight: dict[str, Any] | None = None
+    """The preflight's verdict when one ran before training (`nanguard run --preflight`,
+    report.json `run.preflight`): `findings` (`code`, `severity`, `location`, `details`),
+    `layers` (`name`, `std`, `ratio` = std * sqrt(fan_in)), `lr_probe` (`diverge_lr`,
+    `suggested_lr`), `overfit` (`first_loss`: the untrained model's loss on the first batch)."""
 
     @property
     def op(self) -> str:

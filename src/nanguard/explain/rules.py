@@ -49,6 +49,9 @@ HUGE = 1e6
 O(1e3)), whatever the dtype: what an exploding init or a diverging optimizer shows."""
 JUMP = 100.0
 """Growth of the loss or grad norm in one step that counts as a jump (not noise)."""
+EARLY = 10
+"""With a preflight that measured the init too large, a failure up to this step can still be
+the init's (its huge gradients make the first updates explode: the jump is its symptom)."""
 
 
 def rule(fn: Rule) -> Rule:
@@ -224,6 +227,38 @@ def _early_magnitude(ev: Evidence) -> tuple[bool | None, str]:
     if measured:
         return False, ""
     return None, ""
+
+
+def _preflight_init(ev: Evidence) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The layers the preflight flagged as initialised too large, and the one the failure is
+    in: the failing module itself (names may carry a prefix: several roots), else the first
+    flagged layer inside it."""
+    flagged = [f for f in (ev.preflight or {}).get("findings") or []
+               if f.get("code") == "exploding_init"]
+    module = str((ev.first_nonfinite or {}).get("module") or "")
+    if not module:
+        return flagged, None
+    for f in flagged:
+        name = str(f.get("location") or "")
+        if name and (module == name or module.endswith("." + name)):
+            return flagged, f
+    for f in flagged:
+        name = str(f.get("location") or "")
+        if name.startswith(module + ".") or module.endswith("." + name.split(".")[0]):
+            return flagged, f
+    return flagged, None
+
+
+def _layer_text(f: dict[str, Any]) -> str:
+    d = f.get("details") or {}
+    return (f"`{f.get('location')}`: weight std {_num(d.get('std'), math.nan):.3g} = "
+            f"{_num(d.get('ratio'), math.nan):.3g}x 1/sqrt(fan_in)")
+
+
+def _untrained_loss(ev: Evidence) -> float | None:
+    pf = ev.preflight or {}
+    v = _num((pf.get("overfit") or {}).get("first_loss"), math.nan)
+    return v if math.isfinite(v) else None
 
 
 # ---------------------------------------------------------------------- where it came from
@@ -679,13 +714,27 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
     if ordinary:
         why.append(f"one update earlier the run was ordinary ({ordinary})")
     factor, basis = _lr_cut(ev, jump, spike_ratio)
+    strong = bool(warn or jump or ordinary)
+    # Warned but never non-finite: 0.6.
+    conf = 0.6 if ev.step is None else 0.85 if strong else 0.65
+    probe = (ev.preflight or {}).get("lr_probe") or {}
+    div, sug = _num(probe.get("diverge_lr"), math.nan), _num(probe.get("suggested_lr"), math.nan)
+    if math.isfinite(div) and ev.lr is not None:
+        above = ev.lr >= div
+        why.append(f"the preflight's LR probe diverged at lr {div:.2g} on the first batch"
+                   + (f", below your lr={ev.lr:g}" if above else f" (your lr={ev.lr:g} is "
+                      "below it: the divergence came later in training)"))
+        if above and not _preflight_init(ev)[0]:  # (a huge init lowers the probe's LR too)
+            conf = min(0.9, conf + 0.05)
+        # The probe measured this model's limit: its LR wins over the growth's estimate
+        # when the LR is past that limit, else when it is the larger cut.
+        if math.isfinite(sug) and 0 < sug < ev.lr and (above or sug < ev.lr / factor):
+            factor = ev.lr / sug
+            basis = f"a tenth of the preflight's divergence point {div:.2g}"
     mom = f" with momentum {ev.momentum:g}" if ev.momentum else ""
     lr = f"lr={ev.lr:g}" if ev.lr is not None else "the LR"
     new_lr = f"lr={ev.lr / factor:.3g}" if ev.lr is not None else f"the LR / {factor:.3g}"
     clip = _clip_fix(ev, healthy)
-    strong = bool(warn or jump or ordinary)
-    # Warned but never non-finite: 0.6.
-    conf = 0.6 if ev.step is None else 0.85 if strong else 0.65
     return Cause(
         cause="optimizer_divergence",
         confidence=conf,
@@ -705,7 +754,54 @@ def exploding_init(ev: Evidence) -> Cause | None:
     measured and ordinary (a log(0) at step 1 is not an init problem), spike / cascade alarms
     or a one-step jump after an update (optimizer_divergence). Nothing measured: it fires at
     low confidence and says what is missing. A value no op made (`kind` state / input, the
-    guard's checkpoint finding) or an op fed a NaN is never an init overflow."""
+    guard's checkpoint finding) or an op fed a NaN is never an init overflow.
+
+    With a preflight (`Evidence.preflight`) that measured layers initialised too large, a
+    failure up to step `EARLY` is the init's whatever the updates did (a huge init makes huge
+    gradients, the first updates then jump: optimizer_divergence sees the symptom); the
+    confidence is highest when the failing layer is one of those measured. A preflight that
+    measured every layer within range lowers the confidence of the rule's other evidence."""
+    first = ev.first_nonfinite or {}
+    flagged, hit = _preflight_init(ev)
+    if (flagged and ev.step is not None and ev.step <= EARLY
+            and ev.phase not in ("data", "checkpoint") and first.get("kind") not in
+            ("state", "input") and not first.get("tensors")):
+        return _init_measured(ev, flagged, hit)
+    cause = _exploding_init(ev)
+    layers = (ev.preflight or {}).get("layers") or []
+    if cause is not None and layers and not flagged:
+        top = max(layers, key=lambda layer: _num(layer.get("ratio"), 0.0))
+        cause.confidence = round(cause.confidence * 0.5, 3)
+        cause.evidence += (f"; but the preflight measured every layer's init within range "
+                           f"(largest: `{top.get('name')}` at "
+                           f"{_num(top.get('ratio'), math.nan):.3g}x 1/sqrt(fan_in))")
+    return cause
+
+
+def _init_measured(ev: Evidence, flagged: list[dict[str, Any]],
+                   hit: dict[str, Any] | None) -> Cause:
+    """exploding_init from the preflight's measurement of the init."""
+    lead = hit or flagged[0]
+    others = [f.get("location") for f in flagged if f is not lead]
+    also = (f" and {len(others)} more layer(s) ({', '.join(map(str, others[:4]))}"
+            + (", ..." if len(others) > 4 else "") + ")") if others else ""
+    loss = _untrained_loss(ev)
+    at = "the failing layer " if hit is not None else ""
+    evidence = (f"before training, the preflight measured {at}{_layer_text(lead)}{also} "
+                "(PyTorch's default gives 0.58x, Kaiming 1.4x)"
+                + (f"; the untrained model's loss on the first batch was {loss:.3g}"
+                   if loss is not None else "")
+                + f"; {_where(ev)} went non-finite at step {ev.step}")
+    call = (lead.get("details") or {}).get("init_call") or "nn.init.kaiming_normal_(w, " \
+        "nonlinearity='relu')"
+    fix = f"{call}{' for every layer listed' if others else ''}, or drop the custom init " \
+        "(PyTorch's default gives 0.58x)"
+    return Cause(cause="exploding_init", confidence=0.92 if hit is not None else 0.9,
+                 evidence=evidence, fix=fix)
+
+
+def _exploding_init(ev: Evidence) -> Cause | None:
+    """exploding_init from the run's own magnitudes (see `exploding_init`)."""
     if ev.step is None or ev.step > 2:
         return None
     if ev.phase not in ("forward", "loss") and not (ev.phase == "backward" and ev.step == 0):

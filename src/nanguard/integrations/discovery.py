@@ -25,6 +25,12 @@ is the first input of its model's forward since that optimizer's previous step t
 produced by another module's forward (a GAN's discriminator sees `real` and `G(z).detach()`:
 `real` is the data). Every hook and patch is removed by `remove()`; nothing here reads a device
 value on the host.
+
+With a `preflight` (`nanguard run --preflight`, audit/preflight_live.py) the hooks also tell it
+the root forwards, their outputs and the loss backpropagated, and the first optimizer step runs
+it before any guard is attached, with every hook here quiet (`quiet()`: the copies it trains
+must not count as the script's forwards, losses or steps); its verdict is set on every guard
+as `guard.preflight` (the diagnosis reads it).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,6 +105,7 @@ class Discovery:
         folder_for: gives the run folder of the n-th optimizer found (called when it is found).
         policy: the guards' policy.
         config: base guard config (its `record.out` and `policy` are overridden).
+        preflight: a `LivePreflight` to feed and run at the first optimizer step, or None.
     """
 
     def __init__(
@@ -106,8 +114,11 @@ class Discovery:
         *,
         policy: str = "observe",
         config: GuardConfig | None = None,
+        preflight: Any = None,
     ) -> None:
         self.folder_for = folder_for
+        self.preflight = preflight
+        self._quiet = False
         self.policy = policy
         self.config = config or GuardConfig(record=RecordConfig(summary=False))
         self.watched: list[Watched] = []
@@ -166,7 +177,24 @@ class Discovery:
         # State loaded before the first optimizer step (a resume) is loaded before any guard
         # exists: remember the line that loaded it, for a non-finite value found there.
         loads.track()
+        if self.preflight is not None:
+            self.preflight.install()
         return self
+
+    @contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Every hook of this object does nothing, and `Tensor.backward` is the original one
+        (the hand-written-update boundaries wrap it too), while the preflight trains its
+        copies inside a step of the script."""
+        self._quiet = True
+        current = torch.Tensor.backward
+        if self._backward is not None:
+            torch.Tensor.backward = self._backward  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            torch.Tensor.backward = current  # type: ignore[method-assign]
+            self._quiet = False
 
     @property
     def steps_started(self) -> int:
@@ -183,6 +211,8 @@ class Discovery:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.preflight is not None:
+            self.preflight.remove()
         loads.untrack()
         self._manual.remove()
         if self._start is not None:
@@ -230,14 +260,16 @@ class Discovery:
     # ------------------------------------------------------------------ hooks
 
     def _saw_backward(self, tensor: torch.Tensor) -> None:
-        if forked():
+        if forked() or self._quiet:
             return
+        if self.preflight is not None and not self.preflight.done:
+            self.preflight.saw_backward(tensor)
         if tensor.numel() == 1 and tensor.is_floating_point():
             self._loss = tensor.detach()
             self._loss_seq += 1
 
     def _forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if forked():
+        if forked() or self._quiet:
             return
         self._depth += 1
         if self._depth != 1:
@@ -245,6 +277,8 @@ class Discovery:
         self._roots[id(module)] = module
         if not torch.is_grad_enabled():
             return  # evaluation (`no_grad`): not a training batch
+        if self.preflight is not None and not self.preflight.done:
+            self.preflight.saw_root_forward(module, args)
         tensors = tuple(a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0)
         if not tensors:
             return
@@ -255,11 +289,13 @@ class Discovery:
             rec.other = tensors
 
     def _forward_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if forked():
+        if forked() or self._quiet:
             return
         self._depth = max(0, self._depth - 1)
         if self._depth:
             return
+        if self.preflight is not None and not self.preflight.done and torch.is_grad_enabled():
+            self.preflight.saw_root_output(module, output)
         if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
             output = output[0]  # an RNN's (output, hidden)
         if not isinstance(output, torch.Tensor):
@@ -287,8 +323,12 @@ class Discovery:
                        kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """Global step pre-hook: runs first in every `optimizer.step()` (and in a
         `ManualStep.begin()`), before the guard's own pre-hook."""
-        if forked():
+        if forked() or self._quiet:
             return None
+        if self.preflight is not None and not self.preflight.done:
+            with self.quiet():  # PreflightStop (--preflight-only) passes on from here
+                self.preflight.at_first_step(optimizer,
+                                             manual=isinstance(optimizer, ManualStep))
         w = self._by_opt.get(id(optimizer))
         if w is None or w.optimizer is not optimizer:
             w = self._attach(optimizer)
@@ -337,6 +377,8 @@ class Discovery:
             w.guard = Guard(model, optimizer, policy=policy, out=str(folder),
                             config=self.config)
             w.guard.run_entry = "run"  # fixes are phrased as `nanguard run` flags
+            if self.preflight is not None and self.preflight.result is not None:
+                w.guard.preflight = self.preflight.result  # type: ignore[attr-defined]
             # How to run it again (`nanguard replay`): sys.argv is the script's here.
             w.guard.store.write_meta(script=os.path.abspath(sys.argv[0]), argv=sys.argv[1:],
                                      cwd=os.getcwd(), optimizers=index + 1)

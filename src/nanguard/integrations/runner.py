@@ -21,6 +21,13 @@ guard to every optimizer that steps. When the script is done:
    the status is not `healthy`, `warned` or `recovered` (`failed`, `crashed`, `unwatched`,
    `degraded`, `interrupted`) or `raise` stopped training, else 0.
 
+With `--preflight` (`preflight=True`), the script's first optimizer step first runs the
+preflight (audit/preflight_live.py) on copies of its model, optimizer and batch: the verdict is
+printed then, set on every guard (the diagnosis reads it) and written to report.json under
+`run.preflight`; training goes on untouched. `--preflight-only` stops the script there: the
+report (status `unwatched`: nothing was trained) holds the verdict, and the exit code is 1 for an
+error-level finding, 0 for none, 2 when the preflight could not run (it says why).
+
 While the script runs, SIGTERM (a scheduler's time limit, `timeout`) raises `Terminated`, a
 `KeyboardInterrupt`, in the main thread: the script unwinds as on Ctrl-C and the run is
 written with status `interrupted` (or `failed` when a non-finite value came first); the
@@ -44,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanguard.audit.preflight_live import LivePreflight, PreflightStop, verdict_lines
 from nanguard.config import GuardConfig, RecordConfig
 from nanguard.errors import NanguardError
 from nanguard.integrations.discovery import Discovery, Watched
@@ -74,6 +82,10 @@ class RunOptions:
     merge_wait: float = 30.0
     """Under torchrun: seconds rank 0 waits for the other ranks' reports before merging."""
     summary: bool = True
+    preflight: bool = False
+    """Run the preflight at the script's first optimizer step, then train on."""
+    preflight_only: bool = False
+    """Run the preflight, then stop (exit 1 on an error-level finding, 2 if it could not run)."""
 
 
 @dataclass
@@ -82,8 +94,8 @@ class ScriptOutcome:
 
     kind: str = "ok"
     """`ok`, `exit` (SystemExit with a non-zero code), `error` (an exception of its own),
-    `stopped` (nanguard's `raise` policy), `internal` (an error inside nanguard's own hooks) or
-    `interrupted` (SIGINT, SIGTERM)."""
+    `stopped` (nanguard's `raise` policy), `internal` (an error inside nanguard's own hooks),
+    `interrupted` (SIGINT, SIGTERM) or `preflight` (`--preflight-only` stopped it)."""
     code: int = 0
     message: str | None = None
     evidence: dict[str, Any] | None = None
@@ -132,10 +144,24 @@ def run(opts: RunOptions) -> int:
     folder = out / f"rank-{rank}" if world_size > 1 else out
     folder.mkdir(parents=True, exist_ok=True)
 
+    live: LivePreflight | None = None
+    if opts.preflight or opts.preflight_only:
+        live = LivePreflight(only=opts.preflight_only)
+        if world_size > 1:  # a DDP model cannot be copied off its process group
+            live.not_run("under torch.distributed the preflight is skipped; run it in one "
+                         "process: nanguard run --preflight-only SCRIPT ARGS")
     disc = Discovery(lambda i: folder / f"optimizer-{i}", policy=opts.policy,
-                     config=GuardConfig(record=RecordConfig(summary=False)))
+                     config=GuardConfig(record=RecordConfig(summary=False)),
+                     preflight=live if live is not None and not live.done else None)
     initial_rng = rng.capture()
     outcome = _run_script(script, opts.args, disc)
+    if live is not None and live.result is None:
+        live.not_run(_preflight_missed(outcome))
+        if opts.summary:
+            for line in verdict_lines(live.result or {}, only=opts.preflight_only):
+                print(line, file=sys.stderr)
+    if opts.preflight_only:
+        return _preflight_only(disc, outcome, live, folder)
 
     late = _late_finding(disc, outcome, rank)
     reports = _close(disc, outcome)
@@ -167,7 +193,8 @@ def run(opts: RunOptions) -> int:
                 reports[target.index] = _refine(target, replay["origin"])
         reports[target.index].run["replay"] = {k: v for k, v in replay.items() if k != "origin"}
 
-    report = _write(folder, disc.watched, reports, outcome, replay)
+    report = _write(folder, disc.watched, reports, outcome, replay,
+                    preflight=live.result if live is not None else None)
     if world_size > 1:
         if rank != 0:
             if opts.summary:
@@ -184,6 +211,32 @@ def run(opts: RunOptions) -> int:
         _print_summary(report, disc, target)
         _print_outcome(outcome, script, replay, report=report, disc=disc)
     return _exit_code(outcome, report)
+
+
+# ---------------------------------------------------------------------- the preflight
+
+
+def _preflight_missed(outcome: ScriptOutcome) -> str:
+    """Why the preflight never ran (the script never reached an optimizer step)."""
+    if outcome.kind == "ok":
+        return "the script never stepped an optimizer (nothing to check)"
+    return (f"the script ended before its first optimizer step ({outcome.kind}"
+            + (f": {outcome.message}" if outcome.message else "") + ")")
+
+
+def _preflight_only(disc: Discovery, outcome: ScriptOutcome, live: Any, folder: Path) -> int:
+    """`--preflight-only`: write the verdict (report.json, status `unwatched`: nothing was
+    trained) and choose the exit code: 1 for an error-level finding, 0 for none, 2 when the
+    preflight could not run (the script's own error code when it died first)."""
+    _close(disc, outcome)  # no guard exists before the first step; closed if one does
+    verdict = live.result or {}
+    report = Report(status="unwatched", run={
+        "folder": str(folder), "note": "stopped after the preflight (--preflight-only)",
+        "script": outcome.to_dict(), "preflight": verdict})
+    report.write(folder)
+    if not verdict.get("ran"):
+        return outcome.code if outcome.kind in ("exit", "error", "internal") else 2
+    return 1 if verdict.get("errors") else 0
 
 
 # ---------------------------------------------------------------------- running the script
@@ -209,6 +262,8 @@ def _run_script(script: Path, args: list[str], disc: Discovery) -> ScriptOutcome
         _end_steps(disc)
         outcome.evidence = _evidence(disc, on_error=False)
         del script_globals
+    except PreflightStop:
+        outcome = ScriptOutcome("preflight", 0, "stopped after the preflight (--preflight-only)")
     except SystemExit as exc:
         outcome = _system_exit(exc)
         _end_steps(disc)
@@ -413,8 +468,11 @@ def _write(
     reports: dict[int, Report],
     outcome: ScriptOutcome,
     replay: dict[str, Any] | None,
+    *,
+    preflight: dict[str, Any] | None = None,
 ) -> Report:
-    """Lay out this process's run folder; return its report (merged over optimizers)."""
+    """Lay out this process's run folder; return its report (merged over optimizers); the
+    preflight's verdict goes under `run.preflight`."""
     errors = {w.name: w.error for w in watched if w.error}
     if len(reports) == 1:
         (index, report), = reports.items()
@@ -439,6 +497,8 @@ def _write(
         report.run["replay"] = {k: v for k, v in replay.items() if k != "origin"}
     if errors:
         report.run["errors"] = errors
+    if preflight is not None:
+        report.run["preflight"] = preflight
     rank, world_size = world()
     if world_size > 1:
         report.run["rank"] = rank
