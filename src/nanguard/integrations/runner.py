@@ -232,7 +232,7 @@ def _preflight_only(disc: Discovery, outcome: ScriptOutcome, live: Any, folder: 
     verdict = live.result or {}
     report = Report(status="unwatched", run={
         "folder": str(folder), "note": "stopped after the preflight (--preflight-only)",
-        "script": outcome.to_dict(), "preflight": verdict})
+        "script": outcome.to_dict(), "preflight": verdict}, preflight=verdict)
     report.write(folder)
     if not verdict.get("ran"):
         return outcome.code if outcome.kind in ("exit", "error", "internal") else 2
@@ -499,6 +499,7 @@ def _write(
         report.run["errors"] = errors
     if preflight is not None:
         report.run["preflight"] = preflight
+        report.preflight = preflight
     rank, world_size = world()
     if world_size > 1:
         report.run["rank"] = rank

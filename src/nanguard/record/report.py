@@ -13,6 +13,7 @@ first_warning   null | step of the first alarm that is not `nonfinite` (on a fai
                 the first within `lead_window` steps before the first non-finite value)
 lead_steps      null | first_nonfinite.step - first_warning (steps of warning)
 spikes          [{step, layers, samples}]: where each spike alarm sits
+preflight       null | the `nanguard run --preflight` verdict
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ class Report:
     spikes: list[dict[str, Any]] = field(default_factory=list)
     """Per spike alarm: `{step, layers: [{param, module, norm, baseline, ratio}], samples:
     [{index, norm, z}]}` (samples only with a `replay` function)."""
+    preflight: dict[str, Any] | None = None
+    """`nanguard run --preflight`: the verdict (findings, LR probe, overfit check, seconds);
+    also under `run.preflight`."""
     run: dict[str, Any] = field(default_factory=dict)
     """Free-form run facts: folder, policy, model and optimizer class, nanguard version."""
 
