@@ -85,7 +85,7 @@ class _Link:
     def active(self) -> bool:
         try:
             g = self._guard
-            return not getattr(g, "_closed", False) and getattr(g, "error", None) is None
+            return not g.closed and getattr(g, "error", None) is None
         except ReferenceError:
             return False
 
