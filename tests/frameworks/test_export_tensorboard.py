@@ -2,7 +2,7 @@
 known step, under `skip`, written and read back with TensorBoard's own EventAccumulator: the NaN
 loss is there at that step (not dropped, not replaced), the nonfinite/skipped markers are 1.0
 there only, and the alarm, action and finding text events sit at that step. Importing the export
-package imports no tracker."""
+package and its exporters imports no tracker."""
 
 from __future__ import annotations
 
@@ -81,9 +81,10 @@ def test_not_a_run_refused(tmp_path):
 
 
 def test_importing_export_imports_no_tracker():
-    code = ("import sys, nanguard, nanguard.export, nanguard.export.tensorboard; "
-            "print([m for m in ('tensorboard', 'torch.utils.tensorboard', 'wandb', 'mlflow') "
-            "if m in sys.modules])")
+    code = ("import sys, nanguard, nanguard.export, nanguard.export.tensorboard, "
+            "nanguard.export.mlflow, nanguard.export.wandb, nanguard.export.trackio; "
+            "print([m for m in ('tensorboard', 'torch.utils.tensorboard', 'wandb', 'mlflow', "
+            "'trackio') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[]"

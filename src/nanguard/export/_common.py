@@ -1,0 +1,172 @@
+"""What every exporter writes, read once from a run folder (run.db + report.json).
+
+Trackers differ in how they store a value and a text, not in what nanguard has to say: the
+per-step signals (NaN/Inf kept), the 0/1 `nonfinite` and `skipped` markers, and one markdown
+text per event (alarms and actions grouped by step, the first non-finite value, the diagnosis,
+the closing report). This module only reads; no tracker is imported here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nanguard.record.report import REPORT_NAME
+from nanguard.record.store import DB_NAME, dec, open_run
+
+SIGNALS = ("loss", "grad_norm", "param_norm", "update_ratio", "momentum_norm", "act_max", "lr")
+"""Per-step columns of run.db exported as scalars (named `nanguard/<name>`)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step of a recorded run.
+
+    Attributes:
+        step: the guard's step number.
+        time: wall-clock time of the step (seconds since the epoch), None if not recorded.
+        values: signal name -> value (NaN and +-Inf as they are); signals not recorded absent.
+        nonfinite: something watched was non-finite at this step.
+        skipped: the update of this step was discarded.
+    """
+
+    step: int
+    time: float | None
+    values: dict[str, float]
+    nonfinite: bool
+    skipped: bool
+
+    def markers(self) -> dict[str, float]:
+        """The finite 0/1 marker series, plotted where the value itself cannot be."""
+        return {"nonfinite": 1.0 if self.nonfinite else 0.0,
+                "skipped": 1.0 if self.skipped else 0.0}
+
+    def scalars(self) -> dict[str, float]:
+        """The values and the markers, named `nanguard/<name>` as every exporter writes them."""
+        return {f"nanguard/{k}": v for k, v in {**self.values, **self.markers()}.items()}
+
+
+@dataclass(frozen=True)
+class Event:
+    """One text event: `tag` is alarms, actions, first_nonfinite, diagnosis or report."""
+
+    step: int
+    tag: str
+    text: str
+
+
+@dataclass
+class RunData:
+    """A run folder's steps, events and report, as exporters need them."""
+
+    steps: list[Step]
+    events: list[Event]
+    report: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def last_step(self) -> int:
+        return max((s.step for s in self.steps), default=0)
+
+
+def run_parts(run: str | Path) -> list[tuple[str | None, Path]]:
+    """The recorded folders of a run: itself, or its `rank-R/` parts when merged from ranks.
+
+    Returns:
+        (part name or None for a single folder, folder) pairs.
+
+    Raises:
+        ValueError: `run` is not a nanguard run folder.
+    """
+    folder = Path(run)
+    if (folder / DB_NAME).exists():
+        return [(None, folder)]
+    parts = sorted(p for p in folder.glob("rank-*") if (p / DB_NAME).exists())
+    if not parts:
+        raise ValueError(f"{str(folder)!r} is not a nanguard run folder (no {DB_NAME} in it)")
+    return [(p.name, p) for p in parts]
+
+
+def load_run(folder: Path) -> RunData:
+    """Read one recorded folder (holding run.db) into steps and events."""
+    db = open_run(folder)
+    try:
+        cols = ", ".join(SIGNALS)
+        rows = db.execute(
+            f"SELECT step, time, {cols}, nonfinite, skipped FROM steps ORDER BY step").fetchall()
+    finally:
+        db.close()
+    steps = []
+    for row in rows:
+        values = {}
+        for name, raw in zip(SIGNALS, row[2:2 + len(SIGNALS)], strict=True):
+            value = dec(raw)
+            if value is not None:
+                values[name] = value
+        flagged = json.loads(row[-2] or "[]")
+        nonfinite = bool(flagged) or any(not math.isfinite(v) for v in values.values())
+        steps.append(Step(int(row[0]), None if row[1] is None else float(row[1]), values,
+                          nonfinite, bool(row[-1])))
+    report: dict[str, Any] = {}
+    if (folder / REPORT_NAME).exists():
+        report = json.loads((folder / REPORT_NAME).read_text())
+    data = RunData(steps, [], report)
+    data.events = events(report, data.last_step)
+    return data
+
+
+def events(report: dict[str, Any], last: int) -> list[Event]:
+    """The report's events as markdown texts at their steps, in step order.
+
+    Alarms and actions are grouped per step (one text each); the first non-finite value and the
+    diagnosis sit at the step of the first non-finite value (else the last step); the report
+    (status and every event) at the last step.
+    """
+    out: list[Event] = []
+    grouped: dict[str, dict[int, list[str]]] = {"alarms": {}, "actions": {}}
+    for a in report.get("alarms", []):
+        grouped["alarms"].setdefault(int(a["step"]), []).append(
+            f"- **{a['kind']}** `{a['signal']}` = {a.get('value')}: {a.get('message', '')}")
+    for a in report.get("actions", []):
+        grouped["actions"].setdefault(int(a["step"]), []).append(
+            f"- **{a['action']}**: {a.get('detail', '')}")
+    for tag, by_step in grouped.items():
+        out += [Event(step, tag, "\n".join(lines)) for step, lines in sorted(by_step.items())]
+    first = report.get("first_nonfinite")
+    at = int(first.get("step", last)) if first else last
+    if first:
+        keys = ("phase", "module", "op", "source", "samples", "param", "rank", "signals")
+        table = "\n".join(f"| {k} | `{first[k]}` |" for k in keys if first.get(k) is not None)
+        out.append(Event(at, "first_nonfinite", f"**first non-finite value at step {at}**\n\n"
+                         f"| key | value |\n| --- | --- |\n{table}"))
+    diagnosis = report.get("diagnosis") or []
+    if diagnosis:
+        out.append(Event(at, "diagnosis", "\n".join(
+            f"{i + 1}. **{c['cause']}** ({c.get('confidence', '')}): {c.get('fix', '')}"
+            for i, c in enumerate(diagnosis))))
+    if report:
+        lines = [f"- step {a['step']}: alarm {a['kind']}:{a['signal']}"
+                 for a in report.get("alarms", [])]
+        lines += [f"- step {a['step']}: action {a['action']}" for a in report.get("actions", [])]
+        out.append(Event(last, "report", f"**status: {report.get('status')}**, "
+                         f"{report.get('steps')} steps\n\n" + "\n".join(lines)))
+    out.sort(key=lambda e: e.step)
+    return out
+
+
+def summary(report: dict[str, Any]) -> dict[str, Any]:
+    """Flat run-level facts (status, first non-finite step/phase/module/op, top cause)."""
+    out: dict[str, Any] = {}
+    if not report:
+        return out
+    out["status"] = report.get("status")
+    first = report.get("first_nonfinite") or {}
+    for key in ("step", "phase", "module", "op"):
+        if first.get(key) is not None:
+            out[f"first_nonfinite_{key}"] = first[key]
+    diagnosis = report.get("diagnosis") or []
+    if diagnosis:
+        out["top_cause"] = diagnosis[0]["cause"]
+    return out
