@@ -576,31 +576,78 @@ class Guard:
         alarms = self._detect(stats, "pre", self._current.rng)
         if replaying and self.first_nonfinite is not None:
             self._pinpoint(stats, self._current)
+        elif replaying and stats.amp_skipped:
+            self._check_scaler_skip(stats)
         if cfg.policy != "observe" and self._decide(stats, alarms):
             self._act(stats, alarms)
         if not stats.skipped:
             self.recovery.before_update(stats)
             stats.lr = _lr(optimizer)  # the LR this update really uses (after any backoff)
 
-    def _pinpoint(self, stats: StepStats, cur: _Pending) -> None:
-        """Refine the first non-finite finding by replaying this step before its update."""
+    def _replay_batches(self, batches: list[Any], stats: StepStats,
+                        step_rng: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Replay the step's micro-batches one by one (forward and backward, before the update,
+        under the op checker) until one produces a non-finite value. Its `samples` are numbered
+        across the micro-batches, as the guard numbers them. Raises what the replay raised."""
         from nanguard.pinpoint.inprocess import replay_forward_backward
+        from nanguard.watch.batch import batch_tensors
 
-        assert self.replay is not None and self.first_nonfinite is not None
+        assert self.replay is not None
         was_enabled = self.act_probe.enabled if self.act_probe else False
         if self.act_probe:
             self.act_probe.enabled = False
+        offset = 0
         try:
-            found = replay_forward_backward(
-                self.replay, model=self.model, params=self.params, batch=self.batch_probe.last,
-                step=stats.step, step_rng=cur.rng, original_loss=stats.loss,
-            )
-        except Exception as exc:  # noqa: BLE001 - a failing replay must not kill training
-            self.first_nonfinite["replay_error"] = f"{type(exc).__name__}: {exc}"
-            found = None
+            for k, batch in enumerate(batches):
+                found = replay_forward_backward(
+                    self.replay, model=self.model, params=self.params, batch=batch,
+                    step=stats.step, step_rng=step_rng if k == 0 else None,
+                    original_loss=stats.loss if len(batches) == 1 else None,
+                )
+                if found is not None:
+                    found["samples"] = [offset + i for i in found.get("samples") or []]
+                    if len(batches) > 1:
+                        found["micro_batch"] = k
+                    return found
+                sized = [t for t in batch_tensors(batch) if t.dim() > 0]
+                offset += sized[0].shape[0] if sized else 0
         finally:
             if self.act_probe:
                 self.act_probe.enabled = was_enabled
+        return None
+
+    def _check_scaler_skip(self, stats: StepStats) -> None:
+        """The GradScaler skipped the step before this one: an fp16 overflow, or a real fault
+        (sqrt at 0, a NaN row) that it hid? With `replay`, its batch is replayed in float32
+        (outside autocast) from the same parameters (a skipped step changed none): a value
+        that is non-finite there too was not an overflow. One replay per skip, until found."""
+        skipped, self.batch_probe.skipped = self.batch_probe.skipped, []
+        if not skipped or self.replay is None or self.first_nonfinite is not None:
+            return
+        try:
+            found = self._replay_batches(skipped, stats, None)
+        except Exception:  # noqa: BLE001 - the skip stays what the scaler said it was
+            return
+        if found is None:
+            return
+        found.update(step=stats.step, rank=distributed.rank(), signals=["grad"],
+                     skipped_by="GradScaler")
+        self.first_nonfinite = found
+        self.failing_stats = stats
+        self.store.write_finding(found)
+
+    def _pinpoint(self, stats: StepStats, cur: _Pending) -> None:
+        """Refine the first non-finite finding by replaying this step before its update."""
+        assert self.replay is not None and self.first_nonfinite is not None
+        # NaN rows of a batch the GradScaler skipped: that batch is the one to replay.
+        batches = (self.batch_probe.skipped if stats.dropped_samples and self.batch_probe.skipped
+                   else self.batch_probe.step_batches or [self.batch_probe.last])
+        try:
+            found = self._replay_batches(batches, stats, None if stats.dropped_samples
+                                         else cur.rng)
+        except Exception as exc:  # noqa: BLE001 - a failing replay must not kill training
+            self.first_nonfinite["replay_error"] = f"{type(exc).__name__}: {exc}"
+            found = None
         if found is None:
             return
         signals = self.first_nonfinite.get("signals")
@@ -763,12 +810,15 @@ class Guard:
     def _should_act(self, stats: StepStats, alarms: list[Alarm], post: bool = False) -> bool:
         act_on = self.config.act_on
         if "nonfinite" in act_on:
-            signals = stats.nonfinite_signals()
+            # `data` only comes from a batch whose step the GradScaler already skipped: there
+            # is nothing left to act on.
+            signals = [s for s in stats.nonfinite_signals() if s != "data"]
             if post:
                 signals = [s for s in signals if s.startswith(("param", "optimizer"))]
             if signals:
                 return True
-        return any(a.kind in act_on for a in alarms)
+        return any(a.kind in act_on and (a.kind, a.signal) != ("nonfinite", "data")
+                   for a in alarms)
 
     def _act(self, stats: StepStats, alarms: list[Alarm], post: bool = False) -> None:
         """Apply the policy. Pre-step: `skip` discards the update; `raise` stops first."""
@@ -815,15 +865,26 @@ class Guard:
         report = self.close("stopped", message)
         raise NanguardError(message, report)
 
-    def _action(self, step: int, action: str, detail: str) -> None:
+    def record_action(self, step: int, action: str, detail: str) -> None:
+        """Record what was done at `step` (report.json `actions`; written to run.db at once)."""
         self.actions.append({"step": step, "action": action, "detail": detail})
         self.store.write_action(step, action, detail)
+
+    _action = record_action
+
+    def record_alarm(self, alarm: Alarm) -> None:
+        """Record an alarm raised outside the detectors (e.g. recovery's `amp_collapse`)."""
+        self.alarms.append(alarm)
+        self.store.write_alarm(alarm.to_dict())
 
     # ------------------------------------------------------------------ recording
 
     def _locate(self, stats: StepStats) -> dict[str, Any]:
-        return locate(stats, self.param_names, distributed.rank(), order=self._param_order,
-                      buffer_names=self.buffer_names)
+        found = locate(stats, self.param_names, distributed.rank(), order=self._param_order,
+                       buffer_names=self.buffer_names)
+        if stats.dropped_samples:  # the batch of a step the GradScaler skipped
+            found["skipped_by"] = "GradScaler"
+        return found
 
     def _explain_spike(self, stats: StepStats, alarm: Alarm) -> None:
         """Which layers carry a spike (always) and which samples cause it (with `replay`,

@@ -9,6 +9,7 @@ touched (forward and backward only), so observing stays non-invasive. An origin 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +37,11 @@ class _KeepBuffers:
         with torch.no_grad():
             for b, s in zip(self.model.buffers(), self.saved, strict=True):
                 b.copy_(s)
+
+
+def _eager() -> contextlib.AbstractContextManager[Any]:
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def replay_forward_backward(
@@ -66,7 +72,9 @@ def replay_forward_backward(
     try:
         if step_rng is not None:
             rng.restore(step_rng)
-        with _KeepBuffers(model):
+        # A compiled model runs eagerly under the checker: compiling it under a dispatch mode
+        # left later compiled runs 1 ulp off (observing must not change training).
+        with _KeepBuffers(model), _eager():
             origin = find_origin(run_step, model=model, batch=batch, step=step)
     finally:
         for p, g in zip(params, grads, strict=True):

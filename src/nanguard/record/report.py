@@ -127,13 +127,17 @@ def build_report(
     # crash): a non-finite value with no recovery action counts as a failure.
     kinds = {a["action"] for a in actions}
     stopped = bool(kinds & {"raise", "give_up"})
-    recovering = bool(kinds & {"skip", "rollback"})
+    # A finding in a batch the GradScaler skipped was stepped over too.
+    recovering = bool(kinds & {"skip", "rollback"}) or bool(
+        first_nonfinite and first_nonfinite.get("skipped_by"))
     if failed is None:
         failed = first_nonfinite is not None and not recovering
     stopped = stopped or ended == "stopped"
     if stopped or (first_nonfinite is not None and (failed or not recovering)):
         status = "failed"
-    elif first_nonfinite is not None:
+    elif first_nonfinite is not None or recovering:
+        # (recovering with no finding of its own: it rolled back or skipped for another
+        # optimizer of the same model)
         status = "recovered"
     elif degraded:
         status = "degraded"

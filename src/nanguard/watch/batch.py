@@ -14,6 +14,7 @@ from nanguard.watch.fingerprint import sample_fingerprints
 from nanguard.watch.stats import StepStats
 
 _MASK = (1 << 52) - 1
+_MAX_MICRO_BATCHES = 1024
 
 
 def batch_tensors(batch: Any) -> list[torch.Tensor]:
@@ -32,6 +33,15 @@ class BatchProbe:
 
     def __init__(self) -> None:
         self.last: Any = None
+        """The last batch observed (by reference)."""
+        self.batches: list[Any] = []
+        """Every micro-batch observed since the last `collect` (by reference), in order: what
+        an in-process replay of the step runs."""
+        self.step_batches: list[Any] = []
+        """The micro-batches of the step last collected."""
+        self.skipped: list[Any] = []
+        """The micro-batches of a step whose optimizer step never came (a GradScaler skipped
+        it): replayed in float32 to tell a real fault from an fp16 overflow."""
         self._parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         """(fingerprints, NaN-row flags, per-tensor flags) of each micro-batch of this step."""
         self.dropped: list[int] | None = None
@@ -51,9 +61,15 @@ class BatchProbe:
         """Fingerprint `batch` on the device. With `accumulate`, batches observed since the last
         `collect` are micro-batches of one step and are all kept; without, only the last."""
         tensors = [t for t in batch_tensors(batch) if t.dim() > 0]
-        if not accumulate and self._parts and self.dropped is None:
-            self._keep_dropped()
+        if not accumulate and self.batches:
+            self.skipped, self.batches = self.batches, []
+            if self._parts and self.dropped is None:
+                self._keep_dropped()
         self.last = batch
+        self.batches.append(batch)
+        if len(self.batches) > _MAX_MICRO_BATCHES:  # watch() in a loop with no step at all
+            del self.batches[0]
+            del self._parts[:1]
         if not tensors:
             return
         size = tensors[0].shape[0]
@@ -85,6 +101,7 @@ class BatchProbe:
         """Take what was observed since the last step: (number of samples, one vector of
         fingerprints, NaN-row flags and per-tensor flags) or (0, None)."""
         parts, self._parts = self._parts, []
+        self.step_batches, self.batches = self.batches, []
         if not parts:
             return 0, None
         if len(parts) == 1:
