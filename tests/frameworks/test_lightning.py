@@ -1,7 +1,8 @@
 """Lightning adapter (`nanguard.integrations.lightning.NanguardCallback`) with real Lightning on
 CPU: a healthy run is recorded healthy and left bitwise untouched; a NaN row is found at its step
-and row (data_nonfinite); `skip` discards exactly that update and training goes on; `raise`
-stops; the callback state round-trips through a checkpoint; options are refused early."""
+and row (data_nonfinite); `skip` discards exactly that update and training goes on; `rollback`
+restores the snapshot and backs off the LR; `raise` stops; the callback state round-trips
+through a checkpoint; options are refused early."""
 
 from __future__ import annotations
 
@@ -94,6 +95,34 @@ def test_skip_discards_exactly_that_update_and_goes_on(tmp_path):
     assert report["first_nonfinite"]["step"] == bad_step
     assert report["status"] == "recovered"
     assert report["steps"] == steps
+
+
+def test_rollback_restores_the_snapshot_and_backs_off_the_lr(tmp_path):
+    """`rollback` through the callback: at the NaN step the module and Adam go back to the last
+    snapshot (the initial state: the first refresh is after 50 quiet steps), training goes on
+    from there with the next batches, and the LR the optimizer used is halved afterwards."""
+    steps, bad_step = 60, 30
+    init = [p.detach().clone() for p in Regressor().parameters()]
+    rec = ParamRecorder()
+    cb = NanguardCallback(policy="rollback", out=tmp_path / "run", config=QUIET)
+    model, t = _fit([cb, rec], make_data(BATCH * steps, bad_step * BATCH + 1), steps=steps,
+                    max_epochs=1)
+    for a, b in zip(init, rec.after[bad_step], strict=True):
+        assert torch.equal(a, b)  # restored, not merely skipped
+    assert not all(torch.equal(a, b) for a, b in zip(init, rec.after[bad_step - 1], strict=True))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not all(torch.equal(a, b) for a, b in zip(init, model.parameters(), strict=True))
+    assert t.optimizers[0].param_groups[0]["lr"] == 0.05  # the backoff is per step, not kept
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert [(a["step"], a["action"]) for a in report["actions"]] == [(bad_step, "rollback")]
+    assert "state of step 0" in report["actions"][0]["detail"]
+    assert report["status"] == "recovered" and report["steps"] == steps
+    from nanguard.record.store import dec, open_run
+
+    db = open_run(tmp_path / "run")
+    lrs = dict(db.execute("SELECT step, lr FROM steps").fetchall())
+    db.close()
+    assert dec(lrs[bad_step - 1]) == 0.05 and dec(lrs[bad_step + 1]) == 0.025
 
 
 def test_skip_with_step_scheduler_and_clipping(tmp_path):
