@@ -9,7 +9,9 @@ Histories keep healthy values only: a spike or a NaN never becomes the baseline.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections import deque
+from collections.abc import Iterable
 from statistics import median
 from typing import Any
 
@@ -28,10 +30,71 @@ def _log10(x: float) -> float:
     return math.log10(x) if x > 0 else -math.inf
 
 
-def _robust_z(x: float, history: deque[float], floor: float) -> tuple[float, float]:
-    """Robust z-score of `x` against `history`: (x - median) / (1.4826 MAD), MAD floored."""
-    med = median(history)
-    mad = median(abs(v - med) for v in history)
+class Window(deque[float]):
+    """A bounded window of healthy values that also keeps them sorted.
+
+    The detectors look up the window's median (and max) every step; `statistics.median` sorted
+    the 100 values again at each lookup, several times per step. Here an append costs one
+    binary search plus a memmove of at most `maxlen` pointers, and the median is an index.
+    The sorted list holds the very objects of the deque, in deque order among equal values (as
+    a stable sort of the deque would), so every lookup returns what `median(self)` returned.
+    Only `append`, `extend` and `clear` keep the two in step: the detectors use nothing else.
+    """
+
+    def __init__(self, values: Iterable[float] = (), maxlen: int | None = None) -> None:
+        super().__init__(values, maxlen)
+        self.sorted: list[float] = sorted(self)
+
+    def append(self, x: float) -> None:
+        s = self.sorted
+        if self.maxlen == 0:
+            return
+        if self.maxlen is not None and len(self) == self.maxlen:
+            old = self[0]
+            i = bisect_left(s, old)
+            # The oldest of the equal values is the object leaving: equal floats may differ
+            # (0.0 and -0.0), so find that very object, not just an equal one.
+            while i < len(s) and s[i] is not old:
+                i += 1
+            if i == len(s):  # a NaN loaded from a foreign state breaks the order: scan
+                i = next(k for k, v in enumerate(s) if v is old)
+            del s[i]
+        super().append(x)
+        insort(s, x)  # after its equals: the newest last, as in the deque
+
+    def extend(self, values: Iterable[float]) -> None:
+        for v in values:
+            self.append(v)
+
+    def clear(self) -> None:
+        super().clear()
+        self.sorted.clear()
+
+    def median(self) -> float:
+        """`statistics.median(self)`, without sorting (the same expression on the same list)."""
+        s = self.sorted
+        n = len(s)
+        if not n:
+            raise ValueError("no median for an empty window")
+        i = n // 2
+        return s[i] if n % 2 else (s[i - 1] + s[i]) / 2
+
+    def largest(self) -> float:
+        return self.sorted[-1]
+
+    def __reduce__(self) -> Any:
+        # Copies and pickles rebuild from the values (the sorted list follows).
+        return (type(self), (list(self), self.maxlen))
+
+
+def _robust_z(x: float, history: Window, floor: float) -> tuple[float, float]:
+    """Robust z-score of `x` against `history`: (x - median) / (1.4826 MAD), MAD floored.
+
+    The MAD sorts the deviations: callers ask for it only when a cheaper test (ratio to the
+    median, level) already passed, which a healthy step almost never does.
+    """
+    med = history.median()
+    mad = median(abs(v - med) for v in history.sorted)
     return (x - med) / max(1.4826 * mad, floor), med
 
 
@@ -139,8 +202,8 @@ class _SeriesDetector(Detector):
 
     def __init__(self, config: DetectConfig) -> None:
         super().__init__(config)
-        self.history: dict[str, deque[float]] = {
-            s: deque(maxlen=config.window) for s in self.signals
+        self.history: dict[str, Window] = {
+            s: Window(maxlen=config.window) for s in self.signals
         }
         # Highest typical (median) level each signal has had: the run's normal scale. Noted from
         # the first few steps on (not after `warmup_steps`): a model that converges within its
@@ -172,7 +235,7 @@ class _SeriesDetector(Detector):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         for k, values in state["history"].items():
-            self.history[k] = deque(values, maxlen=self.config.window)
+            self.history[k] = Window(values, maxlen=self.config.window)
         self.peak = dict(state.get("peak", {}))
 
 
@@ -196,16 +259,19 @@ class SpikeDetector(_SeriesDetector):
         alarms: list[Alarm] = []
         is_spike = False
         if hist:
-            self._note_level("grad_norm", 10 ** median(hist))
+            self._note_level("grad_norm", 10 ** hist.median())
         if len(hist) >= self.config.warmup_steps:
-            z, med = _robust_z(lx, hist, floor=0.05)
+            med = hist.median()
             ratio = 10 ** (lx - med)
             # The z-score adapts to noisy histories; a jump of `spike_hard_ratio` x the median
             # is a spike however noisy the history was (unless it stays far below the run's scale).
+            # It only matters once the ratio test passed: computed then (its MAD sorts).
+            z = math.nan
             if (
                 self._reaches_level("grad_norm", x)
                 and ratio >= self.config.spike_ratio
-                and (z >= self.config.spike_z or ratio >= self.config.spike_hard_ratio)
+                and ((z := _robust_z(lx, hist, floor=0.05)[0]) >= self.config.spike_z
+                     or ratio >= self.config.spike_hard_ratio)
             ):
                 is_spike = True
                 alarms = self._fire(
@@ -216,15 +282,15 @@ class SpikeDetector(_SeriesDetector):
                     f"grad norm {x:.3g} is {ratio:.3g}x its recent median {10**med:.3g} "
                     f"(robust z {z:.1f})",
                 )
-        elif hist and 10 ** (lx - max(hist)) >= self.config.early_spike_ratio:
+        elif hist and 10 ** (lx - hist.largest()) >= self.config.early_spike_ratio:
             # Too little history for statistics: only the unmistakable case, a jump far above
             # every healthy step so far (the cascade's opening spike at the end of warm-up).
-            ratio = 10 ** (lx - max(hist))
+            ratio = 10 ** (lx - hist.largest())
             is_spike = True
             alarms = self._fire(
                 stats, "spike", "grad_norm", x,
                 f"grad norm {x:.3g} is {ratio:.3g}x the largest of the {len(hist)} healthy "
-                f"step(s) so far ({10 ** max(hist):.3g})",
+                f"step(s) so far ({10 ** hist.largest():.3g})",
             )
         if not is_spike:
             hist.append(lx)
@@ -260,7 +326,7 @@ class CascadeDetector(_SeriesDetector):
                 hist.append(x)
             if not hist:
                 continue
-            med = median(hist)
+            med = hist.median()
             self._note_level(signal, med)
             early = (len(hist) < self.config.warmup_steps
                      and x >= self.config.early_growth * self.start.get(signal, math.inf))
@@ -330,7 +396,7 @@ class ForecastDetector(_SeriesDetector):
             # Before `warmup_steps` of history only an unmistakable growth is extrapolated.
             early = recent[-1] - recent[0] >= math.log10(self.config.early_growth)
             if (len(hist) < self.config.warmup_steps and not early) or (
-                    hist and x < self.config.cascade_ratio * median(hist)):
+                    hist and x < self.config.cascade_ratio * hist.median()):
                 continue
             slope = (recent[-1] - recent[0]) / (len(recent) - 1)
             # Activations overflow the dtype they are computed in (float16 under autocast).
@@ -382,14 +448,20 @@ class DivergenceDetector(_SeriesDetector):
             and len(self.recent) == self.recent.maxlen
         ):
             mean_recent = sum(self.recent) / len(self.recent)
-            z, med = _robust_z(mean_recent, hist, floor=1e-3 * max(abs(median(hist)), 1e-8))
+            med = hist.median()
             self._note_level("loss", med)
             # Sustained: every recent step is far above the median, not one outlier batch.
             ratio_ok = med > 0 and min(self.recent) >= self.config.divergence_ratio * med
             # ...and by an amount that matters on the loss's own scale: a GAN discriminator's
             # 0.001 -> 0.004 is 4x, yet far below the ~1.4 it started from (no divergence).
             floor_ok = mean_recent - med >= self.config.level_floor * self.peak.get("loss", 0.0)
-            if z >= self.config.spike_z and ratio_ok and floor_ok:
+            # The z-score (its MAD sorts the window) only matters once both cheap tests passed.
+            if (
+                ratio_ok
+                and floor_ok
+                and _robust_z(mean_recent, hist, floor=1e-3 * max(abs(med), 1e-8))[0]
+                >= self.config.spike_z
+            ):
                 diverging = True
                 alarms = self._fire(
                     stats,
