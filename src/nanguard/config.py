@@ -191,6 +191,10 @@ class RecoverConfig:
     backoff_steps: int = 100
     """...for this many steps, then the scheduler's LR is used again."""
 
+    max_consecutive_skips: int = 10
+    """`skip` never loops: after this many updates discarded in a row it escalates — to a
+    stop with the report (`give_up` action), the `raise` policy's end."""
+
     max_rollbacks: int = 3
     """Give up (stop with the report, like `raise`) after this many rollbacks..."""
 
@@ -229,6 +233,15 @@ class AmpConfig:
     the scale is read to check for a collapse."""
 
 
+EARLY_WARNINGS = ("overflow", "spike", "cascade", "forecast")
+"""The alarms that come before a cascade's first non-finite value."""
+
+
+def default_act_on(policy: str) -> tuple[str, ...]:
+    """What a policy acts on when `GuardConfig.act_on` is None."""
+    return ("nonfinite", *EARLY_WARNINGS) if policy in ("skip", "rollback") else ("nonfinite",)
+
+
 @_strict
 @dataclass(kw_only=True)
 class GuardConfig:
@@ -243,8 +256,12 @@ class GuardConfig:
     LR). With a GradScaler, a step whose gradients overflow is skipped by the scaler before
     the policy sees it."""
 
-    act_on: tuple[str, ...] = ("nonfinite",)
-    """Alarm kinds that trigger the policy. Others are recorded and shown only."""
+    act_on: tuple[str, ...] | None = None
+    """Alarm kinds that trigger the policy; others are recorded and shown only. None: the
+    policy's default (`default_act_on`): non-finite values only for `observe` and `raise`;
+    for `skip` and `rollback` also the early warnings of a cascade (`overflow`, `spike`,
+    `cascade`, `forecast`), so they act on the spike that starts it, not on the NaN six steps
+    later. Healthy runs raise none of these at default thresholds."""
 
     watch: WatchConfig = field(default_factory=WatchConfig)
     """Measurement settings."""
@@ -267,6 +284,11 @@ class GuardConfig:
     def __post_init__(self) -> None:
         self.validate()
 
+    @property
+    def acting_on(self) -> tuple[str, ...]:
+        """The alarm kinds the policy acts on: `act_on`, or the policy's default."""
+        return self.act_on if self.act_on is not None else default_act_on(self.policy)
+
     def validate(self) -> None:
         """Raise ValueError with a one-line message for settings that cannot work (also run
         when the config is built, and again by the Guard after its keyword overrides)."""
@@ -275,7 +297,7 @@ class GuardConfig:
         if isinstance(self.act_on, str):
             raise ValueError(f"act_on must be a tuple of alarm kinds, got the string "
                              f"{self.act_on!r}; write act_on=({self.act_on!r},)")
-        unknown = [k for k in self.act_on if k not in ALARM_KINDS]
+        unknown = [k for k in self.act_on or () if k not in ALARM_KINDS]
         if unknown:
             raise ValueError(f"unknown alarm kind(s) in act_on: {', '.join(map(repr, unknown))}; "
                              f"valid: {', '.join(ALARM_KINDS)}")

@@ -186,6 +186,7 @@ class Guard:
         self._check_loaded = True  # state loaded before the first update: checked once
         self._load_site: str | None = None
         self._watch_calls = 0  # watch(loss=...) calls since the last optimizer step
+        self._skips_in_row = 0  # consecutive updates the `skip` policy discarded
         self._recent_losses: deque[float] = deque(maxlen=20)  # finite losses, newest last
         self._loss_before: float | None = None  # their median when the first NaN came
         self.report: Report | None = None
@@ -581,6 +582,7 @@ class Guard:
         if cfg.policy != "observe" and self._decide(stats, alarms):
             self._act(stats, alarms)
         if not stats.skipped:
+            self._skips_in_row = 0
             self.recovery.before_update(stats)
             stats.lr = _lr(optimizer)  # the LR this update really uses (after any backoff)
 
@@ -808,7 +810,7 @@ class Guard:
         return act
 
     def _should_act(self, stats: StepStats, alarms: list[Alarm], post: bool = False) -> bool:
-        act_on = self.config.act_on
+        act_on = self.config.acting_on
         if "nonfinite" in act_on:
             # `data` only comes from a batch whose step the GradScaler already skipped: there
             # is nothing left to act on.
@@ -831,12 +833,30 @@ class Guard:
         elif not why:
             why = "another rank's alarm"
         if policy == "skip" and not post:
+            limit = self.config.recover.max_consecutive_skips
+            if self._skips_in_row >= limit:  # skipping does not heal it: escalate
+                detail = (f"{self._skips_in_row} updates discarded in a row and the next is "
+                          f"bad too ({why}); skipping does not heal this run: stopped")
+                self._action(stats.step, "give_up", detail)
+                self.stop(stats, detail)
             self.discard_update(stats)
+            self._skips_in_row += 1
             self._action(stats.step, "skip", f"update discarded ({why})")
+            return
+        acting = {a.kind for a in alarms if a.kind in self.config.acting_on}
+        nonfinite = [s for s in stats.nonfinite_signals() if s != "data"]
+        if policy == "rollback" and not post and acting <= {"spike"} and not nonfinite:
+            # A spike is seen before its update: the state is still good, and discarding the
+            # update is all it takes (no rollback, no LR change, nothing counted to give up).
+            self.discard_update(stats)
+            self._action(stats.step, "skip", f"update discarded ({why}): the state before it "
+                         "is still good, no rollback needed")
             return
         if policy == "rollback":
             self.recovery.rollback(stats, why, post)
             return
+        if policy == "skip" and stats.skipped:
+            return  # this step's update was discarded already: the values were there before
         if policy == "skip":
             # The update itself produced the non-finite value; undoing it needs a saved copy,
             # which is the `rollback` policy's job. Record that we could not skip it.
@@ -921,7 +941,9 @@ class Guard:
 
     def _record(self, stats: StepStats, p: _Pending) -> None:
         self._last_stats = stats
-        if self.first_nonfinite is not None and self._loss_before is None and self._recent_losses:
+        acted = any(a["action"] in ("skip", "rollback") for a in self.actions)
+        if ((self.first_nonfinite is not None or acted) and self._loss_before is None
+                and self._recent_losses):
             self._loss_before = statistics.median(self._recent_losses)
             self._recent_losses.clear()  # from here on: the losses after the failure
         if stats.loss is not None and math.isfinite(stats.loss) and not stats.skipped:
@@ -943,6 +965,10 @@ class Guard:
 
         ended, message = getattr(self, "_ended", ("ok", None))
         recovery = self._recovery_verdict()
+        if recovery is not None:
+            # What recovering cost: updates discarded or undone, LR changes, snapshot memory.
+            recovery["updates_skipped"] = sum(a["action"] == "skip" for a in self.actions)
+            recovery.update(self.recovery.cost() or {})
 
         causes = diagnose(evidence_from_guard(self))
         return build_report(
@@ -973,10 +999,10 @@ class Guard:
     def _recovery_verdict(self) -> dict[str, Any] | None:
         """After a skip or rollback: is the model back? The median loss of the last 20 steps
         must be finite and within `2x` of the median of the 20 steps before the first
-        non-finite value (`recovered` means the loss came back, not only that it is finite).
+        non-finite value or the first action, whichever came first (`recovered` means the loss
+        came back, not only that it is finite).
         None when nothing was recovered from; `back` None when there is no loss to compare."""
-        if self.first_nonfinite is None or not any(
-                a["action"] in ("skip", "rollback") for a in self.actions):
+        if not any(a["action"] in ("skip", "rollback") for a in self.actions):
             return None
         before = self._loss_before
         after = statistics.median(self._recent_losses) if self._recent_losses else None

@@ -60,7 +60,9 @@ def test_rollback_finishes_every_failing_seed(unguarded):
         setup, losses = train_cascade(seed, factory, steps=STEPS)
         actions = [a["action"] for a in guards[0].actions]
         assert len(losses) == STEPS, f"seed {seed} stopped early"
-        assert "rollback" in actions and "give_up" not in actions, (seed, actions)
+        # The policy acted (on the spike that starts the cascade: discarding that update is
+        # often all it takes; on the cascade or a NaN: a rollback) and never gave up.
+        assert {"skip", "rollback"} & set(actions) and "give_up" not in actions, (seed, actions)
         assert all(torch.isfinite(p).all() for p in setup.model.parameters()), seed
         finals[seed] = _final(losses)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -26,7 +27,6 @@ from nanguard.scenarios.cascade import train_cascade
 
 # Policies compared on failing seeds. `skip` acts on the early warnings too, so it can step
 # around the spike that starts the cascade instead of waiting for the NaN.
-SKIP_ON = ("nonfinite", "overflow", "spike", "cascade", "forecast")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -51,7 +51,7 @@ def _train(
     steps: int,
     folder: Path,
     policy: str = "observe",
-    act_on: tuple[str, ...] = ("nonfinite",),
+    act_on: tuple[str, ...] | None = None,
 ) -> tuple[Report, list[float]]:
     """Train one seed of the cascade under a recording guard; return its report and losses."""
     guards: list[Guard] = []
@@ -95,14 +95,19 @@ def _policy_outcomes(seed: int, steps: int, out: Path) -> tuple[str, str, str]:
     except NanguardError as exc:
         first = exc.report.first_nonfinite
         raised = f"stop@{first['step']}" if first else "stops"
-    report, losses = _train(seed, steps, out / f"seed-{seed}-skip", "skip", SKIP_ON)
-    skipped = sum(1 for a in report.actions if a["action"] == "skip")
-    # Skipping an update keeps the momentum a cascade has built; rollback restores it too.
-    skip = f"{skipped} -> {_final(losses)}"
+    try:
+        report, losses = _train(seed, steps, out / f"seed-{seed}-skip", "skip")
+        skipped = sum(1 for a in report.actions if a["action"] == "skip")
+        skip = f"{skipped} -> {_final(losses)}"
+    except NanguardError as exc:
+        # Skipping never loops: once the model itself is non-finite it escalates to a stop.
+        step = next((a["step"] for a in exc.report.actions if a["action"] == "give_up"), None)
+        skip = f"gave up@{step}"
     try:
         report, losses = _train(seed, steps, out / f"seed-{seed}-rollback", "rollback")
         n = sum(1 for a in report.actions if a["action"] == "rollback")
-        rolled = f"{n} -> {_final(losses)}"
+        k = sum(1 for a in report.actions if a["action"] == "skip")
+        rolled = f"{k} skip, {n} rollback -> {_final(losses)}"
     except NanguardError:
         rolled = "gave up"
     return raised, skip, rolled
@@ -166,7 +171,10 @@ def run(args: argparse.Namespace) -> int:
         "warn@ / nan@: step of the first warning and of the first non-finite value; "
         "lead: steps between them; where: phase, module and op where it first showed (the op "
         "from an in-process replay of the step under the op checker); raise / skip / rollback: "
-        "the same seed under those policies (skip acts on warnings too), with the final loss."
+        "the same seed under those policies (skip and rollback act on the early warnings: a "
+        "spike's update is discarded, a cascade rolled back; skip stops once skipping cannot "
+        "heal), "
+        "with the final loss and the actions taken."
     )
     if failed:
         console.print(
@@ -187,4 +195,10 @@ def run(args: argparse.Namespace) -> int:
     console.print(
         f"Each run folder holds run.db and report.json: `nanguard report {out}/seed-N` prints one."
     )
+    if example:
+        # The last line: the picture of a failing seed (plots over steps, the NaN marked).
+        folder = shlex.quote(str(out / f"seed-{example[0]}"))
+        console.print(f"See failing seed {example[0]} in a browser: nanguard report {folder} "
+                      f"--html  (writes {folder}/report.html)", soft_wrap=True, markup=False,
+                      highlight=False)
     return 0

@@ -32,7 +32,8 @@ REPORT_NAME = "report.json"
 STATUSES = {
     "healthy": "watched from the first to the last step; no alarm, nothing non-finite",
     "warned": "watched to the end; alarms (spike, cascade, ...) but nothing non-finite",
-    "recovered": "non-finite values appeared and the policy (skip / rollback) got past them",
+    "recovered": "the policy (skip / rollback) acted — on non-finite values or on the early "
+                 "warnings before them — and the loss came back to its level before",
     "failed": "non-finite values appeared and the run ended with them or died of an error "
               "after them, or nanguard's `raise` policy (or a rollback give-up) stopped it",
     "unwatched": "no training step was watched (no optimizer step, no backward)",

@@ -140,6 +140,7 @@ class Recovery:
             snapshot.capture(link.step, in_step=False)
             self.rollbacker = Rollback(cfg.recover, snapshot, link.optimizer)
             _PEERS.setdefault(link.model, weakref.WeakSet()).add(self)
+        self.steps_rolled_back = 0  # updates undone by rollbacks (the cost, for the report)
         self.clipper = AdaptiveClipper(cfg.clip) if cfg.clip is not None else None
         self.amp = ScalerWatch(scaler, cfg.amp) if scaler is not None else None
 
@@ -278,8 +279,10 @@ class Recovery:
             self.link.discard_update(stats)
             stats.skipped = True
             return
+        early = not [s for s in stats.nonfinite_signals() if s != "data"]
         try:
-            restored = self.rollbacker.rollback(stats.step)
+            restored = self.rollbacker.rollback(stats.step, early=early)
+            self.steps_rolled_back += stats.step + 1 - restored
         except GiveUp as exc:
             self.link.record_action(stats.step, "give_up", f"{exc} ({why})")
             self.link.stop(stats, f"{exc} ({why})")
@@ -288,11 +291,17 @@ class Recovery:
             self.link.discard_update(stats)
         stats.skipped = True
         cfg = self.rollbacker.config
+        factor = self.rollbacker.factor
+        lr = (f"LR kept (an early warning, the first in {cfg.window} steps: the batch that "
+              "started it is left out)" if factor == 1.0 else
+              f"LR x{factor:g} for {cfg.backoff_steps} steps ("
+              + ("a non-finite value" if not early else "a repeated warning")
+              + f"; rollback {len(self.rollbacker.history)} in {cfg.window} steps)")
         self.link.record_action(
             stats.step,
             "rollback",
             f"restored the state of step {restored}, discarding steps {restored}..{stats.step} "
-            f"({why}); LR x{self.rollbacker.factor:g} for {cfg.backoff_steps} steps",
+            f"({why}); {lr}",
         )
         for peer in self._peers():
             peer._follow(stats.step, type(self.link.optimizer).__name__)
@@ -320,6 +329,16 @@ class Recovery:
             f"model (it rolled back at its step {step}); LR x{self.rollbacker.factor:g} for "
             f"{self.rollbacker.config.backoff_steps} steps",
         )
+
+    def cost(self) -> dict[str, Any] | None:
+        """What rollback cost so far (None without the `rollback` policy): updates undone, the
+        LR factor now applied, the host memory the snapshot holds."""
+        if self.rollbacker is None:
+            return None
+        return {"rollbacks": len(self.rollbacker.history),
+                "updates_rolled_back": self.steps_rolled_back,
+                "lr_factor": self.rollbacker.factor,
+                "snapshot_bytes": self.rollbacker.snapshot.nbytes}
 
     # -- state
 

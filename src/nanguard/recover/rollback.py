@@ -54,9 +54,16 @@ class Rollback:
         self.snapshot.capture(next_step)
         return True
 
-    def rollback(self, step: int, *, forced: bool = False) -> int:
-        """Restore the last good state; back the LR off. Raises GiveUp past `max_rollbacks`,
-        unless `forced` (following another optimizer's rollback: that one decides giving up)."""
+    def rollback(self, step: int, *, forced: bool = False, early: bool = False) -> int:
+        """Restore the last good state; back the LR off as far as the evidence calls for.
+        Raises GiveUp past `max_rollbacks`, unless `forced` (following another optimizer's
+        rollback: that one decides giving up).
+
+        `early`: acting on an early warning (a spike, a cascade), nothing non-finite yet. The
+        first such rollback in the window keeps the LR: the batch that started it is left out
+        (training goes on with the next batches), and one outlier batch is no evidence that
+        the LR is too high. A non-finite value, or a second rollback within the window, is:
+        x`backoff_factor`, compounding."""
         while self.history and step - self.history[0] > self.config.window:
             self.history.popleft()
         if len(self.history) >= self.config.max_rollbacks and not forced:
@@ -69,7 +76,7 @@ class Rollback:
         # Step `step` makes no update: the next `backoff_steps` steps are backed off.
         self.backoff_until = step + 1 + self.config.backoff_steps
         # Compounding: a second failure within the window backs off further (x0.25, ...).
-        self.factor = self.config.backoff_factor ** len(self.history)
+        self.factor = self.config.backoff_factor ** (len(self.history) - (1 if early else 0))
         self.last_unhealthy = step
         return restored
 
