@@ -254,6 +254,14 @@ class Guard:
         if batch is not None:
             self.batch_probe.observe(batch, accumulate=accumulate)
 
+    def couple(self, *others: Guard) -> None:
+        """Under `rollback`: roll back together with `others`, guards of other models trained
+        on each other's outputs (a GAN's generator and discriminator). Guards of the same model
+        are coupled already; `nanguard run` couples all the guards of a script."""
+        group = self.model
+        for g in (self, *others):
+            g.recovery.couple(group)
+
     @property
     def closed(self) -> bool:
         """True once `close()` ran (the report is written; the guard cannot be used again)."""

@@ -98,6 +98,10 @@ class _Inputs:
     other: tuple[torch.Tensor, ...] | None = None
 
 
+class _Coupling:
+    """The rollback group of one script's guards (any weak-referenceable object will do)."""
+
+
 class Discovery:
     """Attach guards to whatever optimizers a script steps; see the module docstring.
 
@@ -121,6 +125,10 @@ class Discovery:
         self._quiet = False
         self.policy = policy
         self.config = config or GuardConfig(record=RecordConfig(summary=False))
+        self._coupling = _Coupling()
+        self._clip: Any = None
+        self.script_clip: float | None = None
+        """The `max_norm` the script last passed to `clip_grad_norm_` (0: clipping off)."""
         self.watched: list[Watched] = []
         self._by_opt: dict[int, Watched] = {}
         self._roots: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
@@ -177,6 +185,20 @@ class Discovery:
         # State loaded before the first optimizer step (a resume) is loaded before any guard
         # exists: remember the line that loaded it, for a non-finite value found there.
         loads.track()
+        # The script's own clip setting, so a fix can say "your clip is off" in its terms.
+        clip = torch.nn.utils.clip_grad_norm_
+        self._clip = clip
+
+        def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+            d = me()
+            if d is not None:
+                d.script_clip = float(max_norm)
+                for w in d.watched:
+                    if w.guard is not None:
+                        w.guard.script_clip = float(max_norm)  # type: ignore[attr-defined]
+            return clip(parameters, max_norm, *args, **kwargs)
+
+        torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
         if self.preflight is not None:
             self.preflight.install()
         return self
@@ -214,6 +236,9 @@ class Discovery:
         if self.preflight is not None:
             self.preflight.remove()
         loads.untrack()
+        if self._clip is not None:
+            torch.nn.utils.clip_grad_norm_ = self._clip
+            self._clip = None
         self._manual.remove()
         if self._start is not None:
             import multiprocessing.process as mp_process
@@ -377,6 +402,9 @@ class Discovery:
             w.guard = Guard(model, optimizer, policy=policy, out=str(folder),
                             config=self.config)
             w.guard.run_entry = "run"  # fixes are phrased as `nanguard run` flags
+            w.guard.script_clip = self.script_clip  # type: ignore[attr-defined]
+            # A script's optimizers train coupled models (a GAN): they roll back together.
+            w.guard.recovery.couple(self._coupling)
             if self.preflight is not None and self.preflight.result is not None:
                 w.guard.preflight = self.preflight.result  # type: ignore[attr-defined]
             # How to run it again (`nanguard replay`): sys.argv is the script's here.

@@ -109,7 +109,7 @@ class _Link:
 
 
 # Rolling-back recoveries per model: one rollback takes the other optimizers of the model along.
-_PEERS: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[Recovery]] = (
+_PEERS: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Recovery]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -127,6 +127,7 @@ class Recovery:
         cfg = link.config
         self.rollbacker: Rollback | None = None
         self._discard_next = False  # a peer rolled back this step before our update ran
+        self._follow_at: tuple[int, str] | None = None  # ...and our restore waits for our step
         self._stall_calls = 0  # check_stall calls since the last scale read or step
         # With rolling-back peers: the next step after this optimizer's last update in the
         # current training step, and whether all its steps since the last capture were healthy.
@@ -139,7 +140,8 @@ class Recovery:
             # The initial state is the first "last good" one (taken between steps).
             snapshot.capture(link.step, in_step=False)
             self.rollbacker = Rollback(cfg.recover, snapshot, link.optimizer)
-            _PEERS.setdefault(link.model, weakref.WeakSet()).add(self)
+            self._group: Any = link.model
+            _PEERS.setdefault(self._group, weakref.WeakSet()).add(self)
         self.steps_rolled_back = 0  # updates undone by rollbacks (the cost, for the report)
         self.clipper = AdaptiveClipper(cfg.clip) if cfg.clip is not None else None
         self.amp = ScalerWatch(scaler, cfg.amp) if scaler is not None else None
@@ -202,9 +204,7 @@ class Recovery:
         """Pre-hook, when the update goes ahead: a rollback of another optimizer of the model
         in this step discards it; else adaptive clipping, then the LR backoff."""
         if self._discard_next:
-            self._discard_next = False
-            self.link.discard_update(stats)
-            stats.skipped = True
+            self._take_discard(stats)
             return
         if self.clipper is not None:
             action, scale = self.clipper.decide(
@@ -274,10 +274,8 @@ class Recovery:
         rolling-back guards of the same model follow (see the module docstring)."""
         assert self.rollbacker is not None
         if self._discard_next and not post:
-            # Another optimizer of the model rolled this one back already in this step.
-            self._discard_next = False
-            self.link.discard_update(stats)
-            stats.skipped = True
+            # A coupled guard rolled this one back already in this step.
+            self._take_discard(stats)
             return
         early = not [s for s in stats.nonfinite_signals() if s != "data"]
         try:
@@ -307,7 +305,7 @@ class Recovery:
             peer._follow(stats.step, type(self.link.optimizer).__name__)
 
     def _peers(self) -> list[Recovery]:
-        peers = _PEERS.get(self.link.model)
+        peers = _PEERS.get(self._group) if self.rollbacker is not None else None
         if not peers:
             return []
         return [r for r in list(peers)
@@ -318,17 +316,50 @@ class Recovery:
         training step). This guard's update of that step, if still to come, is discarded."""
         assert self.rollbacker is not None
         pending = self.link.step <= step  # this optimizer has not stepped in that step yet
-        mine = self.link.step if pending else self.link.step - 1
-        restored = self.rollbacker.rollback(mine, forced=True)
-        self._discard_next = pending
         self._round_ok = False  # no snapshot from this training step
+        if pending:
+            # Restored in this guard's own step, after its backward: its parameters may still
+            # be in a graph the script has yet to backpropagate (a GAN's `fake`), and an
+            # in-place restore now would break that backward.
+            self._discard_next = True
+            self._follow_at = (step, other)
+            return
+        self._restore_with(self.link.step - 1, step, other)
+
+    def _restore_with(self, mine: int, step: int, other: str) -> None:
+        assert self.rollbacker is not None
+        restored = self.rollbacker.rollback(mine, forced=True)
         self.link.record_action(
             mine,
             "rollback",
-            f"restored the state of step {restored} with the {other} optimizer of the same "
-            f"model (it rolled back at its step {step}); LR x{self.rollbacker.factor:g} for "
+            f"restored the state of step {restored} with the {other} optimizer it is coupled "
+            f"to (it rolled back at its step {step}); LR x{self.rollbacker.factor:g} for "
             f"{self.rollbacker.config.backoff_steps} steps",
         )
+
+    def _take_discard(self, stats: StepStats) -> None:
+        """This step's update is discarded because a coupled guard rolled back: restore the
+        last good state now (after this optimizer's backward), then make the update a no-op."""
+        self._discard_next = False
+        if self._follow_at is not None:
+            step, other = self._follow_at
+            self._follow_at = None
+            self._restore_with(self.link.step, step, other)
+        self.link.discard_update(stats)
+        stats.skipped = True
+
+    def couple(self, group: Any) -> None:
+        """Roll back together with every other rolling-back guard coupled to `group` (any
+        weak-referenceable object), not only those of the same model: a GAN's generator and
+        discriminator are trained on each other's outputs, so restoring one alone would pair
+        it with the other's later state. `nanguard run` couples all the guards of a script."""
+        if self.rollbacker is None:
+            return
+        old = _PEERS.get(self._group)
+        if old is not None:
+            old.discard(self)
+        self._group = group
+        _PEERS.setdefault(group, weakref.WeakSet()).add(self)
 
     def cost(self) -> dict[str, Any] | None:
         """What rollback cost so far (None without the `rollback` policy): updates undone, the
