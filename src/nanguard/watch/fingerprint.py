@@ -28,11 +28,12 @@ def _weights(width: int, device: torch.device, dtype: torch.dtype) -> torch.Tens
     return w
 
 
-def sample_fingerprints(tensor: torch.Tensor) -> torch.Tensor:
-    """Fingerprint each sample (row along dim 0) of `tensor`.
+def sample_sums(tensor: torch.Tensor) -> torch.Tensor:
+    """The unmasked int64 row sums behind `sample_fingerprints` (wrapping arithmetic).
 
-    Returns:
-        A float64 device tensor of shape [batch] holding integers below 2**52.
+    Masking to 52 bits is a reduction modulo 2**52, which int64 wrapping (modulo 2**64)
+    respects: a caller combining several tensors can mask once at the end and get exactly
+    what masking each sum and each combination gives (`BatchProbe.observe` does: fewer ops).
     """
     t = tensor.detach()
     if t.dim() == 0:
@@ -42,9 +43,18 @@ def sample_fingerprints(tensor: torch.Tensor) -> torch.Tensor:
         t = t.to(torch.uint8)
     if t.is_complex():
         t = torch.view_as_real(t)
-    bits = t.view(_INT_VIEW[t.element_size()]).reshape(t.shape[0], -1)
+    size = t.element_size()
+    bits = t.view(_INT_VIEW[size]).reshape(t.shape[0], -1)
     # Products in 32-bit integers (wrapping) for elements of up to 4 bytes: one temporary of
     # the batch's size instead of two 64-bit copies; the row sums come out as int64.
-    wide = torch.int64 if t.element_size() == 8 else torch.int32
-    h = (bits * _weights(bits.shape[1], bits.device, wide)).sum(dim=1, dtype=torch.int64)
-    return (h & _MASK).to(torch.float64)
+    wide = torch.int64 if size == 8 else torch.int32
+    return (bits * _weights(bits.shape[1], bits.device, wide)).sum(dim=1, dtype=torch.int64)
+
+
+def sample_fingerprints(tensor: torch.Tensor) -> torch.Tensor:
+    """Fingerprint each sample (row along dim 0) of `tensor`.
+
+    Returns:
+        A float64 device tensor of shape [batch] holding integers below 2**52.
+    """
+    return (sample_sums(tensor) & _MASK).to(torch.float64)

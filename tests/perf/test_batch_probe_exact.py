@@ -1,0 +1,88 @@
+"""BatchProbe's fused fingerprints and NaN rows equal the per-tensor definition, bit for bit."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from nanguard.watch.batch import BatchProbe, _combine, batch_tensors
+from nanguard.watch.fingerprint import sample_fingerprints
+from nanguard.watch.stats import StepStats
+
+
+def _reference(batch: Any) -> torch.Tensor:
+    """What observe + collect gave when each tensor was fingerprinted, combined and checked
+    with `torch.isfinite` on its own."""
+    tensors = [t for t in batch_tensors(batch) if t.dim() > 0]
+    size = tensors[0].shape[0]
+    tensors = [t for t in tensors if t.shape[0] == size]
+    h = torch.zeros(size, dtype=torch.float64)
+    bad = torch.zeros(size, dtype=torch.bool)
+    flags = []
+    for t in tensors:
+        h = _combine(h, sample_fingerprints(t))
+        if t.is_floating_point() or t.is_complex():
+            rows = (~torch.isfinite(t)).reshape(size, -1).any(dim=1)
+            bad |= rows
+            flags.append(rows.any())
+        else:
+            flags.append(torch.zeros((), dtype=torch.bool))
+    return torch.cat([h, bad.double(), torch.stack(flags).double()])
+
+
+def _batches() -> list[Any]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 5, 3, generator=g)
+    x[3, 1, 2] = math.nan
+    x[7, 0, 0] = -math.inf
+    big = torch.full((16, 4), 3e38)  # finite rows whose sum overflows: not a NaN row
+    y = torch.randint(0, 9, (16,), generator=g)
+    z = torch.randn(16, 2, dtype=torch.complex64, generator=g)
+    z[5, 1] = complex(math.inf, 0)
+    half = torch.randn(16, 3, generator=g).half()
+    half[9, 2] = math.inf
+    return [
+        (x, y),
+        (torch.randn(8, 20, generator=g), torch.randn(8, 1, generator=g)),
+        {"x": x, "mask": torch.rand(16, 4, generator=g) > 0.5, "big": big},
+        [z, half, x.double(), y.int(), torch.randn(16, generator=g).bfloat16()],
+        (y, y.short(), y.to(torch.uint8)),  # integers only: no row can be NaN
+        (x, torch.tensor(1.0), torch.randn(3, 2)),  # 0-dim and other sizes are left out
+        x.transpose(1, 2),  # not contiguous
+        torch.randn(4, 3, requires_grad=True),
+    ]
+
+
+def test_observe_collect_equal_reference() -> None:
+    for batch in _batches():
+        probe = BatchProbe()
+        probe.observe(batch)
+        size, packet = probe.collect()
+        ref = _reference(batch)
+        assert packet is not None and packet.dtype == torch.float64
+        assert torch.equal(packet, ref), batch
+        stats = StepStats(step=0)
+        BatchProbe.decode(packet.tolist(), size, stats)
+        assert stats.batch_tensors == len(ref) - 2 * size
+        assert stats.sample_hashes == [int(v) for v in ref[:size].tolist()]
+        assert stats.nonfinite_samples == ref[size : 2 * size].nonzero().flatten().tolist()
+        flags = ref[2 * size :].nonzero().flatten().tolist()
+        assert stats.nonfinite_tensors == flags
+
+
+def test_micro_batches_and_dropped_rows() -> None:
+    a, b = _batches()[0], (_batches()[0][0][:5], _batches()[0][1][:5])
+    probe = BatchProbe()
+    probe.observe(a)
+    probe.observe(b)  # gradient accumulation: samples numbered across micro-batches
+    size, packet = probe.collect()
+    ra, rb = _reference(a), _reference(b)
+    assert size == 21 and packet is not None
+    assert packet[:16].equal(ra[:16]) and packet[16:21].equal(rb[:5])
+    assert packet[21:42].equal(torch.cat([ra[16:32], rb[5:10]]))
+    assert packet[42:].equal(torch.maximum(ra[32:], rb[10:]))
+    probe.observe(a, accumulate=False)
+    probe.observe(b, accumulate=False)  # a step the GradScaler skipped: a's NaN rows kept
+    assert probe.dropped == [3, 7] and probe.skipped == [a]
