@@ -49,6 +49,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--merge-wait", type=float, default=30.0, metavar="SECONDS",
                    help="under torchrun: how long rank 0 waits for the other ranks' reports "
                         "(default 30)")
+    p.add_argument("--activations-every", type=int, default=10, metavar="N",
+                   help="measure per-module activation abs-max (headroom to the dtype's limit, "
+                        "the forecast of an overflow) every N steps (default 10; 0 turns it "
+                        "off; a torch.compile'd model is not hooked)")
     p.add_argument("--preflight", action="store_true",
                    help="check init, loss numerics and LR on copies at the first optimizer "
                         "step, print the verdict, then train on")
@@ -64,8 +68,11 @@ def run(args: argparse.Namespace) -> int:
     from nanguard.integrations.runner import RunOptions
     from nanguard.integrations.runner import run as run_script
 
+    if args.activations_every < 0:
+        raise ValueError(f"--activations-every must be >= 0, got {args.activations_every}")
     return run_script(RunOptions(
         script=args.script, args=list(args.args), out=args.out, policy=args.policy,
         replay_budget=args.replay_budget, merge_wait=args.merge_wait,
         preflight=args.preflight, preflight_only=args.preflight_only,
+        activations_every=args.activations_every,
     ))

@@ -35,6 +35,7 @@ as `guard.preflight` (the diagnosis reads it).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import weakref
@@ -96,6 +97,11 @@ class Watched:
 class _Inputs:
     data: tuple[torch.Tensor, ...] | None = None
     other: tuple[torch.Tensor, ...] | None = None
+
+
+def _compiled(module: nn.Module) -> bool:
+    """A `torch.compile`d module, or one holding one."""
+    return any(type(m).__name__ == "OptimizedModule" for m in module.modules())
 
 
 class _Coupling:
@@ -398,9 +404,13 @@ class Discovery:
             w.note = (f"--policy {policy} cannot undo hand-written updates (no optimizer "
                       "steps in this script): watched with observe")
             policy = "observe"
+        config = self.config
+        if config.watch.activations and any(_compiled(r) for r in roots):
+            # Hooks inside a compiled region would cost graph breaks: not hooked.
+            config = dataclasses.replace(
+                config, watch=dataclasses.replace(config.watch, activations=False))
         try:
-            w.guard = Guard(model, optimizer, policy=policy, out=str(folder),
-                            config=self.config)
+            w.guard = Guard(model, optimizer, policy=policy, out=str(folder), config=config)
             w.guard.run_entry = "run"  # fixes are phrased as `nanguard run` flags
             w.guard.script_clip = self.script_clip  # type: ignore[attr-defined]
             # A script's optimizers train coupled models (a GAN): they roll back together.

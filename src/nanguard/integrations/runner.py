@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from nanguard.audit.preflight_live import LivePreflight, PreflightStop, verdict_lines
-from nanguard.config import GuardConfig, RecordConfig
+from nanguard.config import GuardConfig, RecordConfig, WatchConfig
 from nanguard.errors import NanguardError
 from nanguard.integrations.discovery import Discovery, Watched
 from nanguard.integrations.merge import collect_rank_reports, finding_key, merge_reports
@@ -81,6 +81,9 @@ class RunOptions:
     """Seconds the pinpointing re-run may take; 0 turns it off."""
     merge_wait: float = 30.0
     """Under torchrun: seconds rank 0 waits for the other ranks' reports before merging."""
+    activations_every: int = 10
+    """Per-module activation abs-max every N steps (0: off): the headroom to the dtype's
+    limit and the forecast of an overflow, cheaply (hooks return at once between samples)."""
     summary: bool = True
     preflight: bool = False
     """Run the preflight at the script's first optimizer step, then train on."""
@@ -151,7 +154,10 @@ def run(opts: RunOptions) -> int:
             live.not_run("under torch.distributed the preflight is skipped; run it in one "
                          "process: nanguard run --preflight-only SCRIPT ARGS")
     disc = Discovery(lambda i: folder / f"optimizer-{i}", policy=opts.policy,
-                     config=GuardConfig(record=RecordConfig(summary=False)),
+                     config=GuardConfig(
+                         record=RecordConfig(summary=False),
+                         watch=WatchConfig(activations=opts.activations_every > 0,
+                                           activations_every=max(1, opts.activations_every))),
                      preflight=live if live is not None and not live.done else None)
     initial_rng = rng.capture()
     outcome = _run_script(script, opts.args, disc)
