@@ -2,7 +2,8 @@
 <= 10 MB, interactive in <= 2 s in headless Chromium).
 
 Builds a synthetic run.db: every step in `steps` (loss, grad norm, update ratio every 10,
-LR), per-layer `param_stats` (grad norm, param norm, Adam state) every `--param-every` steps,
+LR, AMP loss scale, activation abs-max with the float16 limit), per-layer `param_stats` (grad
+norm, param norm, Adam state) every `--param-every` steps,
 12 modules' activation abs-max, a NaN from 90% of the run on, a few alarms. Then writes the
 report with `nanguard.show.html.write_html` and loads it in headless Debian Chromium through
 Playwright: time from navigation to the page drawn (`NANGUARD_READY`) and to the end of a zoom
@@ -35,7 +36,7 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
 def make_run(folder: Path, steps: int, layers: int, param_every: int) -> float:
     """Write the synthetic run; returns the seconds it took."""
     from nanguard.record.report import Report
-    from nanguard.record.store import SCHEMA
+    from nanguard.record.store import SCHEMA, STEP_ROW
 
     t0 = time.perf_counter()
     folder.mkdir(parents=True, exist_ok=True)
@@ -53,10 +54,12 @@ def make_run(folder: Path, steps: int, layers: int, param_every: int) -> float:
                    [(i, f"layers.{i}.weight", "[256, 256]", 65536) for i in range(layers)])
     chunk = 100_000
     for a in range(0, steps, chunk):
-        db.executemany("INSERT INTO steps VALUES (?,?,?,?,?,?,?,?,?,?,?)", [
+        db.executemany(f"INSERT INTO steps ({', '.join(STEP_ROW)}) "
+                       f"VALUES ({', '.join('?' * len(STEP_ROW))})", [
             (s, 0.0, val(s, 2.0 * math.exp(-s / steps)), val(s, 1.0), val(s, 50.0),
              val(s, 1e-3) if s % 10 == 0 else None, val(s, 0.5), val(s, 10.0),
-             3e-4 * min(1.0, s / 2000 + 1e-3), "[]" if s < bad else '["loss"]', 0)
+             3e-4 * min(1.0, s / 2000 + 1e-3), "[]" if s < bad else '["loss"]', 0,
+             2.0 ** (16 - (s * 7) // steps), 65504.0)
             for s in range(a, min(steps, a + chunk))])
     state = json.dumps({"exp_avg": 0.01, "exp_avg_sq": 1e-5})
     state_bad = json.dumps({"exp_avg": "nan", "exp_avg_sq": "nan"})

@@ -65,6 +65,14 @@ def test_failing_run_report(failing_run: Path, page: Page, tmp_path: Path) -> No
     assert nf["shapes"] == [20], nf  # the first non-finite step, across every plot
     assert 20 in nf["xs"] and nf["nTraces"] >= 4 and nf["points"] > 0, nf
     assert nf["heat"] == 1
+    # Activation headroom (float32 here) with the NaN activation of step 20 marked on it.
+    head = pg.evaluate("""() => {
+      const div = document.getElementById('plots');
+      const i = div.layout.annotations.findIndex(a => a.text.includes('headroom'));
+      const ax = 'y' + (i ? i + 1 : '');
+      return div.data.filter(t => t.yaxis === ax && t.meta === 'nonfinite').map(t => t.x);
+    }""")
+    assert head == [[20]], head
     pg.screenshot(path=str(tmp_path / "failing.png"), full_page=True)
 
 

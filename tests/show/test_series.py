@@ -105,3 +105,98 @@ def test_store_read_only_while_writer_open(tmp_path: Path) -> None:
     store.close()
     assert sqlite3.connect(tmp_path / "live" / "run.db").execute(
         "SELECT count(*) FROM steps").fetchone()[0] == 3
+
+
+OLD_STEPS = """CREATE TABLE steps (
+    step INTEGER PRIMARY KEY, time REAL, loss, grad_norm, param_norm, update_ratio,
+    momentum_norm, act_max, lr, nonfinite TEXT, skipped INTEGER)"""
+
+
+def test_store_written_before_amp_scale_opens(tmp_path: Path) -> None:
+    """A run.db from before the amp_scale / act_limit columns: read as is (no loss-scale or
+    headroom series), drawn, and given the columns when reopened for writing."""
+    from nanguard.record.store import SCHEMA, RunStore, step_columns
+    from nanguard.show.html import write_html
+
+    folder = tmp_path / "old"
+    folder.mkdir()
+    db = sqlite3.connect(folder / "run.db")
+    db.executescript(SCHEMA.replace(SCHEMA[SCHEMA.index("CREATE TABLE IF NOT EXISTS steps"):
+                                           SCHEMA.index("CREATE TABLE IF NOT EXISTS param_stats")],
+                                    OLD_STEPS + ";\n"))
+    db.executemany("INSERT INTO steps VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                   [(s, 0.0, 1.0, 1.0, 1.0, None, None, 2.0, 0.1, "[]", 0) for s in range(5)])
+    db.commit()
+    assert "amp_scale" not in step_columns(db)
+    db.close()
+    r = load_series(folder, "old")
+    assert r.last_step == 4 and "loss" in r.steps
+    assert "amp_scale" not in r.steps and "act_headroom" not in r.steps
+    assert write_html([str(folder)], tmp_path / "old.html").is_file()
+    store = RunStore(folder)
+    store.write_step({"step": 5, "loss": 1.0, "amp_scale": 1024.0})
+    store.close()
+    r = load_series(folder, "old")
+    assert r.steps["amp_scale"].step.tolist() == [5] and r.last_step == 5
+
+
+def test_amp_scale_and_headroom_written_and_plotted(tmp_path: Path) -> None:
+    from nanguard.record.rows import write_step
+    from nanguard.record.store import RunStore
+    from nanguard.show.html import load_sources, payload
+    from nanguard.watch.stats import StepStats
+
+    store = RunStore(tmp_path / "amp")
+    for s in range(10):
+        act = float("nan") if s == 7 else 10.0 ** s
+        stats = StepStats(step=s, loss=1.0, amp_scale=float("nan") if s == 8 else 2.0 ** (16 - s),
+                          activations={"fc": act}, act_limit=65504.0)
+        write_step(store, stats, 0, per_parameter=False)
+    store.close()
+    r = load_series(tmp_path / "amp", "amp")
+    assert r.steps["amp_scale"].last.tolist()[:3] == [65536.0, 32768.0, 16384.0]
+    head = r.steps["act_headroom"]
+    assert r.act_limit == 65504.0
+    assert head.last[0] == math.log10(65504.0)  # abs-max 1: log10(limit) decades left
+    assert head.last[5] < 0  # 1e5 > 65504: overflowed
+    assert head.nonfinite.tolist()[7] == 1 and head.last[7] == -np.inf
+    assert r.steps["amp_scale"].bad_step.tolist()[8] == 8
+    fig = payload(load_sources([str(tmp_path / "amp")]))["figure"]
+    titles = [a["text"] for a in fig["layout"]["annotations"]]
+    assert any("activation headroom" in t for t in titles), titles
+    assert any("AMP loss scale" in t for t in titles), titles
+    assert any("dtype limit 6.55e+04" in t for t in titles), titles
+    marks = [(t["yaxis"], t["x"]) for t in fig["data"] if t.get("meta") == "nonfinite"]
+    axes = {i + 1: t for i, t in enumerate(titles)}
+    by_title = {axes[int(y[1:] or 1)].split(":")[0]: x for y, x in marks}
+    assert by_title["<b>activation headroom"] == [7]
+    assert by_title["<b>AMP loss scale (GradScaler)</b>"] == [8]
+
+
+def test_nonfinite_run_one_marker_and_a_segment() -> None:
+    """A series that stays NaN: one marker at its first non-finite step and a segment over
+    every later bucket (none dropped, no wall of crosses)."""
+    from nanguard.show.html import _bad_markers
+
+    v = np.ones(100)
+    v[3] = np.nan
+    v[60:] = np.nan
+    b = bucketize(np.arange(100), v, width=5)
+    xs, _, texts, seg_x, _ = _bad_markers(b)
+    assert xs == [3, 60]
+    assert seg_x == [60, 95, None]
+    assert "40 non-finite in steps 60.." in texts[1]
+
+
+def test_demo_ends_with_the_html_report_command(tmp_path: Path, capsys) -> None:
+    """`nanguard demo` ends by pointing at the HTML report of a failing seed; the command it
+    prints works."""
+    import shlex
+
+    assert main(["demo", "--seeds", "1", "--out", str(tmp_path / "demo")]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("See failing seed 0 in a browser: nanguard report "), last
+    cmd = shlex.split(last.split(": ", 1)[1].split("  (writes")[0])
+    assert cmd[0] == "nanguard" and cmd[-1] == "--html"
+    assert main(cmd[1:]) == 1  # the seed failed: report's exit code
+    assert (tmp_path / "demo" / "seed-0" / "report.html").is_file()

@@ -20,6 +20,7 @@ def write_step(store: NullStore, stats: StepStats, n_params: int, per_parameter:
         "param_norm": stats.param_norm, "update_ratio": stats.update_ratio,
         "momentum_norm": stats.momentum_norm, "act_max": stats.act_max, "lr": stats.lr,
         "nonfinite": stats.nonfinite_signals(), "skipped": stats.skipped,
+        "amp_scale": stats.amp_scale, "act_limit": stats.act_limit,
     }
     params = []
     if per_parameter:

@@ -22,7 +22,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS params (id INTEGER PRIMARY KEY, name TEXT, shape TEXT, numel INTEGER);
 CREATE TABLE IF NOT EXISTS steps (
     step INTEGER PRIMARY KEY, time REAL, loss, grad_norm, param_norm, update_ratio,
-    momentum_norm, act_max, lr, nonfinite TEXT, skipped INTEGER);
+    momentum_norm, act_max, lr, nonfinite TEXT, skipped INTEGER, amp_scale, act_limit);
 CREATE TABLE IF NOT EXISTS param_stats (
     step INTEGER, param_id INTEGER, grad_norm, param_norm, state TEXT,
     PRIMARY KEY (step, param_id));
@@ -37,6 +37,27 @@ CREATE TABLE IF NOT EXISTS findings (id INTEGER PRIMARY KEY, body TEXT);
 """
 
 DB_NAME = "run.db"
+
+STEP_ROW = ("step", "time", "loss", "grad_norm", "param_norm", "update_ratio", "momentum_norm",
+            "act_max", "lr", "nonfinite", "skipped", "amp_scale", "act_limit")
+"""Columns of the `steps` table. `amp_scale` (the GradScaler's loss scale) and `act_limit`
+(largest finite value of the activations' narrowest dtype, for the headroom) came later: a
+store written before them lacks them (`add_missing_columns` adds them when it is reopened for
+writing; readers check `step_columns`)."""
+_LATER_STEP_COLUMNS = ("amp_scale", "act_limit")
+
+
+def step_columns(db: sqlite3.Connection) -> set[str]:
+    """The columns the `steps` table of this store has (older stores lack the later ones)."""
+    return {str(r[1]) for r in db.execute("PRAGMA table_info(steps)")}
+
+
+def add_missing_columns(db: sqlite3.Connection) -> None:
+    """Add the `steps` columns a store written by an older version lacks (NULL for its rows)."""
+    have = step_columns(db)
+    for col in _LATER_STEP_COLUMNS:
+        if col not in have:
+            db.execute(f"ALTER TABLE steps ADD COLUMN {col}")
 
 
 def enc(x: float | None) -> float | str | None:
@@ -105,6 +126,7 @@ class RunStore(NullStore):
         # last transaction, and the database still opens.
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
+        add_missing_columns(self.db)
         self.db.commit()
 
     def write_meta(self, **values: Any) -> None:
@@ -134,7 +156,8 @@ class RunStore(NullStore):
         step = row["step"]
         with self.db:
             self.db.execute(
-                "INSERT OR REPLACE INTO steps VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT OR REPLACE INTO steps ({', '.join(STEP_ROW)}) "
+                f"VALUES ({', '.join('?' * len(STEP_ROW))})",
                 (
                     step,
                     time.time(),
@@ -147,6 +170,8 @@ class RunStore(NullStore):
                     enc(row.get("lr")),
                     json.dumps(row.get("nonfinite", [])),
                     int(row.get("skipped", False)),
+                    enc(row.get("amp_scale")),
+                    enc(row.get("act_limit")),
                 ),
             )
             if params:

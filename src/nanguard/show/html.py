@@ -32,14 +32,16 @@ from nanguard.record.report import OK_STATUSES, REPORT_NAME, Report, load_report
 from nanguard.record.store import DB_NAME
 from nanguard.show.series import Buckets, RunSeries, bucket_width, load_series, step_range
 
-LINE_BUCKETS = 2000
+LINE_BUCKETS = 1000
 """At most this many buckets per line series."""
-HEAT_BUCKETS = 800
+HEAT_BUCKETS = 400
 """At most this many buckets (columns) in a per-layer heat map."""
 MAX_HEATMAPS = 4
 """Heat maps drawn at most (one per run or part)."""
 MAX_EVENT_LINES = 300
 """Vertical alarm / action lines drawn at most (the earliest ones)."""
+LABEL_CHARS = 40
+"""Layer names on the heat map's axis are shortened to this many characters."""
 
 COLORS = ("#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf",
           "#7f7f7f")
@@ -128,19 +130,32 @@ def _num(a: np.ndarray | Sequence[float], digits: int = 5) -> list[float | None]
     return [float(f"{x:.{digits}g}") if math.isfinite(x) else None for x in map(float, a)]
 
 
-def _bad_markers(b: Buckets) -> tuple[list[int], list[float], list[str]]:
-    """Where to draw the non-finite values of a series: at the first non-finite step of
-    each bucket that holds one, at the height of the nearest finite value before it."""
+def _bad_markers(b: Buckets) -> tuple[list[int], list[float], list[str],
+                                      list[int | None], list[float | None]]:
+    """Where to draw the non-finite values of a series. Consecutive buckets holding one are
+    a run: a marker at the run's first non-finite step, at the height of the largest finite
+    value of that bucket (or the nearest finite value before it), and a red segment at that
+    height over the rest of the run (one marker per bucket would be hundreds of identical
+    crosses for a series that stays NaN, and slow to draw). Every non-finite bucket is
+    covered by its run's marker or segment.
+
+    Returns:
+        marker x, y and hover text; segment x and y (runs separated by None).
+    """
     has = np.flatnonzero(b.nonfinite > 0)
     if len(has) == 0:
-        return [], [], []
+        return [], [], [], [], []
     level = np.where(np.isfinite(b.last), b.last, b.hi)
     finite = np.isfinite(level)
     fallback = float(np.nanmax(np.where(finite, level, np.nan))) if finite.any() else 1.0
     idx = np.where(finite, np.arange(len(level)), -1)
     idx = np.maximum.accumulate(idx)
+    starts = has[np.r_[True, np.diff(has) > 1]]
+    ends = has[np.r_[np.diff(has) > 1, True]]
     xs, ys, texts = [], [], []
-    for i in has:
+    seg_x: list[int | None] = []
+    seg_y: list[float | None] = []
+    for i, e in zip(starts, ends, strict=True):
         j = idx[i - 1] if i > 0 else -1
         if math.isfinite(b.hi[i]):
             y = float(b.hi[i])
@@ -148,13 +163,20 @@ def _bad_markers(b: Buckets) -> tuple[list[int], list[float], list[str]]:
             y = float(level[j])
         else:
             y = fallback
+        y = y if y > 0 else 1.0
         v = float(b.bad_value[i])
-        xs.append(int(b.bad_step[i]))
-        ys.append(y if y > 0 else 1.0)
-        n = int(b.nonfinite[i])
-        texts.append(f"{'nan' if math.isnan(v) else v} at step {int(b.bad_step[i])}"
-                     + (f" ({n} non-finite in steps {int(b.step[i])}..)" if n > 1 else ""))
-    return xs, ys, texts
+        x0 = int(b.bad_step[i])
+        xs.append(x0)
+        ys.append(y)
+        n = int(b.nonfinite[i:e + 1].sum())
+        last = int(b.step[e + 1]) - 1 if e + 1 < len(b) else None
+        span = f"steps {int(b.step[i])}..{'' if last is None else last}"
+        texts.append(f"{'nan' if math.isnan(v) else v} at step {x0}"
+                     + (f" ({n} non-finite in {span})" if n > 1 else ""))
+        if e > i:
+            seg_x += [x0, int(b.bad_step[e]), None]
+            seg_y += [y, y, None]
+    return xs, ys, texts, seg_x, seg_y
 
 
 class _Fig:
@@ -164,12 +186,16 @@ class _Fig:
         self.rows: list[dict[str, Any]] = []
         self.data: list[dict[str, Any]] = []
         self.legend_seen: set[str] = set()
+        self.left = 75
+        """Left margin in pixels (widened for the heat maps' layer names)."""
 
     def row(self, title: str, *, height: float = 1.0, log: bool = False,
-            category: bool = False, fixed: bool = False) -> str:
-        """Add a subplot; returns its axis suffix ('', '2', ...)."""
+            category: bool = False, fixed: bool = False,
+            axis: dict[str, Any] | None = None) -> str:
+        """Add a subplot; returns its axis suffix ('', '2', ...). `axis`: more properties of
+        its y axis."""
         self.rows.append({"title": title, "height": height, "log": log, "cat": category,
-                          "fixed": fixed, "colorbars": []})
+                          "fixed": fixed, "colorbars": [], "axis": axis or {}})
         n = len(self.rows)
         return "" if n == 1 else str(n)
 
@@ -188,7 +214,9 @@ class _Fig:
         usable = 1.0 - gap * (len(self.rows) - 1)
         lay: dict[str, Any] = {
             "height": int(70 + 190 * total),
-            "margin": {"l": 70, "r": 30, "t": 50, "b": 40},
+            # Fixed margins (no automargin: it costs Plotly a second full layout pass, a third
+            # of the render time of a long run's page); wide enough for the y tick labels.
+            "margin": {"l": self.left, "r": 30, "t": 50, "b": 45},
             "hovermode": "closest",
             "uirevision": "keep",
             "legend": {"orientation": "h", "y": 1.0, "yanchor": "bottom", "x": 0.3},
@@ -204,14 +232,18 @@ class _Fig:
                 "domain": [max(0.0, top - h), top],
                 "type": "category" if r["cat"] else ("log" if r["log"] else "linear"),
                 "exponentformat": "e" if r["log"] else "B",
-                "automargin": True,
-                "fixedrange": r["fixed"],
+                "fixedrange": r["fixed"], "ticklabeloverflow": "allow",
+                # Linear rows include 0 (a constant LR is not drawn mid-way in -1..1).
+                **({} if r["cat"] or r["log"] else {"rangemode": "tozero"}),
+                **r["axis"],
             }
             for bar in r["colorbars"]:
                 bar["y"] = top - h / 2
                 bar["len"] = max(0.05, h * 0.95)
             lay[f"xaxis{s}"] = {
+                # Fixed angle, no overflow check: Plotly then measures fewer labels.
                 "anchor": f"y{s}", "showticklabels": True, "showspikes": True,
+                "tickangle": 0, "ticklabeloverflow": "allow",
                 "spikemode": "across", "spikethickness": 1, **({"matches": "x"} if i > 1 else {}),
             }
             lay["annotations"].append({
@@ -224,7 +256,7 @@ class _Fig:
 
 
 def _line(fig: _Fig, ax: str, b: Buckets, name: str, color: str, legend: str,
-          dash: str = "solid") -> None:
+          dash: str = "solid", bad_level: float | None = None) -> None:
     """A bucketed series: its min..max band (when downsampled), last value and non-finite
     markers."""
     x = b.step.tolist()
@@ -240,7 +272,10 @@ def _line(fig: _Fig, ax: str, b: Buckets, name: str, color: str, legend: str,
                  "line": {"width": 1.5, "color": color, "dash": dash}, "name": name,
                  "hovertemplate": f"{html.escape(name)}<br>step %{{x}}: %{{y:.4g}}"
                                   "<extra></extra>"}, legend)
-    xs, ys, texts = _bad_markers(b)
+    xs, ys, texts, seg_x, seg_y = _bad_markers(b)
+    if bad_level is not None:  # e.g. headroom: a non-finite value sits at 0 decades left
+        ys = [bad_level] * len(ys)
+        seg_y = [None if y is None else bad_level for y in seg_y]
     if xs:
         fig.add(ax, {"type": "scatter", "mode": "markers", "x": xs, "y": ys,
                      "marker": {"symbol": "x", "size": 10, "color": BAD,
@@ -248,12 +283,22 @@ def _line(fig: _Fig, ax: str, b: Buckets, name: str, color: str, legend: str,
                      "name": "non-finite", "text": texts, "meta": "nonfinite",
                      "hovertemplate": f"{html.escape(name)}: %{{text}}<extra></extra>"},
                 "non-finite")
+    if seg_x:
+        fig.add(ax, {"type": "scatter", "mode": "lines", "x": seg_x, "y": seg_y,
+                     "line": {"width": 3, "color": BAD}, "name": "non-finite",
+                     "meta": "nonfinite_run", "hoverinfo": "skip"}, "non-finite")
 
 
 def _positive(series: Sequence[Buckets]) -> bool:
-    vals = [b.lo[np.isfinite(b.lo)] for b in series]
-    allv = np.concatenate(vals) if vals else np.zeros(0)
-    return bool(len(allv)) and bool(np.all(allv > 0))
+    """Log axis: every finite value positive and spanning more than a decade (a narrower
+    span on a log axis gets stray '2' / '5' minor tick labels and reads worse than linear)."""
+    lo = [b.lo[np.isfinite(b.lo)] for b in series]
+    hi = [b.hi[np.isfinite(b.hi)] for b in series]
+    allv = np.concatenate(lo) if lo else np.zeros(0)
+    top = np.concatenate(hi) if hi else np.zeros(0)
+    if not len(allv) or not bool(np.all(allv > 0)):
+        return False
+    return float(top.max()) > 10 * float(allv.min())
 
 
 def _heat(fig: _Fig, run: RunSeries) -> None:
@@ -270,13 +315,22 @@ def _heat(fig: _Fig, run: RunSeries) -> None:
     zmax = float(z[finite].max()) if finite.any() else 1.0
     if zmax <= zmin:
         zmax = zmin + 1.0
-    sentinel = zmax + (zmax - zmin) * 0.03
+    sentinel = zmax + (zmax - zmin) * 0.15  # apart from the top tick: labels don't overlap
     z = np.where(h.nonfinite > 0, sentinel, z)
     top = (zmax - zmin) / (sentinel - zmin)
     scale = [[0, "#440154"], [top * 0.25, "#3b528b"], [top * 0.5, "#21918c"],
              [top * 0.75, "#5ec962"], [top, "#fde725"], [(top + 1) / 2, "#fde725"],
              [(top + 1) / 2, BAD], [1, BAD]]
     rows = [[None if not math.isfinite(v) else round(float(v), 2) for v in r] for r in z]
+    # Explicit ticks: about one layer name per 14 px of the row, the long ones shortened from
+    # the left (the full name is in the hover text).
+    px = 190 * fig.rows[-1]["height"]
+    every = max(1, math.ceil(len(h.layers) / max(1.0, px / 14)))
+    shown = h.layers[::every]
+    text = [n if len(n) <= LABEL_CHARS else "…" + n[-(LABEL_CHARS - 1):] for n in shown]
+    fig.rows[-1]["axis"].update({"tickmode": "array", "tickvals": shown, "ticktext": text,
+                                 "tickfont": {"size": 10}})
+    fig.left = max(fig.left, min(300, 20 + 6 * max(map(len, text), default=0)))
     ticks = [round(zmin + (zmax - zmin) * k / 4, 2) for k in range(5)]
     colorbar = {"thickness": 10, "tickvals": [*ticks, sentinel],
                 "ticktext": [*map(str, ticks), "non-finite"], "yanchor": "middle"}
@@ -348,27 +402,40 @@ def build_figure(sources: Sequence[Source], runs: Sequence[RunSeries]) -> dict[s
                  "y": ["non-finite", "action", "alarm"], "showlegend": False,
                  "hoverinfo": "skip"})
 
-    def rows_of(title: str, key: str, pick: Any, dash: str = "solid") -> None:
+    def rows_of(title: str, key: str, pick: Any, log: bool | None = None,
+                bad_level: float | None = None) -> str | None:
         series = [(r, name, b) for r in runs for name, b in pick(r).items() if len(b)]
         if not series:
-            return
-        ax = fig.row(title, log=_positive([b for _, _, b in series]))
+            return None
+        ax = fig.row(title, log=_positive([b for _, _, b in series]) if log is None else log)
         for r, name, b in series:
             label = r.label if name == key else f"{r.label} {name}"
-            _line(fig, ax, b, label, color[r.label], r.label,
+            _line(fig, ax, b, label, color[r.label], r.label, bad_level=bad_level,
                   dash=_DASHES[list(pick(r)).index(name) % len(_DASHES)])
+        return ax
 
-    rows_of("loss", "loss", lambda r: {k: v for k, v in r.steps.items() if k == "loss"})
+    def step_series(key: str) -> Any:
+        return lambda r: {k: v for k, v in r.steps.items() if k == key}
+
+    rows_of("loss", "loss", step_series("loss"))
     rows_of("global grad norm", "grad_norm",
             lambda r: {k: v for k, v in r.steps.items() if k == "grad_norm"})
     for r in [r for r in runs if r.grad_heat is not None][:MAX_HEATMAPS]:
         _heat(fig, r)
-    rows_of("activation abs-max (float32 limit 3.4e38)", "", lambda r: r.activations)
-    rows_of("optimizer-state norms", "", lambda r: r.state or {
-        k: v for k, v in r.steps.items() if k == "momentum_norm"})
-    rows_of("update / parameter ratio", "update_ratio",
-            lambda r: {k: v for k, v in r.steps.items() if k == "update_ratio"})
-    rows_of("learning rate", "lr", lambda r: {k: v for k, v in r.steps.items() if k == "lr"})
+    limits = [r.act_limit for r in runs if r.act_limit is not None]
+    limit = f" (dtype limit {min(limits):.3g})" if limits else ""
+    rows_of(f"activation abs-max{limit}", "", lambda r: r.activations)
+    head = rows_of("activation headroom: decades left to the dtype's limit, "
+                   "log10(limit / abs-max)", "act_headroom", step_series("act_headroom"),
+                   log=False, bad_level=0.0)
+    if head is not None:
+        shapes.append({"type": "line", "xref": "paper", "yref": f"y{head}", "x0": 0, "x1": 1,
+                       "y0": 0, "y1": 0, "layer": "below", "name": "overflow",
+                       "line": {"color": BAD, "width": 1, "dash": "dot"}})
+    rows_of("optimizer-state norms", "", lambda r: r.state or step_series("momentum_norm")(r))
+    rows_of("update / parameter ratio", "update_ratio", step_series("update_ratio"))
+    rows_of("learning rate", "lr", step_series("lr"))
+    rows_of("AMP loss scale (GradScaler)", "amp_scale", step_series("amp_scale"))
     layout = fig.layout(shapes)
     bottom = f"xaxis{len(fig.rows) if len(fig.rows) > 1 else ''}"
     layout[bottom]["title"] = {"text": "step"}
@@ -453,7 +520,7 @@ h2 small{font-weight:normal;color:#666;font-size:13px}
 """
 
 _SCRIPT = """
-var PAYLOAD = %(payload)s;
+var PAYLOAD = JSON.parse(document.getElementById('payload').textContent);
 var LIVE = %(live)s;
 function draw(p) {
   document.getElementById('header').innerHTML = p.header;
@@ -500,9 +567,9 @@ def payload(sources: Sequence[Source], *, line_buckets: int = LINE_BUCKETS,
 
 
 def _script_json(obj: Any) -> str:
-    """JSON safe to embed in a <script> element."""
-    return (json.dumps(obj, separators=(",", ":"), allow_nan=False)
-            .replace("</", "<\\/").replace("<!--", "<\\!--"))
+    """JSON safe to embed in a <script> element (no `<` left to close it or open a comment;
+    still valid JSON for `JSON.parse`)."""
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).replace("<", "\\u003c")
 
 
 def render_page(title: str, data: dict[str, Any], *, live: str | None = None) -> str:
@@ -514,8 +581,8 @@ def render_page(title: str, data: dict[str, Any], *, live: str | None = None) ->
         f"<script>{plotly_js()}</script></head><body>"
         f"<h1>nanguard — {html.escape(title)}</h1><div id=\"meta\"></div>"
         "<div id=\"header\"></div><div id=\"plots\"></div>"
-        f"<script>{_SCRIPT % {'payload': _script_json(data), 'live': _script_json(live)}}"
-        "</script></body></html>\n"
+        f"<script type=\"application/json\" id=\"payload\">{_script_json(data)}</script>"
+        f"<script>{_SCRIPT % {'live': _script_json(live)}}</script></body></html>\n"
     )
 
 

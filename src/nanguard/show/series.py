@@ -21,10 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from nanguard.record.store import DB_NAME
+from nanguard.record.store import DB_NAME, step_columns
 
-STEP_COLUMNS = ("loss", "grad_norm", "param_norm", "update_ratio", "momentum_norm", "act_max", "lr")
-"""Columns of the `steps` table read as series."""
+STEP_COLUMNS = ("loss", "grad_norm", "param_norm", "update_ratio", "momentum_norm", "act_max", "lr",
+                "amp_scale")
+"""Columns of the `steps` table read as series (`amp_scale` is absent from stores written
+before it; such a store simply has no loss-scale series)."""
 
 _FINITE = "(typeof({c}) IN ('real', 'integer') AND abs({c}) < 9e999)"
 _NONFINITE = "(typeof({c}) = 'text' OR abs({c}) >= 9e999)"
@@ -123,6 +125,8 @@ class RunSeries:
     last_step: int = -1
     steps: dict[str, Buckets] = field(default_factory=dict)
     grad_heat: Heat | None = None
+    act_limit: float | None = None
+    """The smallest activation dtype limit recorded (for the plot's title)."""
     activations: dict[str, Buckets] = field(default_factory=dict)
     state: dict[str, Buckets] = field(default_factory=dict)
     alarms: list[dict[str, Any]] = field(default_factory=list)
@@ -165,6 +169,27 @@ def _to_float(col: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     'nan' text decodes to NaN, None means not recorded."""
     mask = np.array([v is not None for v in col], dtype=bool)
     return mask, col[mask].astype(np.float64)
+
+
+def _headroom(
+    limit: np.ndarray, act_max: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, float] | None:
+    """Decades left before the largest activation overflows its dtype, per step where both
+    the dtype limit and the abs-max were recorded: log10(limit / abs-max), as
+    `StepStats.act_headroom` (-inf once the abs-max is non-finite). Steps with an abs-max of
+    0 (nothing to overflow) are left out. Returns (present mask, values, smallest limit), or
+    None when no step has both."""
+    lim = np.array([np.nan if v is None else float(v) for v in limit])
+    top = np.array([np.nan if v is None else float(v) for v in act_max])
+    recorded = np.array([v is not None for v in act_max], dtype=bool)
+    mask = np.isfinite(lim) & (lim > 0) & recorded & (top != 0)
+    if not mask.any():
+        return None
+    lim, top = lim[mask], np.abs(top[mask])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        head = np.log10(lim) - np.log10(top)
+    head = np.where(np.isfinite(top), head, -np.inf)
+    return mask, head, float(lim.min())
 
 
 def _heat(db: sqlite3.Connection, origin: int, width: int) -> Heat | None:
@@ -246,17 +271,26 @@ def load_series(
     db = connect_ro(folder)
     out = RunSeries(label=label, folder=str(folder))
     try:
+        have = step_columns(db)
+        cols = [c for c in STEP_COLUMNS if c in have]
+        limit_col = "act_limit" if "act_limit" in have else "NULL"
         rows = db.execute(
-            f"SELECT step, {', '.join(STEP_COLUMNS)} FROM steps ORDER BY step"
+            f"SELECT step, {limit_col}, {', '.join(cols)} FROM steps ORDER BY step"
         ).fetchall()
         if rows:
             arr = np.array(rows, dtype=object)
             steps = arr[:, 0].astype(np.int64)
             out.first_step, out.last_step = int(steps[0]), int(steps[-1])
-            for j, name in enumerate(STEP_COLUMNS, 1):
+            for j, name in enumerate(cols, 2):
                 mask, vals = _to_float(arr[:, j])
                 if mask.any():
                     out.steps[name] = bucketize(steps[mask], vals, origin=origin, width=width)
+            if "act_max" in cols:
+                head = _headroom(arr[:, 1], arr[:, 2 + cols.index("act_max")])
+                if head is not None:
+                    mask, vals, out.act_limit = head
+                    out.steps["act_headroom"] = bucketize(steps[mask], vals, origin=origin,
+                                                          width=width)
         out.grad_heat = _heat(db, origin, heat_width or width)
         acts = _grouped(
             db, "SELECT module, step, absmax FROM activations ORDER BY module, step", origin, width
