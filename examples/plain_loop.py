@@ -13,7 +13,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with nanguard.Guard(model, optimizer, out="runs/plain_loop") as guard:
+    # An explicit folder that already holds a run is refused unless asked: overwrite it.
+    config = nanguard.GuardConfig(record=nanguard.RecordConfig(if_exists="overwrite"))
+    with nanguard.Guard(model, optimizer, out="runs/plain_loop", config=config) as guard:
         for step in range(200):
             x = torch.randn(64, 8)
             y = x.sum(dim=1, keepdim=True)

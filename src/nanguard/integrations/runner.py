@@ -365,6 +365,10 @@ def _raised_in_nanguard(exc: BaseException, script: Path) -> bool:
     script's first frame, the innermost frame outside torch is nanguard's. The `backward`
     wrappers only pass autograd's errors on, and a closure nanguard runs first (LBFGS) is the
     script's code: neither makes an error nanguard's."""
+    if isinstance(exc, ValueError):
+        # nanguard raises ValueError only for a user's mistake (a Guard(...) call with a
+        # folder that holds a run, a misspelled setting): the script's error, not a bug.
+        return False
     package = Path(__file__).resolve().parents[1]
     user_dirs = (package / "scenarios",)
     torch_dir = Path(torch_file()).resolve().parent
