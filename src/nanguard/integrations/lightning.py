@@ -38,6 +38,7 @@ import torch
 
 from nanguard.config import GuardConfig
 from nanguard.guard import Guard
+from nanguard.integrations.options import check_options
 from nanguard.record import ending
 from nanguard.record.report import Report
 
@@ -49,29 +50,6 @@ except ImportError:  # pragma: no cover - depends on what is installed
         LightningModule,
         Trainer,
     )
-
-GUARD_OPTIONS = ("activations", "replay", "scheduler", "scaler", "config")
-"""Guard keyword arguments the callback passes through (besides `policy` and `out`)."""
-
-
-def check_options(policy: str | None, out: str | Path | None, options: dict[str, Any]) -> None:
-    """Refuse what the Guard would refuse, now rather than when training starts.
-
-    Raises:
-        ValueError: an unknown option, policy or config field.
-    """
-    unknown = sorted(set(options) - set(GUARD_OPTIONS))
-    if unknown:
-        raise ValueError(f"unknown option(s) {', '.join(unknown)}; the callback takes policy, "
-                         f"out and: {', '.join(GUARD_OPTIONS)}")
-    cfg = options.get("config")
-    if cfg is not None and not isinstance(cfg, GuardConfig):
-        raise ValueError(f"config must be a nanguard.GuardConfig, got {type(cfg).__name__}")
-    cfg = dataclasses.replace(cfg) if cfg else GuardConfig()
-    if policy is not None:
-        cfg.policy = policy
-    cfg.validate()
-
 
 class NanguardCallback(Callback):
     """Watches the LightningModule and its optimizer every optimizer step.
@@ -97,7 +75,7 @@ class NanguardCallback(Callback):
 
     def __init__(self, policy: str | None = None, out: str | Path | None = None,
                  **options: Any) -> None:
-        check_options(policy, out, options)
+        check_options(policy, options)
         self.policy = policy
         self.out = out
         self.options = options

@@ -47,25 +47,9 @@ from transformers import Trainer, TrainerCallback
 
 from nanguard.config import GuardConfig
 from nanguard.guard import Guard
+from nanguard.integrations.options import check_options
 from nanguard.record import ending
 from nanguard.record.report import Report
-
-GUARD_OPTIONS = ("activations", "replay", "scheduler", "scaler", "config")
-"""Guard keyword arguments the callback passes through (besides `policy` and `out`)."""
-
-
-def _check_options(policy: str | None, options: dict[str, Any]) -> None:
-    unknown = sorted(set(options) - set(GUARD_OPTIONS))
-    if unknown:
-        raise ValueError(f"unknown option(s) {', '.join(unknown)}; the callback takes policy, "
-                         f"out and: {', '.join(GUARD_OPTIONS)}")
-    cfg = options.get("config")
-    if cfg is not None and not isinstance(cfg, GuardConfig):
-        raise ValueError(f"config must be a nanguard.GuardConfig, got {type(cfg).__name__}")
-    cfg = dataclasses.replace(cfg) if cfg else GuardConfig()
-    if policy is not None:
-        cfg.policy = policy
-    cfg.validate()
 
 
 class NanguardCallback(TrainerCallback):
@@ -89,7 +73,7 @@ class NanguardCallback(TrainerCallback):
 
     def __init__(self, policy: str | None = None, out: str | Path | None = None,
                  **options: Any) -> None:
-        _check_options(policy, options)
+        check_options(policy, options)
         self.policy = policy
         self.out = out
         self.options = options
