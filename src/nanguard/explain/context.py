@@ -34,7 +34,9 @@ def evidence_from_guard(guard: Guard) -> Evidence:
     return Evidence(
         first_nonfinite=guard.first_nonfinite,
         alarms=[a.to_dict() for a in guard.alarms],
-        optimizer=type(guard.optimizer).__name__,
+        # `nanguard run`'s stand-in for hand-written updates is no optimizer the user knows.
+        optimizer=("your hand-written update" if type(guard.optimizer).__name__ == "ManualStep"
+                   else type(guard.optimizer).__name__),
         # The LR of the failing step (a scheduler may have moved it since), else the current.
         lr=(failing.lr if failing is not None and failing.lr is not None
             else float(group["lr"]) if isinstance(group.get("lr"), (int, float)) else None),

@@ -732,8 +732,8 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
             factor = ev.lr / sug
             basis = f"a tenth of the preflight's divergence point {div:.2g}"
     mom = f" with momentum {ev.momentum:g}" if ev.momentum else ""
-    lr = f"lr={ev.lr:g}" if ev.lr is not None else "the LR"
-    new_lr = f"lr={ev.lr / factor:.3g}" if ev.lr is not None else f"the LR / {factor:.3g}"
+    lr = f"lr={ev.lr:g}" if ev.lr is not None else "its LR"
+    new_lr = f"lr={ev.lr / factor:.3g}" if ev.lr is not None else f"your LR / {factor:.3g}"
     clip = _clip_fix(ev, healthy)
     return Cause(
         cause="optimizer_divergence",
