@@ -172,9 +172,11 @@ def test_state_round_trips_through_a_lightning_checkpoint(tmp_path):
     t.fit(model, loader(data))
     ckpt = tmp_path / "a.ckpt"
     t.save_checkpoint(ckpt)
-    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    # The guard's state is plain data: the checkpoint loads without pickle's arbitrary code.
+    saved = torch.load(ckpt, weights_only=True)["callbacks"]
     (state,) = saved.values()
     assert state["guard"]["step"] == 6
+    assert [(a["step"], a["action"]) for a in state["guard"]["actions"]] == [(4, "skip")]
 
     cb2 = NanguardCallback(policy="skip", config=QUIET)  # out from the checkpoint
     t2 = trainer([cb2], STEPS)
@@ -187,6 +189,22 @@ def test_state_round_trips_through_a_lightning_checkpoint(tmp_path):
     # batch comes back at step 6 + 4; the guard's step count went on from 6.
     assert [(a["step"], a["action"]) for a in report["actions"]] == [(4, "skip"), (10, "skip")]
     assert report["first_nonfinite"]["step"] == 4
+
+
+def test_state_saved_mid_fit_by_model_checkpoint(tmp_path):
+    """ModelCheckpoint saves after the step's update (on_train_batch_end): the guard's state in
+    the step-6 checkpoint counts 6 steps and holds the step-4 skip, loadable without pickle."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    data = make_data(BATCH * STEPS, 4 * BATCH)
+    cb = NanguardCallback(policy="skip", out=tmp_path / "run", config=QUIET)
+    ckpts = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=6, save_top_k=-1)
+    _fit([cb, ckpts], data, enable_checkpointing=True)
+    (first, *_) = sorted((tmp_path / "ck").glob("*step=6*.ckpt"))
+    saved = torch.load(first, weights_only=True)["callbacks"]
+    (state,) = [v for k, v in saved.items() if k.startswith("NanguardCallback")]
+    assert state["guard"]["step"] == 6
+    assert [(a["step"], a["action"]) for a in state["guard"]["actions"]] == [(4, "skip")]
 
 
 def test_bad_options_refused_at_construction():

@@ -30,15 +30,13 @@ Nothing here is imported by `import nanguard`; importing this module imports Lig
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from nanguard.config import GuardConfig
 from nanguard.guard import Guard
-from nanguard.integrations.options import check_options
+from nanguard.integrations.options import check_options, guard_setup
 from nanguard.record import ending
 from nanguard.record.report import Report
 
@@ -103,19 +101,8 @@ class NanguardCallback(Callback):
         optimizer = optimizers[0]
         self._world, self._rank = trainer.world_size, trainer.global_rank
         opts = dict(self.options)
-        cfg: GuardConfig = dataclasses.replace(opts.pop("config", None) or GuardConfig())
-        out: str | Path | None = self.out
-        if self._world > 1:
-            if out is None:
-                raise ValueError("NanguardCallback under multi-process training needs out=: "
-                                 "every rank records into OUT/rank-R/")
-            out = Path(out) / f"rank-{self._rank}"
-            if self._rank != 0:  # one terminal summary: rank 0 prints the merged one
-                cfg.record = dataclasses.replace(cfg.record, summary=False)
-        if self._state is not None and self._state.get("folder") and out is None:
-            out = self._state["folder"]  # a resumed Trainer: keep recording into the same run
-        if self._state is not None and cfg.record.if_exists == "refuse":
-            cfg.record = dataclasses.replace(cfg.record, if_exists="resume")
+        out, cfg = guard_setup(self.out, opts.pop("config", None), self._world, self._rank,
+                               self._state, "NanguardCallback")
         if "scheduler" not in opts and trainer.lr_scheduler_configs:
             opts["scheduler"] = trainer.lr_scheduler_configs[0].scheduler
         if "scaler" not in opts:

@@ -6,6 +6,7 @@ Shared by the Lightning and transformers adapters (neither framework is imported
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from nanguard.config import GuardConfig
@@ -31,3 +32,30 @@ def check_options(policy: str | None, options: dict[str, Any]) -> None:
     if policy is not None:
         cfg.policy = policy
     cfg.validate()
+
+
+def guard_setup(out: str | Path | None, config: GuardConfig | None, world: int, rank: int,
+                resumed: dict[str, Any] | None, who: str) -> tuple[str | Path | None, GuardConfig]:
+    """The run folder and config of a callback's Guard.
+
+    Under multi-process training each rank records into `out/rank-R/` (only rank 0 prints a
+    summary: the merged one). A guard resumed from a checkpoint (`resumed`: what the callback
+    saved, with the run `folder`) keeps recording into that folder unless `out` says otherwise.
+
+    Raises:
+        ValueError: a multi-process run without `out`.
+    """
+    cfg = dataclasses.replace(config or GuardConfig())
+    if world > 1:
+        if out is None:
+            raise ValueError(f"{who} under multi-process training needs out=: every rank "
+                             "records into OUT/rank-R/")
+        out = Path(out) / f"rank-{rank}"
+        if rank != 0:
+            cfg.record = dataclasses.replace(cfg.record, summary=False)
+    if resumed is not None:
+        if out is None and resumed.get("folder"):
+            out = resumed["folder"]
+        if cfg.record.if_exists == "refuse":  # the run folder of the interrupted run: go on
+            cfg.record = dataclasses.replace(cfg.record, if_exists="resume")
+    return out, cfg

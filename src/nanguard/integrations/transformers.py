@@ -25,6 +25,11 @@ What the Trainer hides and how the callback gets it:
   that raises leaves the guard to its at-exit close, or use `NanguardTrainer`, which closes it
   with `ended="error"` (or `interrupted`) at once.
 
+- Checkpoints. `on_save` writes the guard's state as JSON (`nanguard_state.json`) into the
+  `checkpoint-N/` folder the Trainer just wrote; `train(resume_from_checkpoint=...)` loads it
+  when training starts again: step numbering, detector history, alarms, actions and the run
+  folder carry on.
+
 Clipping happens before the callback sees the gradients: with `max_grad_norm > 0` a NaN in one
 gradient turns every gradient NaN through the clip coefficient, so `first_nonfinite.param` may
 name any parameter; the step, phase, rows and diagnosis are unaffected.
@@ -37,17 +42,19 @@ Importing this module imports transformers; `import nanguard` does not.
 
 from __future__ import annotations
 
-import dataclasses
+import json
+import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from nanguard.config import GuardConfig
 from nanguard.guard import Guard
-from nanguard.integrations.options import check_options
+from nanguard.integrations.options import check_options, guard_setup
 from nanguard.record import ending
 from nanguard.record.report import Report
 
@@ -81,6 +88,9 @@ class NanguardCallback(TrainerCallback):
         self.report: Report | None = None
         self.loss_from_trainer = False
         """Set by `NanguardTrainerMixin`: the loss comes from `compute_loss`, not the model."""
+        self.resume_from: str | None = None
+        """The checkpoint folder `train(resume_from_checkpoint=...)` resumes from, when the
+        callback cannot find it itself (`NanguardTrainer` sets it)."""
         self._hook: Any = None
         self._in_step = False
         self._world = 1
@@ -98,22 +108,18 @@ class NanguardCallback(TrainerCallback):
             raise ValueError("NanguardCallback needs the Trainer's model and optimizer")
         raw = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
         self._world, self._rank = int(args.world_size), int(args.process_index)
+        resumed = self._resumed_state(args, state)
         opts = dict(self.options)
-        cfg: GuardConfig = dataclasses.replace(opts.pop("config", None) or GuardConfig())
-        out: str | Path | None = self.out
-        if self._world > 1:
-            if out is None:
-                raise ValueError("NanguardCallback under multi-process training needs out=: "
-                                 "every rank records into OUT/rank-R/")
-            out = Path(out) / f"rank-{self._rank}"
-            if self._rank != 0:
-                cfg.record = dataclasses.replace(cfg.record, summary=False)
+        out, cfg = guard_setup(self.out, opts.pop("config", None), self._world, self._rank,
+                               resumed, "NanguardCallback")
         if "scheduler" not in opts and lr_scheduler is not None:
             opts["scheduler"] = lr_scheduler
         guard = Guard(model, raw, policy=self.policy, out=out, config=cfg,
                       hook_optimizer=False, **opts)
         guard.run_entry = "transformers"
         self.guard = guard
+        if resumed is not None:
+            guard.load_state_dict(resumed["guard"])
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
 
     # ------------------------------------------------------------------ the step
@@ -147,6 +153,43 @@ class NanguardCallback(TrainerCallback):
         if self._in_step and self.guard is not None:
             self._in_step = False
             self.guard.after_update()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Runs right after the Trainer wrote `checkpoint-N/` (after the step's update): the
+        guard's state goes next to it, as JSON (`nanguard_state.json`, one per rank under
+        multi-process training), so `train(resume_from_checkpoint=...)` resumes the guard."""
+        guard = self.guard
+        if guard is None or guard.closed or guard.error is not None:
+            return
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if not folder.is_dir():  # a hyperparameter search's trial folder: not ours to guess
+            return
+        run = guard.folder
+        payload = {"format": 1, "global_step": int(state.global_step),
+                   "guard": guard.state_dict(),
+                   "folder": str(run) if run is not None and self._world <= 1 else None}
+        path = folder / _state_file(self._world, self._rank)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(payload))
+        tmp.replace(path)  # never a half-written state next to a good checkpoint
+
+    def _resumed_state(self, args: Any, state: Any) -> dict[str, Any] | None:
+        """At `on_train_begin`: the state saved in the checkpoint the Trainer resumed from, or
+        None for a fresh run. A resumed Trainer has `global_step > 0` already here."""
+        if int(state.global_step) <= 0:
+            return None
+        folder = self.resume_from or _resume_argument() or str(
+            Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        path = Path(folder) / _state_file(self._world, self._rank)
+        if not path.is_file():
+            warnings.warn(f"nanguard: the Trainer resumed at step {state.global_step} but "
+                          f"{path} does not exist; the guard starts afresh (its steps counted "
+                          "from 0)", stacklevel=2)
+            return None
+        saved: dict[str, Any] = json.loads(path.read_text())
+        return saved
 
     # ------------------------------------------------------------------ the end
 
@@ -215,6 +258,10 @@ class NanguardTrainerMixin:
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`, closing the guard with how it ended when it raises."""
+        resume = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if resume is True:
+            resume = get_last_checkpoint(self.args.output_dir)  # type: ignore[attr-defined]
+        self.nanguard_callback.resume_from = str(resume) if resume not in (None, False) else None
         try:
             return super().train(*args, **kwargs)  # type: ignore[misc]
         except BaseException as exc:
@@ -224,3 +271,21 @@ class NanguardTrainerMixin:
 
 class NanguardTrainer(NanguardTrainerMixin, Trainer):
     """`Trainer` with `NanguardTrainerMixin`: `NanguardTrainer(..., nanguard={...})`."""
+
+
+def _state_file(world: int, rank: int) -> str:
+    return "nanguard_state.json" if world <= 1 else f"nanguard_state-rank{rank}.json"
+
+
+def _resume_argument() -> str | None:
+    """The `resume_from_checkpoint` folder of the `Trainer.train` call running now.
+
+    No callback event receives it; the Trainer's own frames hold it (a public argument name of
+    `train()`, resolved from `True` to the last checkpoint before the loop starts)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        value = frame.f_locals.get("resume_from_checkpoint")
+        if isinstance(value, str) and isinstance(frame.f_locals.get("self"), Trainer):
+            return value
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
