@@ -16,6 +16,7 @@ pytest.importorskip("lightning")
 from lightning_rig import BATCH, ParamRecorder, Regressor, loader, make_data, trainer  # noqa: E402
 
 from nanguard import GuardConfig, NanguardError, RecordConfig  # noqa: E402
+from nanguard.config import RecoverConfig  # noqa: E402
 from nanguard.integrations.lightning import NanguardCallback  # noqa: E402
 
 QUIET = GuardConfig(record=RecordConfig(summary=False))
@@ -99,12 +100,15 @@ def test_skip_discards_exactly_that_update_and_goes_on(tmp_path):
 
 def test_rollback_restores_the_snapshot_and_backs_off_the_lr(tmp_path):
     """`rollback` through the callback: at the NaN step the module and Adam go back to the last
-    snapshot (the initial state: the first refresh is after 50 quiet steps), training goes on
+    snapshot (the initial state: refreshed every 50 quiet steps here), training goes on
     from there with the next batches, and the LR the optimizer used is halved afterwards."""
     steps, bad_step = 60, 30
     init = [p.detach().clone() for p in Regressor().parameters()]
     rec = ParamRecorder()
-    cb = NanguardCallback(policy="rollback", out=tmp_path / "run", config=QUIET)
+    # One snapshot, refreshed every 50 steps: the initial state is the last good one at step 30.
+    cfg = GuardConfig(record=RecordConfig(summary=False),
+                      recover=RecoverConfig(snapshot_every=50, snapshot_slots=1))
+    cb = NanguardCallback(policy="rollback", out=tmp_path / "run", config=cfg)
     model, t = _fit([cb, rec], make_data(BATCH * steps, bad_step * BATCH + 1), steps=steps,
                     max_epochs=1)
     for a, b in zip(init, rec.after[bad_step], strict=True):

@@ -169,7 +169,9 @@ def test_snapshot_holds_only_what_the_optimizer_trains(all_params: bool) -> None
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     # The parameters, Adam's exp_avg and exp_avg_sq (parameter-sized) and step, the buffers.
     expected = 3 * param_bytes + len(trainable) * adam_step + buffer_bytes
-    assert snapshot.nbytes == expected
+    # Each slot of the ring holds one copy of exactly that; the ring's total is their sum.
+    assert [s.nbytes for s in snapshot.slots] == [expected] * len(snapshot.slots)
+    assert snapshot.nbytes == len(snapshot.slots) * expected
     frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
     assert frozen_bytes > 10 * param_bytes  # what the fix stops copying
 

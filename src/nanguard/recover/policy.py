@@ -29,8 +29,8 @@ from nanguard.detect.alarm import Alarm
 from nanguard.integrations import distributed
 from nanguard.recover.amp import ScalerWatch
 from nanguard.recover.clip import AdaptiveClipper
-from nanguard.recover.rollback import GiveUp, Rollback
-from nanguard.recover.snapshot import HostSnapshot
+from nanguard.recover.ring import SnapshotRing
+from nanguard.recover.rollback import GiveUp, Rollback, trouble_start
 from nanguard.watch.stats import StepStats
 
 if TYPE_CHECKING:
@@ -134,8 +134,11 @@ class Recovery:
         self._round: int | None = None
         self._round_ok = True
         if cfg.policy == "rollback":
-            snapshot = HostSnapshot(
-                link.model, link.optimizer, extras={"scheduler": scheduler, "scaler": scaler}
+            budget = cfg.recover.snapshot_budget_mb
+            snapshot = SnapshotRing(
+                link.model, link.optimizer, extras={"scheduler": scheduler, "scaler": scaler},
+                slots=cfg.recover.snapshot_slots,
+                budget_bytes=None if budget is None else int(budget * 2**20),
             )
             # The initial state is the first "last good" one (taken between steps).
             snapshot.capture(link.step, in_step=False)
@@ -250,7 +253,7 @@ class Recovery:
             healthy = not distributed.agree(not healthy, None, self._device())[0]
         peers = self._peers()
         if not peers:
-            self.rollbacker.maybe_capture(stats.step + 1, healthy)
+            self.rollbacker.maybe_capture(stats.step + 1, healthy, self._trouble(stats))
             return
         self._round = stats.step + 1
         self._round_ok = self._round_ok and healthy
@@ -262,6 +265,9 @@ class Recovery:
             assert r.rollbacker is not None and r._round is not None
             r.rollbacker.maybe_capture(r._round, ok)
             r._round, r._round_ok = None, True
+
+    def _trouble(self, stats: StepStats) -> int:
+        return trouble_start(stats.step, stats.alarms, self.link.config.detect)
 
     def _device(self) -> torch.device:
         for g in self.link.optimizer.param_groups:
@@ -279,7 +285,8 @@ class Recovery:
             return
         early = not [s for s in stats.nonfinite_signals() if s != "data"]
         try:
-            restored = self.rollbacker.rollback(stats.step, early=early)
+            restored = self.rollbacker.rollback(stats.step, early=early,
+                                                trouble_from=self._trouble(stats))
             self.steps_rolled_back += stats.step + 1 - restored
         except GiveUp as exc:
             self.link.record_action(stats.step, "give_up", f"{exc} ({why})")
@@ -363,13 +370,18 @@ class Recovery:
 
     def cost(self) -> dict[str, Any] | None:
         """What rollback cost so far (None without the `rollback` policy): updates undone, the
-        LR factor now applied, the host memory the snapshot holds."""
+        LR factor now applied, the host memory the snapshots hold (and how many), the budget."""
         if self.rollbacker is None:
             return None
+        ring = self.rollbacker.snapshot
+        budget = self.link.config.recover.snapshot_budget_mb
         return {"rollbacks": len(self.rollbacker.history),
                 "updates_rolled_back": self.steps_rolled_back,
                 "lr_factor": self.rollbacker.factor,
-                "snapshot_bytes": self.rollbacker.snapshot.nbytes}
+                "snapshot_bytes": ring.nbytes,
+                "snapshots": len(ring.slots),
+                "snapshot_budget_bytes": None if budget is None else int(budget * 2**20),
+                "snapshot_over_budget": ring.over_budget}
 
     # -- state
 

@@ -1,9 +1,15 @@
-"""The `rollback` policy's bookkeeping: when to refresh the snapshot, the LR backoff, giving up.
+"""The `rollback` policy's bookkeeping: when to refresh the snapshots, which one to restore, the
+LR backoff, giving up.
 
 The guard calls, per step: `backoff_on` in its pre-hook (scales this step's LR; first settles a
 rollback to the initial snapshot), `backoff_off` in its post-hook (puts the scheduler's LR back,
-so schedulers keep working), `maybe_capture` once the step is known healthy, and `rollback` on an
-alarm that the policy acts on.
+so schedulers keep working), `maybe_capture` once the step is read, and `rollback` on an alarm
+that the policy acts on.
+
+Which state a rollback returns to: the newest snapshot taken before the trouble began. An
+episode is a run of alarmed steps with fewer than `quiet_steps` quiet steps between them; it
+began where its first alarm's evidence began (`trouble_start`: a divergence alarm averages the
+last `divergence_steps` losses, a cascade counts `cascade_steps` steps of growth).
 """
 
 from __future__ import annotations
@@ -13,8 +19,22 @@ from typing import Any
 
 import torch
 
-from nanguard.config import RecoverConfig
-from nanguard.recover.snapshot import HostSnapshot
+from nanguard.config import DetectConfig, RecoverConfig
+from nanguard.detect.alarm import Alarm
+from nanguard.recover.ring import SnapshotRing
+
+
+def trouble_start(step: int, alarms: list[Alarm], detect: DetectConfig) -> int:
+    """The first step whose state the alarms of `step` cast doubt on: the step itself for an
+    event seen within it (a NaN, a spike, an overflow: the state before its update is good),
+    earlier for alarms whose evidence spans several steps."""
+    back = 0
+    for a in alarms:
+        if a.kind == "divergence":
+            back = max(back, detect.divergence_steps)
+        elif a.kind in ("cascade", "forecast"):
+            back = max(back, detect.cascade_steps)
+    return step - back
 
 
 class GiveUp(Exception):
@@ -24,12 +44,12 @@ class GiveUp(Exception):
 class Rollback:
     """Args:
     config: rollback settings.
-    snapshot: where the last good state lives.
+    snapshot: where the last good states live.
     optimizer: whose LR is backed off.
     """
 
     def __init__(
-        self, config: RecoverConfig, snapshot: HostSnapshot, optimizer: torch.optim.Optimizer
+        self, config: RecoverConfig, snapshot: SnapshotRing, optimizer: torch.optim.Optimizer
     ) -> None:
         self.config = config
         self.snapshot = snapshot
@@ -39,13 +59,24 @@ class Rollback:
         self.factor = 1.0
         self._saved_lrs: list[Any] | None = None
         self.last_unhealthy = -(10**9)
+        self.episode_from = -(10**9)  # where the trouble of the current episode began
         self._reapply = False  # restored a between-steps snapshot: settle it at the next update
 
-    def maybe_capture(self, next_step: int, healthy: bool) -> bool:
-        """After a step: refresh the snapshot every `snapshot_every` steps, but only from a state
-        with no warning in the last `quiet_steps` steps (never from inside a cascade)."""
+    def _bound(self, step: int, trouble_from: int) -> int:
+        """Where the trouble of the episode that `step` (alarmed) belongs to began."""
+        if step - self.last_unhealthy > self.config.quiet_steps:
+            return trouble_from  # a new episode
+        return min(self.episode_from, trouble_from)
+
+    def maybe_capture(self, next_step: int, healthy: bool, trouble_from: int | None = None) -> bool:
+        """After a step: refresh a snapshot every `snapshot_every` steps, but only from a state
+        with no warning in the last `quiet_steps` steps (never from inside a cascade). An
+        unhealthy step extends the current episode (`trouble_from`: where its evidence began,
+        see `trouble_start`; default the step itself)."""
         if not healthy:
-            self.last_unhealthy = next_step - 1
+            step = next_step - 1
+            self.episode_from = self._bound(step, step if trouble_from is None else trouble_from)
+            self.last_unhealthy = step
             return False
         if next_step % self.config.snapshot_every:
             return False
@@ -54,10 +85,12 @@ class Rollback:
         self.snapshot.capture(next_step)
         return True
 
-    def rollback(self, step: int, *, forced: bool = False, early: bool = False) -> int:
-        """Restore the last good state; back the LR off as far as the evidence calls for.
-        Raises GiveUp past `max_rollbacks`, unless `forced` (following another optimizer's
-        rollback: that one decides giving up).
+    def rollback(self, step: int, *, forced: bool = False, early: bool = False,
+                 trouble_from: int | None = None) -> int:
+        """Restore the newest snapshot from before the episode's trouble began (`trouble_from`:
+        where the evidence of this step's alarms began; None: the newest snapshot); back the
+        LR off as far as the evidence calls for. Raises GiveUp past `max_rollbacks`, unless
+        `forced` (following another optimizer's rollback: that one decides giving up).
 
         `early`: acting on an early warning (a spike, a cascade), nothing non-finite yet. The
         first such rollback in the window keeps the LR: the batch that started it is left out
@@ -71,12 +104,15 @@ class Rollback:
                 f"{len(self.history)} rollbacks within {self.config.window} steps; giving up"
             )
         self.history.append(step)
-        restored = self.snapshot.restore()
+        before = None if trouble_from is None else self._bound(step, trouble_from)
+        restored = self.snapshot.restore(before)
         self._reapply = not self.snapshot.in_step
         # Step `step` makes no update: the next `backoff_steps` steps are backed off.
         self.backoff_until = step + 1 + self.config.backoff_steps
         # Compounding: a second failure within the window backs off further (x0.25, ...).
         self.factor = self.config.backoff_factor ** (len(self.history) - (1 if early else 0))
+        if before is not None:
+            self.episode_from = before
         self.last_unhealthy = step
         return restored
 
@@ -108,6 +144,7 @@ class Rollback:
             "history": list(self.history),
             "backoff_until": self.backoff_until,
             "last_unhealthy": self.last_unhealthy,
+            "episode_from": self.episode_from,
             "factor": self.factor,
         }
 
@@ -115,4 +152,5 @@ class Rollback:
         self.history = deque(int(s) for s in state["history"])
         self.backoff_until = int(state["backoff_until"])
         self.last_unhealthy = int(state["last_unhealthy"])
+        self.episode_from = int(state.get("episode_from", self.last_unhealthy))
         self.factor = float(state["factor"])
