@@ -53,6 +53,7 @@ from nanguard.recover.policy import Recovery
 from nanguard.watch import loads, rng
 from nanguard.watch.activations import ActivationProbe, dtype_max
 from nanguard.watch.batch import BatchProbe
+from nanguard.watch.packet import Packet
 from nanguard.watch.stats import StepProbe, StepStats, local
 
 
@@ -62,21 +63,20 @@ class _Pending:
 
     step: int
     lr: float | None
-    pre: torch.Tensor
+    pre: Packet
+    """Before the update: slots `loss`, `grad`, `act`, `loaded`, `batch`, `scale`."""
     grad_layout: list[int]
     act_names: list[str]
     batch_size: int
-    has_loss: bool
-    post: torch.Tensor | None = None
+    post: Packet | None = None
+    """After the update: slot `post` (see `StepProbe.post_step`)."""
     post_layout: list[tuple[str, list[int]]] = field(default_factory=list)
     stats: StepStats | None = None
     rng: dict[str, Any] | None = None
     """RNG states at the start of the step (kept by reference; serialized only on alarm)."""
     loaded: list[str] = field(default_factory=list)
-    """Names of the tensors whose finiteness flags follow the activations (first step, or the
-    first after a `load_state_dict`)."""
-    has_scale: bool = False
-    """The pre-step tensor ends with the GradScaler's scale."""
+    """Names of the tensors in the `loaded` slot (first step, or the first after a
+    `load_state_dict`)."""
 
 
 class Guard:
@@ -423,6 +423,12 @@ class Guard:
 
     # ------------------------------------------------------------------ hooks
 
+    @property
+    def _device(self) -> torch.device:
+        """Where a step's packet is gathered: the first parameter's device (read each step: the
+        model may be moved after the guard was built)."""
+        return local(self.params[0]).device if self.params else torch.device("cpu")
+
     def _sync_params(self) -> bool:
         """Follow the optimizer's parameters (`add_param_group` after the guard was built).
         Appending keeps every earlier parameter's index. Returns whether they changed."""
@@ -491,17 +497,17 @@ class Guard:
         if self.first_nonfinite is not None or (self._loss is None and not self.batch_probe._parts):
             return
         stats = StepStats(step=self.step)
-        parts = []
+        packet = Packet(self._device)
         if self._loss is not None:
-            parts.append(self._loss)
+            packet.add("loss", self._loss)
         size, vec = self.batch_probe.collect()
         if vec is not None:
-            parts.append(vec.to(parts[0].device) if parts else vec)
-        values = self._read(torch.cat(parts))
-        if self._loss is not None:
-            stats.loss = values.pop(0)
+            packet.add("batch", vec)
+        slots = packet.decode(self._read(packet.tensor()))
+        if "loss" in slots:
+            stats.loss = slots["loss"][0]
         self._loss = None
-        self.batch_probe.decode(values, size, stats)
+        self.batch_probe.decode(slots.get("batch", []), size, stats)
         if stats.nonfinite_signals() or stats.nonfinite_samples:
             found = self._locate(stats)
             found["signals"] = found["signals"] or ["data"]
@@ -547,31 +553,28 @@ class Guard:
             loaded, flags = self._loaded_flags()
         every = cfg.watch.update_ratio_every
         grads, layout = self.probe.pre_step(snapshot_update=every > 0 and self.step % every == 0)
-        parts: list[torch.Tensor] = []
+        pre = Packet(self._device)
         if self._loss is not None:
-            parts.append(self._loss)
+            pre.add("loss", self._loss)
         if grads is not None:
-            parts.append(grads.double())
+            pre.add("grad", grads)
         act_names: list[str] = []
         if self.act_probe:
             act_names, acts = self.act_probe.collect()
             if acts is not None:
-                parts.append(acts.double())
+                pre.add("act", acts)
         if loaded:
             assert flags is not None
-            parts.append(flags)
+            pre.add("loaded", flags)
         batch_size, batch_vec = self.batch_probe.collect()
         if batch_vec is not None:
-            parts.append(batch_vec)
+            pre.add("batch", batch_vec)
         scale = self.recovery.scale_tensor()
-        if scale is not None:  # the GradScaler's scale rides along at the end
-            parts.append(scale)
-        device = self.params[0].device if self.params else torch.device("cpu")
-        pre = torch.cat([p.to(device) for p in parts]) if parts else torch.zeros(0, device=device)
+        if scale is not None:
+            pre.add("scale", scale)
         self._current = _Pending(
             step=self.step, lr=_lr(optimizer), pre=pre, grad_layout=layout,
-            act_names=act_names, batch_size=batch_size, has_loss=self._loss is not None,
-            rng=self._step_rng, has_scale=scale is not None, loaded=loaded,
+            act_names=act_names, batch_size=batch_size, rng=self._step_rng, loaded=loaded,
         )
         self._loss = None
         self._watch_calls = 0
@@ -580,7 +583,7 @@ class Guard:
             return
         # Acting policies decide before the update, and a replay needs the parameters as they
         # were before it: read the pre-step statistics now.
-        values = self._read(pre)
+        values = self._read(pre.host_tensor())
         stats = self._decode_pre(self._current, values)
         alarms = self._detect(stats, "pre", self._current.rng)
         if replaying and self.first_nonfinite is not None:
@@ -674,19 +677,31 @@ class Guard:
             for p, g in zip(self.params, self._stashed_grads, strict=True):
                 p.grad = g
             self._stashed_grads = None
-        cur.post, cur.post_layout = self.probe.post_step()
+        post, cur.post_layout = self.probe.post_step()
+        cur.post = Packet(self._device)
+        cur.post.add("post", post)
         self.step += 1
         self._pending.append(cur)
+        if cur.stats is None and self._device.type == "cuda":
+            # `observe` on a GPU: no stall. This step's packet is copied to pinned host memory
+            # without waiting and read one step later (its copy long done), or at close.
+            cur.pre.start_copy()
+            cur.post.start_copy()
+            if len(self._pending) > self.config.watch.read_every:
+                older, self._pending = self._pending[:-1], self._pending[-1:]
+                self._flush(older, live_last=False)
         # Acting policy (pre already read): read the post part now; else every N steps.
-        if cur.stats is not None or len(self._pending) >= self.config.watch.read_every:
+        elif cur.stats is not None or len(self._pending) >= self.config.watch.read_every:
             self._flush()
         if cur.stats is not None:
             self.recovery.maybe_snapshot(cur.stats)
         if self.act_probe:  # activations on sampled steps only
             self.act_probe.enabled = self.step % self.config.watch.activations_every == 0
-        self._step_rng = rng.capture()
-        if self.step % self.config.record.rng_every == 0:
+        if self.step % self.config.record.rng_every == 0:  # kept: every generator
+            self._step_rng = rng.capture()
             self.store.write_rng(self.step, rng.dumps(self._step_rng))
+        else:  # every step: torch's generators, what a replay of the step draws from
+            self._step_rng = rng.capture_step()
 
     # ------------------------------------------------------------------ reading and deciding
 
@@ -696,31 +711,33 @@ class Guard:
         values: list[float] = t.tolist()
         return values
 
-    def _flush(self) -> None:
-        """Read every pending step at once, then detect and record them in step order."""
-        pending, self._pending = self._pending, []
+    def _flush(self, pending: list[_Pending] | None = None, live_last: bool = True) -> None:
+        """Read `pending` steps (default: every pending step) at once, then detect and record
+        them in step order. `live_last`: the newest of them is the step that just ended (its
+        gradients and parameters are still those it measured)."""
+        if pending is None:
+            pending, self._pending = self._pending, []
         if not pending:
             return
-        parts = []
+        packets: list[Packet] = []
         for p in pending:
-            if p.stats is None:
-                parts.append(p.pre)
             assert p.post is not None
-            parts.append(p.post.double())
-        values = self._read(torch.cat(parts))
+            packets += [p.pre, p.post] if p.stats is None else [p.post]
+        tensors = [k.host_tensor() for k in packets]
+        values = self._read(tensors[0] if len(tensors) == 1 else torch.cat(tensors))
         pos = 0
         decoded: list[tuple[_Pending, StepStats, bool]] = []
         for p in pending:
             # Only the newest step's gradients and parameters are still live: the extra read
             # that tells an overflowing norm from a non-finite value is only possible there.
-            live = p is pending[-1]
+            live = live_last and p is pending[-1]
             stats = p.stats
             fresh = stats is None
             if stats is None:
-                stats = self._decode_pre(p, values[pos : pos + p.pre.numel()], live=live)
-                pos += p.pre.numel()
+                stats = self._decode_pre(p, values[pos : pos + len(p.pre)], live=live)
+                pos += len(p.pre)
             assert p.post is not None
-            n = p.post.numel()
+            n = len(p.post)
             self.probe.decode_post(values[pos : pos + n], p.post_layout, stats)
             if live:
                 self.probe.resolve_post_overflow(stats)  # an extra read only on an inf norm
@@ -747,27 +764,21 @@ class Guard:
                 self._act(stats, alarms, post=True)
 
     def _decode_pre(self, p: _Pending, values: list[float], live: bool = True) -> StepStats:
+        """The pre-update slots of `p`, read on the host, as a StepStats (`p.stats`)."""
         stats = StepStats(step=p.step, lr=p.lr)
-        pos = 0
-        if p.has_loss:
-            stats.loss = values[0]
-            pos = 1
-        n = len(p.grad_layout)
-        self.probe.decode_pre(values[pos : pos + n], p.grad_layout, stats)
-        pos += n
-        stats.activations = dict(zip(p.act_names, values[pos : pos + len(p.act_names)],
-                                     strict=True))
-        pos += len(p.act_names)
+        slots = p.pre.decode(values)
+        if "loss" in slots:
+            stats.loss = slots["loss"][0]
+        self.probe.decode_pre(slots.get("grad", []), p.grad_layout, stats)
+        stats.activations = dict(zip(p.act_names, slots.get("act", []), strict=True))
         if p.loaded:
-            self._loaded_finding(p.step, p.loaded, values[pos : pos + len(p.loaded)])
-            pos += len(p.loaded)
+            self._loaded_finding(p.step, p.loaded, slots["loaded"])
         if self.act_probe and p.act_names:
             dtypes = {self.act_probe.dtypes[m] for m in p.act_names if m in self.act_probe.dtypes}
             stats.act_limit = min((dtype_max(d) for d in dtypes), default=None)
-        if p.has_scale:
-            stats.amp_scale = values[-1]
-            values = values[:-1]
-        self.batch_probe.decode(values[pos:], p.batch_size, stats)
+        if "scale" in slots:
+            stats.amp_scale = slots["scale"][0]
+        self.batch_probe.decode(slots.get("batch", []), p.batch_size, stats)
         if self.batch_probe.dropped is not None:
             stats.dropped_samples, self.batch_probe.dropped = self.batch_probe.dropped, None
         if live and any(math.isinf(stats.grad_norms[i]) for i in stats.nonfinite_grads):
@@ -786,6 +797,7 @@ class Guard:
                 # expected fp16 overflow: its inf/NaN are not this step's (nor an alarm).
                 stats.activations = {m: v for m, v in stats.activations.items()
                                      if math.isfinite(v)}
+        stats.seal()  # the values are final for this phase: scan them for non-finite once
         for d in self.detectors:
             if d.phase == phase:
                 alarms += d.check(stats)
@@ -843,6 +855,9 @@ class Guard:
         if policy == "skip" and not post:
             limit = self.config.recover.max_consecutive_skips
             if self._skips_in_row >= limit:  # skipping does not heal it: escalate
+                if self.recovery.escalate(stats, f"{limit} skips in a row ({why})", post):
+                    self._skips_in_row = 0  # recover.skip_escalation="rollback" rolled back
+                    return
                 detail = (f"{self._skips_in_row} updates discarded in a row and the next is "
                           f"bad too ({why}); skipping does not heal this run: stopped")
                 self._action(stats.step, "give_up", detail)
@@ -868,6 +883,8 @@ class Guard:
         if policy == "skip":
             # The update itself produced the non-finite value; undoing it needs a saved copy,
             # which is the `rollback` policy's job. Record that we could not skip it.
+            if self.recovery.escalate(stats, why, post):  # skip_escalation="rollback"
+                return
             self._action(stats.step, "none", f"non-finite after the update ({why}); cannot skip")
             return
         if policy == "raise":

@@ -63,12 +63,13 @@ class ActivationProbe:
             with torch.no_grad():
                 # aminmax reads the tensor once without the full-size copy that abs() makes;
                 # a NaN propagates into both.
+                # Kept in the output's dtype: `collect` learns the dtype from it, so the hook
+                # writes no Python state that torch.compile would guard on (a recompile).
                 lo, hi = torch.aminmax(output.detach())
-                m = torch.maximum(hi, -lo).float()
+                m = torch.maximum(hi, -lo)
             prev = self._current.get(name)
             # A module called several times in one step keeps its largest output.
             self._current[name] = m if prev is None else torch.maximum(prev, m)
-            self.dtypes[name] = output.dtype
 
         return hook
 
@@ -78,7 +79,9 @@ class ActivationProbe:
         if not self._current:
             return [], None
         names = list(self._current)
-        values = torch.stack([self._current[n] for n in names])
+        for n in names:
+            self.dtypes[n] = self._current[n].dtype
+        values = torch.stack([self._current[n] for n in names])  # promotes mixed dtypes
         self._current = {}
         return names, values
 

@@ -83,6 +83,16 @@ class StepStats:
     (earliest phase, then lowest rank)."""
     alarms: list[Any] = field(default_factory=list)
     """Alarms raised on this step (filled by the guard)."""
+    _signals: list[str] | None = field(default=None, repr=False, compare=False)
+    """`nonfinite_signals()` as of the last `seal()`: the guard seals a step once its values are
+    decoded, and the detectors, the policy and the record then read it without rescanning."""
+
+    def seal(self) -> list[str]:
+        """Compute `nonfinite_signals()` once and keep it until the values change again
+        (`assume_overflow` and the overflow checks unseal)."""
+        self._signals = None
+        self._signals = self.nonfinite_signals()
+        return self._signals
 
     @staticmethod
     def _global(norms: dict[int, float]) -> float:
@@ -131,6 +141,7 @@ class StepStats:
         are known finite after this step: a non-finite gradient, parameter or state value
         would have made them non-finite for good (NaN and inf are absorbing in SGD / Adam
         updates), so an infinite norm here can only be a float32 sum of squares overflowing."""
+        self._signals = None
         for i in [i for i in self.nonfinite_grads if math.isinf(self.grad_norms[i])]:
             self.nonfinite_grads.discard(i)
             self.overflowed.add(i)
@@ -139,6 +150,8 @@ class StepStats:
 
     def nonfinite_signals(self) -> list[str]:
         """Names of the signals that hold a non-finite value this step."""
+        if self._signals is not None:
+            return list(self._signals)
         out = []
         if self.dropped_samples:
             out.append("data")
@@ -337,6 +350,7 @@ class StepProbe:
         values: list[float], layout: list[tuple[str, list[int]]], stats: StepStats
     ) -> None:
         """Fill `stats` from the host copy of `post_step`'s tensor."""
+        stats._signals = None
         pos = 0
         for key, ids in layout:
             chunk = values[pos : pos + len(ids)]
@@ -357,6 +371,7 @@ class StepProbe:
         before the NaN in the cascade); calling them non-finite would blame the optimizer for
         a value it has not produced yet. Runs only when such a norm came back infinite.
         """
+        stats._signals = None
         groups: list[tuple[dict[int, float], str | None]] = [(stats.param_norms, None)]
         groups += [(norms, key) for key, norms in stats.state_norms.items()]
         groups.append((stats.buffer_norms, "buffer"))
@@ -381,6 +396,7 @@ class StepProbe:
         Runs only when some gradient norm came back infinite (never on a healthy step); it reads
         each such gradient's abs-max and recomputes its norm in float64.
         """
+        stats._signals = None
         for i in sorted(stats.nonfinite_grads):
             if not math.isinf(stats.grad_norms[i]):
                 continue
