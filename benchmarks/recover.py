@@ -21,21 +21,33 @@ snapshot's bytes):
 
 and the excess over `observe` isolates what recovery adds to the watch.
 
+(3) Healing, the measure of success (DESIGN.md section 5, "recover"): the LR/momentum cascade
+scenario (`nanguard.scenarios.cascade`), seeds 0..S-1, fixed length (300 steps, no early stop).
+Plain runs give the failing seeds and the final losses (mean of the last 20 steps) of the seeds
+that never failed; each failing seed is then trained under `rollback` and under `skip` with
+`RecoverConfig(skip_escalation="rollback")` (default settings otherwise). Per seed: the final
+loss, whether it lies within [min, max] of the never-failing seeds, the actions, updates
+rolled back, LR factor, snapshot memory, and CPU time (process_time) against the plain run.
+
 The last line printed is one JSON object:
 
     {"snapshot": {"lm": {"step_ms", "capture_ms", "k", "share"}, "mlp": {...}},
      "memory": {"lm": {"plain_mb", "observe_mb", "rollback_mb", "copy_mb", "excess_copies",
-                       "excess_over_observe_copies"}, "mlp": {...}}, "machine": "...", ...}
+                       "excess_over_observe_copies"}, "mlp": {...}},
+     "cascade": {"healthy_range", "seeds": {seed: {"rollback": {...}, "skip": {...}}}, ...},
+     "machine": "...", ...}
 
 Usage:
     python benchmarks/recover.py                  # the full run recorded in BENCHMARKS.md
     python benchmarks/recover.py --quick          # tiny models, a few steps: a smoke test
+    python benchmarks/recover.py --parts cascade  # only the healing figures (~1 min)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import statistics
 import subprocess
@@ -49,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nanguard import Guard, GuardConfig, RecordConfig  # noqa: E402
 from nanguard.config import RecoverConfig  # noqa: E402
 from nanguard.recover import HostSnapshot  # noqa: E402
+from nanguard.scenarios.cascade import train_cascade  # noqa: E402
 from overhead import Workload, lm_workload, machine, mlp_workload  # noqa: E402
 
 WORKLOADS = {"lm": lm_workload, "mlp": mlp_workload}
@@ -143,6 +156,60 @@ def memory(workload: str, steps: int, quick: bool, repeat: int) -> dict[str, flo
     return out
 
 
+def _tail(losses: list[float], n: int = 20) -> float:
+    return sum(losses[-n:]) / n
+
+
+def _guarded(seed: int, steps: int, policy: str) -> dict:
+    guards: list[Guard] = []
+
+    def factory(model, optimizer):
+        cfg = GuardConfig(policy=policy, record=RecordConfig(out="", summary=False),
+                          recover=RecoverConfig(skip_escalation="rollback"))
+        guards.append(Guard(model, optimizer, config=cfg))
+        return guards[0]
+
+    t0 = time.process_time()
+    _, losses = train_cascade(seed, factory, steps=steps)
+    cpu = time.process_time() - t0
+    report = guards[0].report
+    cost = report.run.get("recovery") or {}
+    kinds = [a["action"] for a in report.actions]
+    return {"final": round(_tail(losses), 5), "status": report.status,
+            "skips": kinds.count("skip"), "rollbacks": kinds.count("rollback"),
+            "gave_up": "give_up" in kinds,
+            "updates_rolled_back": cost.get("updates_rolled_back"),
+            "lr_factor": cost.get("lr_factor"), "snapshot_bytes": cost.get("snapshot_bytes"),
+            "cpu_s": round(cpu, 3)}
+
+
+def cascade(seeds: int, steps: int) -> dict:
+    """Healing on the cascade: failing seeds under rollback / skip vs the never-failing range."""
+    plain: dict[int, tuple[float, float, bool]] = {}
+    for seed in range(seeds):
+        t0 = time.process_time()
+        _, losses = train_cascade(seed, None, steps=steps)
+        plain[seed] = (_tail(losses), time.process_time() - t0,
+                       all(math.isfinite(v) for v in losses))
+    healthy = [f for f, _, ok in plain.values() if ok]
+    low, high = min(healthy), max(healthy)
+    out: dict = {"seeds": {}, "healthy_range": [round(low, 5), round(high, 5)],
+                 "n_healthy": len(healthy), "steps": steps}
+    for seed, (_, cpu, ok) in plain.items():
+        if ok:
+            continue
+        row = {"plain_cpu_s": round(cpu, 3)}
+        for policy in ("rollback", "skip"):
+            r = _guarded(seed, steps, policy)
+            r["healed"] = low <= r["final"] <= high
+            row[policy] = r
+        out["seeds"][seed] = row
+    out["healed"] = {p: sum(r[p]["healed"] for r in out["seeds"].values())
+                     for p in ("rollback", "skip")}
+    out["failing"] = len(out["seeds"])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 30)")
@@ -158,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         help="memory runs per mode; the median is reported (allocator noise)",
     )
     ap.add_argument("--quick", action="store_true", help="tiny models, few steps (smoke test)")
+    ap.add_argument("--parts", default="snapshot,cascade",
+                    help="comma list of: snapshot (cost and memory), cascade (healing)")
+    ap.add_argument("--seeds", type=int, default=None,
+                    help="cascade seeds (default 30; 10 with --quick)")
     ap.add_argument("--child", nargs=2, metavar=("WORKLOAD", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     k = RecoverConfig().snapshot_every
@@ -169,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (4 if args.quick else 30)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 5)
     result: dict = {"snapshot": {}, "memory": {}}
-    for name in args.workloads.split(","):
+    parts = set(args.parts.split(","))
+    if not parts <= {"snapshot", "cascade"}:
+        ap.error(f"unknown --parts {args.parts!r}; use snapshot, cascade")
+    for name in args.workloads.split(",") if "snapshot" in parts else []:
         wl = WORKLOADS[name](args.quick, 0, torch.device("cpu"))
         s = snapshot_cost(wl, rounds, warmup)
         result["snapshot"][name] = s
@@ -186,6 +260,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{m['copy_mb']} MB: excess {m['excess_copies']} copies "
             f"({m['excess_over_observe_copies']} over observe)"
         )
+    if "cascade" in parts:
+        c = cascade(args.seeds or (10 if args.quick else 30), 300)
+        result["cascade"] = c
+        lo, hi = c["healthy_range"]
+        print(f"cascade: {c['failing']} failing seeds; final loss of the {c['n_healthy']} "
+              f"never-failing ones in [{lo}, {hi}]")
+        for seed, row in c["seeds"].items():
+            print(f"  seed {seed}: " + "; ".join(
+                f"{p} {row[p]['final']:.4g} ({'healed' if row[p]['healed'] else 'NOT healed'}, "
+                f"{row[p]['skips']} skip, {row[p]['rollbacks']} rollback, "
+                f"cpu {row[p]['cpu_s'] / row['plain_cpu_s']:.2f}x plain)"
+                for p in ("rollback", "skip")))
+        print(f"  healed: rollback {c['healed']['rollback']}/{c['failing']}, "
+              f"skip {c['healed']['skip']}/{c['failing']}")
     result.update(
         machine=machine(1, torch.device("cpu")),
         k=k,

@@ -101,12 +101,20 @@ class DetectConfig:
 
     early_spike_ratio: float = 20.0
     """Before `warmup_steps` of history (no statistics yet): a grad norm this many times the
-    largest healthy one seen so far is a spike. Healthy runs' gradients fall or wander in their
-    first steps; a 20x jump over all of them is unmistakable."""
+    median of the healthy ones seen so far (and at least 3x the largest of them) is a spike.
+    Healthy runs' gradients fall or wander in their first steps; a 20x jump over them is
+    unmistakable."""
 
     early_growth: float = 30.0
     """Before `warmup_steps` of history: `cascade_steps` steps of growth that together multiply
     the signal by this much are a cascade (and may be forecast to overflow)."""
+
+    early_loss_ratio: float = 10.0
+    """Before the divergence statistics have history (`warmup_steps`): a loss at least this
+    many times the largest of the run's first 3 losses, two steps in a row, is an early
+    divergence (a loss going 4.5 -> 51 in its first steps). The reference is the loss's own
+    initial scale, so a loss that fell far below it and wanders there (a GAN discriminator at
+    0.001) never fires."""
 
     lead_window: int = 10
     """report.json's `first_warning` is the first alarm within this many steps before the first
@@ -206,8 +214,14 @@ class RecoverConfig:
     """...for this many steps, then the scheduler's LR is used again."""
 
     max_consecutive_skips: int = 10
-    """`skip` never loops: after this many updates discarded in a row it escalates — to a
-    stop with the report (`give_up` action), the `raise` policy's end."""
+    """`skip` never loops: after this many updates discarded in a row it escalates (see
+    `skip_escalation`)."""
+
+    skip_escalation: str = "raise"
+    """What `skip` escalates to when skipping cannot heal (`max_consecutive_skips` in a row, or
+    a bad update already applied): `raise` (stop with the report, `give_up` action) or
+    `rollback` (restore a snapshot from before the trouble, as the `rollback` policy does;
+    `skip` then keeps the snapshot ring, with its memory)."""
 
     max_rollbacks: int = 3
     """Give up (stop with the report, like `raise`) after this many rollbacks..."""
@@ -327,6 +341,9 @@ class GuardConfig:
                 "recover: snapshot_every and max_rollbacks must be >= 1 and "
                 "backoff_factor in (0, 1]"
             )
+        if r.skip_escalation not in ("raise", "rollback"):
+            raise ValueError(f"unknown recover.skip_escalation {r.skip_escalation!r}; "
+                             "use one of: raise, rollback")
         if r.snapshot_slots < 1:
             raise ValueError(f"recover.snapshot_slots must be >= 1, got {r.snapshot_slots}")
         if r.snapshot_budget_mb is not None and not r.snapshot_budget_mb > 0:

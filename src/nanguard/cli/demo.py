@@ -2,8 +2,9 @@
 
 For each seed it trains the scenario of `nanguard.scenarios.cascade` under a guard (policy
 `observe`, recording to DIR/seed-N), then shows when the first warning came, when the first
-non-finite value appeared (the lead time), where it showed, and what the `raise` and `skip`
-policies do on the same seed.
+non-finite value appeared (the lead time), where it showed, and what the `raise`, `skip` and
+`rollback` policies do on the same seed (`skip` configured to escalate to a rollback when
+skipping cannot heal: `RecoverConfig(skip_escalation="rollback")`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.nn.functional import mse_loss
 
-from nanguard.config import GuardConfig, RecordConfig
+from nanguard.config import GuardConfig, RecordConfig, RecoverConfig
 from nanguard.errors import NanguardError
 from nanguard.guard import Guard
 from nanguard.record.report import Report
@@ -57,7 +58,8 @@ def _train(
     guards: list[Guard] = []
 
     def factory(model: Any, optimizer: Any) -> Guard:
-        config = GuardConfig(act_on=act_on, record=RecordConfig(summary=False))
+        config = GuardConfig(act_on=act_on, record=RecordConfig(summary=False),
+                             recover=RecoverConfig(skip_escalation="rollback"))
 
         def replay(batch: Any) -> Any:  # the step's forward and loss, for the op-level replay
             return mse_loss(model(batch[0]), batch[1])
@@ -83,34 +85,37 @@ def _train(
     return report, losses
 
 
-def _final(losses: list[float]) -> str:
-    return f"{losses[-1]:.2g}" if math.isfinite(losses[-1]) else "NaN"
+TAIL = 20  # the final loss: the mean of the last TAIL steps (one batch is noisy)
 
 
-def _policy_outcomes(seed: int, steps: int, out: Path) -> tuple[str, str, str]:
-    """Run a failing seed again under `raise`, `skip` and `rollback`; say what happened."""
+def _final(losses: list[float]) -> float:
+    tail = losses[-TAIL:]
+    return sum(tail) / len(tail)
+
+
+def _policy_outcomes(seed: int, steps: int, out: Path) -> tuple[str, list[tuple[str, float]]]:
+    """Run a failing seed again under `raise`, `skip` and `rollback`; say what happened: the
+    `raise` outcome, then per recovering policy a cell and its final loss (NaN: gave up)."""
     try:
         _train(seed, steps, out / f"seed-{seed}-raise", "raise")
         raised = "no stop"
     except NanguardError as exc:
         first = exc.report.first_nonfinite
         raised = f"stop@{first['step']}" if first else "stops"
-    try:
-        report, losses = _train(seed, steps, out / f"seed-{seed}-skip", "skip")
-        skipped = sum(1 for a in report.actions if a["action"] == "skip")
-        skip = f"{skipped} -> {_final(losses)}"
-    except NanguardError as exc:
-        # Skipping never loops: once the model itself is non-finite it escalates to a stop.
-        step = next((a["step"] for a in exc.report.actions if a["action"] == "give_up"), None)
-        skip = f"gave up@{step}"
-    try:
-        report, losses = _train(seed, steps, out / f"seed-{seed}-rollback", "rollback")
-        n = sum(1 for a in report.actions if a["action"] == "rollback")
-        k = sum(1 for a in report.actions if a["action"] == "skip")
-        rolled = f"{k} skip, {n} rollback -> {_final(losses)}"
-    except NanguardError:
-        rolled = "gave up"
-    return raised, skip, rolled
+    outcomes: list[tuple[str, float]] = []
+    for policy in ("skip", "rollback"):
+        try:
+            report, losses = _train(seed, steps, out / f"seed-{seed}-{policy}", policy)
+            k = sum(1 for a in report.actions if a["action"] == "skip")
+            n = sum(1 for a in report.actions if a["action"] == "rollback")
+            final = _final(losses)
+            outcomes.append((f"{k}s {n}r -> {final:.2g}", final))
+        except NanguardError as exc:
+            # Never a loop: when recovering cannot heal, the policy gives up with the report.
+            step = next((a["step"] for a in exc.report.actions if a["action"] == "give_up"),
+                        None)
+            outcomes.append((f"gave up@{step}", math.nan))
+    return raised, outcomes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     console = Console()
     if not console.is_terminal:  # piped or captured: don't squeeze the table into 80 columns
-        console = Console(width=120)
+        console = Console(width=130)
     console.print(
         "[bold]nanguard demo[/]: MLP + LeakyReLU(0.01), SGD momentum 0.9, lr 0.05; a rare "
         f"outlier sample may start a cascade. {args.seeds} seeds x {args.steps} steps, "
@@ -134,17 +139,20 @@ def run(args: argparse.Namespace) -> int:
         "lead",
         "where (phase:module:op)",
         "raise",
-        "skip: n -> loss",
-        "rollback: n -> loss",
+        "skip -> loss",
+        "rollback -> loss",
     ):
         table.add_column(col, no_wrap=True)
     leads: list[int] = []
     failed = 0
     example: tuple[int, Report] | None = None  # the first failing seed, explained below
+    healthy: list[float] = []  # final losses of the seeds that never failed
+    recovered: list[float] = []  # ...and of the failing ones under skip and rollback
     for seed in range(args.seeds):
-        report, _ = _train(seed, args.steps, out / f"seed-{seed}")
+        report, losses = _train(seed, args.steps, out / f"seed-{seed}")
         first = report.first_nonfinite
         if first is None:
+            healthy.append(_final(losses))
             warn = "-" if report.first_warning is None else str(report.first_warning)
             table.add_row(str(seed), report.status, warn, *["-"] * 6)
             continue
@@ -152,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
         example = example or (seed, report)
         if report.lead_steps is not None:
             leads.append(report.lead_steps)
-        raised, skipped, rolled = _policy_outcomes(seed, args.steps, out)
+        raised, outcomes = _policy_outcomes(seed, args.steps, out)
+        recovered += [final for _, final in outcomes]
         table.add_row(
             str(seed),
             f"[red]{report.status}[/]",
@@ -163,18 +172,17 @@ def run(args: argparse.Namespace) -> int:
                 str(first.get(k) or "").replace("aten.", "") for k in ("phase", "module", "op")
             ).rstrip(":"),
             raised,
-            skipped,
-            rolled,
+            *(cell for cell, _ in outcomes),
         )
     console.print(table)
     console.print(
         "warn@ / nan@: step of the first warning and of the first non-finite value; "
         "lead: steps between them; where: phase, module and op where it first showed (the op "
         "from an in-process replay of the step under the op checker); raise / skip / rollback: "
-        "the same seed under those policies (skip and rollback act on the early warnings: a "
-        "spike's update is discarded, a cascade rolled back; skip stops once skipping cannot "
-        "heal), "
-        "with the final loss and the actions taken."
+        "the same seed under those policies, with the updates skipped (s), the rollbacks (r) "
+        "and the final loss. Both act on the early warnings: a spike's update is discarded, a "
+        "cascade rolled back to a snapshot from before it began; skip escalates to a rollback "
+        "when skipping cannot heal (RecoverConfig(skip_escalation='rollback'))."
     )
     if failed:
         console.print(
@@ -182,6 +190,14 @@ def run(args: argparse.Namespace) -> int:
             f"a median of {median(leads) if leads else 0:g} steps before it "
             f"({sum(1 for x in leads if x >= 3)} of {failed} seeds warned >= 3 steps ahead)."
         )
+        if healthy:
+            low, high = min(healthy), max(healthy)
+            healed = sum(1 for v in recovered if low <= v <= high)
+            console.print(
+                f"Healed: {healed} of {len(recovered)} skip/rollback runs of the failing seeds "
+                f"end with a final loss (mean of the last {TAIL} steps) within the range of the "
+                f"{len(healthy)} seeds that never failed, [{low:.2g}, {high:.2g}]."
+            )
     else:
         console.print(f"none of {args.seeds} seeds failed; try --seeds 20")
     if example and example[1].diagnosis:

@@ -24,6 +24,12 @@ FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_NORM_LIMIT = math.sqrt(FLOAT32_MAX)
 # Healthy steps of history before a signal's median counts as a typical level (see `peak`).
 _LEVEL_MIN_STEPS = 5
+# Before `warmup_steps` of history, a spike must also be this many times the largest healthy
+# grad norm so far: a healthy run whose gradients climb steadily in its first steps (a GAN's
+# discriminator learning, an LR warm-up) never jumps 3x over all its earlier steps at once.
+_EARLY_OVER_LARGEST = 3.0
+# The run's first losses that set its initial scale for the early divergence rule.
+_EARLY_LOSS_BASE = 3
 
 
 def _log10(x: float) -> float:
@@ -282,15 +288,20 @@ class SpikeDetector(_SeriesDetector):
                     f"grad norm {x:.3g} is {ratio:.3g}x its recent median {10**med:.3g} "
                     f"(robust z {z:.1f})",
                 )
-        elif hist and 10 ** (lx - hist.largest()) >= self.config.early_spike_ratio:
+        elif (hist and 10 ** (lx - hist.median()) >= self.config.early_spike_ratio
+              and 10 ** (lx - hist.largest()) >= _EARLY_OVER_LARGEST):
             # Too little history for statistics: only the unmistakable case, a jump far above
-            # every healthy step so far (the cascade's opening spike at the end of warm-up).
-            ratio = 10 ** (lx - hist.largest())
+            # the typical healthy step so far and well above every one of them (the cascade's
+            # opening spike at the end of warm-up). The median, not the largest, is the
+            # reference: after a first spike the unstable steps that follow (10x, then 70x,
+            # then 10x...) must not become the yardstick the next spike is measured by.
+            ratio = 10 ** (lx - hist.median())
             is_spike = True
             alarms = self._fire(
                 stats, "spike", "grad_norm", x,
-                f"grad norm {x:.3g} is {ratio:.3g}x the largest of the {len(hist)} healthy "
-                f"step(s) so far ({10 ** hist.largest():.3g})",
+                f"grad norm {x:.3g} is {ratio:.3g}x the median of the {len(hist)} healthy "
+                f"step(s) so far ({10 ** hist.median():.3g}; largest "
+                f"{10 ** hist.largest():.3g})",
             )
         if not is_spike:
             hist.append(lx)
@@ -312,7 +323,9 @@ class CascadeDetector(_SeriesDetector):
         alarms: list[Alarm] = []
         for signal in self.signals:
             x = self.value(stats, signal)
-            if x is None or not math.isfinite(x) or x <= 0:
+            if x is None:
+                continue  # not measured this step (sampled activations): no news, no reset
+            if not math.isfinite(x) or x <= 0:
                 self.run[signal] = 0
                 continue
             prev = self.prev.get(signal)
@@ -375,16 +388,24 @@ class ForecastDetector(_SeriesDetector):
         self.recent: dict[str, deque[float]] = {
             s: deque(maxlen=config.cascade_steps + 1) for s in self.signals
         }
+        # The step of each value in `recent` (a sampled signal skips steps).
+        self.at: dict[str, deque[int]] = {
+            s: deque(maxlen=config.cascade_steps + 1) for s in self.signals
+        }
 
     def check(self, stats: StepStats) -> list[Alarm]:
         alarms: list[Alarm] = []
         for signal in self.signals:
             x = self.value(stats, signal)
             recent = self.recent[signal]
-            if x is None or not math.isfinite(x) or x <= 0:
+            if x is None:
+                continue  # not measured this step (sampled activations): no news, no reset
+            if not math.isfinite(x) or x <= 0:
                 recent.clear()
+                self.at[signal].clear()
                 continue
             recent.append(math.log10(x))
+            self.at[signal].append(stats.step)
             hist = self.history[signal]
             growing = len(recent) == recent.maxlen and all(
                 b - a >= math.log10(self.config.cascade_growth)
@@ -398,7 +419,9 @@ class ForecastDetector(_SeriesDetector):
             if (len(hist) < self.config.warmup_steps and not early) or (
                     hist and x < self.config.cascade_ratio * hist.median()):
                 continue
-            slope = (recent[-1] - recent[0]) / (len(recent) - 1)
+            # Per step, not per measurement: sampled signals are measured every N steps.
+            at = self.at[signal]
+            slope = (recent[-1] - recent[0]) / max(at[-1] - at[0], 1)
             # Activations overflow the dtype they are computed in (float16 under autocast).
             limit = self.limits[signal]
             if signal == "act_max" and stats.act_limit:
@@ -417,12 +440,16 @@ class ForecastDetector(_SeriesDetector):
         return alarms
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "recent": {k: list(v) for k, v in self.recent.items()}}
+        return {**super().state_dict(), "recent": {k: list(v) for k, v in self.recent.items()},
+                "at": {k: list(v) for k, v in self.at.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
+        n = self.config.cascade_steps + 1
         for k, values in state["recent"].items():
-            self.recent[k] = deque(values, maxlen=self.config.cascade_steps + 1)
+            self.recent[k] = deque(values, maxlen=n)
+            # Older states kept no steps: consecutive ones (what they assumed).
+            self.at[k] = deque(state.get("at", {}).get(k, range(len(values))), maxlen=n)
 
 
 class DivergenceDetector(_SeriesDetector):
@@ -434,6 +461,23 @@ class DivergenceDetector(_SeriesDetector):
     def __init__(self, config: DetectConfig) -> None:
         super().__init__(config)
         self.recent: deque[float] = deque(maxlen=config.divergence_steps)
+        self.first: list[float] = []  # the run's first finite losses: its initial scale
+
+    def _early(self, stats: StepStats, x: float) -> list[Alarm] | None:
+        """Before the statistics have history: the loss and the one before it both at least
+        `early_loss_ratio` x the largest of the run's first losses. The floor is the loss's
+        own initial scale, not its recent median: a GAN discriminator's 0.001 -> 0.01 is 10x
+        its median, yet far below the ~1.4 it started from. None: no verdict."""
+        if len(self.first) < _EARLY_LOSS_BASE or len(self.recent) < 2:
+            return None
+        base = max(self.first)
+        limit = self.config.early_loss_ratio * base
+        if base <= 0 or min(list(self.recent)[-2:]) < limit:
+            return None
+        return self._fire(
+            stats, "divergence", "loss", x,
+            f"loss {x:.4g} is {x / base:.3g}x the largest of the run's first "
+            f"{len(self.first)} losses ({base:.4g}), two steps in a row: early divergence")
 
     def check(self, stats: StepStats) -> list[Alarm]:
         x = stats.loss
@@ -443,6 +487,11 @@ class DivergenceDetector(_SeriesDetector):
         hist = self.history["loss"]
         alarms: list[Alarm] = []
         diverging = False
+        early_regime = len(hist) < max(self.config.warmup_steps, 2 * self.config.divergence_steps)
+        if early_regime and (early := self._early(stats, x)) is not None:
+            return early  # not added to the history: a divergence never becomes the baseline
+        if len(self.first) < _EARLY_LOSS_BASE:
+            self.first.append(x)
         if (
             len(hist) >= max(self.config.warmup_steps, 2 * self.config.divergence_steps)
             and len(self.recent) == self.recent.maxlen
@@ -476,11 +525,12 @@ class DivergenceDetector(_SeriesDetector):
         return alarms
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "recent": list(self.recent)}
+        return {**super().state_dict(), "recent": list(self.recent), "first": list(self.first)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.recent = deque(state["recent"], maxlen=self.config.divergence_steps)
+        self.first = [float(v) for v in state.get("first", [])]
 
 
 class VanishingDetector(Detector):

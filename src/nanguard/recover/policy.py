@@ -133,7 +133,8 @@ class Recovery:
         # current training step, and whether all its steps since the last capture were healthy.
         self._round: int | None = None
         self._round_ok = True
-        if cfg.policy == "rollback":
+        if cfg.policy == "rollback" or (cfg.policy == "skip"
+                                        and cfg.recover.skip_escalation == "rollback"):
             budget = cfg.recover.snapshot_budget_mb
             snapshot = SnapshotRing(
                 link.model, link.optimizer, extras={"scheduler": scheduler, "scaler": scaler},
@@ -310,6 +311,15 @@ class Recovery:
         )
         for peer in self._peers():
             peer._follow(stats.step, type(self.link.optimizer).__name__)
+
+    def escalate(self, stats: StepStats, why: str, post: bool) -> bool:
+        """`skip` cannot heal (too many skips in a row, or a bad update already applied): roll
+        back when `recover.skip_escalation` is `rollback` and say so; False otherwise (the
+        guard then gives up)."""
+        if self.rollbacker is None:
+            return False
+        self.rollback(stats, f"skipping did not heal: {why}", post)
+        return True
 
     def _peers(self) -> list[Recovery]:
         peers = _PEERS.get(self._group) if self.rollbacker is not None else None
