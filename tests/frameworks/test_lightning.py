@@ -218,7 +218,10 @@ def test_bad_options_refused_at_construction():
         NanguardCallback(policy="skipp")
 
 
-def test_several_optimizers_refused(tmp_path):
+def test_replay_with_several_optimizers_refused(tmp_path):
+    """One replay function computes one loss: with two optimizers it is refused when fit
+    starts (several optimizers are otherwise watched: test_lightning_gan.py)."""
+
     class Two(Regressor):
         def __init__(self):
             super().__init__()
@@ -231,6 +234,6 @@ def test_several_optimizers_refused(tmp_path):
             return [torch.optim.SGD(self.net[0].parameters(), lr=0.1),
                     torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
 
-    cb = NanguardCallback(out=tmp_path / "run", config=QUIET)
-    with pytest.raises(ValueError, match="exactly one optimizer"):
+    cb = NanguardCallback(out=tmp_path / "run", config=QUIET, replay=lambda b: b[0].sum())
+    with pytest.raises(ValueError, match="replay= computes one loss"):
         trainer([cb], 2).fit(Two(), loader(make_data(BATCH * 2)))

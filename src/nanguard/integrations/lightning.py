@@ -11,14 +11,22 @@ gradients exist. So the Guard is built with `hook_optimizer=False` and the callb
 step boundary itself:
 
 - `on_train_batch_start`: the batch (already on the device) -> `guard.watch(batch=...)`;
-- `on_before_backward`: the loss -> `guard.watch(loss=...)` (unscaled by the GradScaler's scale
-  and multiplied back by `accumulate_grad_batches`, so it is the value `training_step` returned);
+- `on_before_backward`: the loss (unscaled by the GradScaler's scale and multiplied back by
+  `accumulate_grad_batches`, so it is the value `training_step` returned), kept on the device
+  until the next optimizer step, whose guard gets it: under manual optimization each loss goes
+  to the optimizer stepped after its `manual_backward`;
 - `on_before_optimizer_step`: gradients final (after backward and AMP unscale, before Lightning's
   gradient clipping) -> `guard.before_update()`; `skip` removes the gradients here, so the
   clipping and the update that follow are no-ops;
 - a step post-hook on the optimizer (right after the update) -> `guard.after_update()`; when the
   GradScaler skipped the update, `on_train_batch_end` does it instead;
 - `on_fit_end` / `on_exception`: `guard.close()` (report.json, summary).
+
+Several optimizers (a GAN under manual optimization): one Guard per optimizer, each watching the
+smallest submodule that holds its parameters (the generator, the discriminator), recording into
+`OUT/optimizer-N/`; the guards are coupled (under `rollback` they roll back together) and their
+reports merged into `OUT/report.json`, whose `first_nonfinite.part` names the optimizer that saw
+the earliest non-finite value and `run.parts` its module.
 
 Under multi-process training (DDP) every rank runs its own guard in `OUT/rank-R/` and the guard's
 decisions are agreed across ranks (one int32 all-reduce), so all ranks skip in the same step;
@@ -30,10 +38,14 @@ Nothing here is imported by `import nanguard`; importing this module imports Lig
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from nanguard.guard import Guard
 from nanguard.integrations.options import check_options, guard_setup
@@ -49,8 +61,9 @@ except ImportError:  # pragma: no cover - depends on what is installed
         Trainer,
     )
 
+
 class NanguardCallback(Callback):
-    """Watches the LightningModule and its optimizer every optimizer step.
+    """Watches the LightningModule and each of its optimizers every optimizer step.
 
     Args:
         policy: `observe` (default), `raise`, `skip` or `rollback` (see `nanguard.Guard`).
@@ -59,16 +72,17 @@ class NanguardCallback(Callback):
             records into `out/rank-R/`.
         **options: the Guard's other options: `activations`, `replay` (`replay(batch) ->
             loss`, e.g. `lambda b: module.training_step(b, 0)` when it only computes the
-            loss), `scheduler` and `scaler` (default: the Trainer's first LR scheduler and its
-            precision plugin's GradScaler), `config` (a `GuardConfig`).
+            loss; one optimizer only), `scheduler` and `scaler` (default: the Trainer's LR
+            scheduler of each optimizer and its precision plugin's GradScaler), `config` (a
+            `GuardConfig`).
 
     Raises:
         ValueError: at construction, on an unknown option, policy or config field; when fit
-            starts, on several optimizers (one Guard watches one optimizer) or on a
-            multi-process run without `out`.
+            starts, on a multi-process run without `out` or `replay` with several optimizers.
 
-    After fit, `report` holds the Report (on rank 0 under DDP: the merged one) and `guard`
-    the Guard (None before fit starts and in the main process of `ddp_spawn`).
+    After fit, `report` holds the Report (merged over optimizers, and on rank 0 under DDP over
+    ranks), `guards` one Guard per optimizer (in the Trainer's order) and `guard` the first
+    (None before fit starts and in the main process of `ddp_spawn`).
     """
 
     def __init__(self, policy: str | None = None, out: str | Path | None = None,
@@ -77,89 +91,133 @@ class NanguardCallback(Callback):
         self.policy = policy
         self.out = out
         self.options = options
-        self.guard: Guard | None = None
+        self.guards: list[Guard] = []
         self.report: Report | None = None
-        self._state: dict[str, Any] | None = None  # loaded before the guard exists
-        self._in_step = False  # before_update ran, after_update not yet
-        self._handle: Any = None
+        self._by_opt: dict[int, Guard] = {}  # id(optimizer) -> its guard
+        self._labels: list[str] = []  # each guard's part label and module, for the merge
+        self._modules: list[str] = []
+        self._folder: Path | None = None  # where the merged report goes (several guards)
+        self._merged_summary = False
+        self._state: dict[str, Any] | None = None  # loaded before the guards exist
+        self._loss: torch.Tensor | None = None  # losses since the last optimizer step
+        self._open: Guard | None = None  # before_update ran, after_update not yet
+        self._order: list[Guard] = []  # guards in the order their optimizers first stepped
+        self._handles: list[Any] = []
         self._world = 1
         self._rank = 0
 
-    # ------------------------------------------------------------------ building the guard
+    @property
+    def guard(self) -> Guard | None:
+        """The first optimizer's guard (the only one, usually)."""
+        return self.guards[0] if self.guards else None
+
+    # ------------------------------------------------------------------ building the guards
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Runs once fit starts, after the strategy set up the optimizers (and, under DDP, the
-        process group), before a checkpoint's optimizer state is restored: builds the Guard."""
-        if self.guard is not None:
+        process group), before a checkpoint's optimizer state is restored: builds one Guard
+        per optimizer."""
+        if self.guards:
             return
         optimizers = list(trainer.optimizers)
-        if len(optimizers) != 1:
-            raise ValueError(
-                f"NanguardCallback watches exactly one optimizer, the Trainer has "
-                f"{len(optimizers)}; use nanguard.Guard(module, opt, hook_optimizer=False) per "
-                "optimizer with before_update()/after_update() in manual optimization")
-        optimizer = optimizers[0]
+        if not optimizers:
+            return
+        if len(optimizers) > 1 and "replay" in self.options:
+            raise ValueError("replay= computes one loss: it cannot serve several optimizers; "
+                             "leave it out (each optimizer still gets its own guard)")
         self._world, self._rank = trainer.world_size, trainer.global_rank
         opts = dict(self.options)
         out, cfg = guard_setup(self.out, opts.pop("config", None), self._world, self._rank,
                                self._state, "NanguardCallback")
-        if "scheduler" not in opts and trainer.lr_scheduler_configs:
-            opts["scheduler"] = trainer.lr_scheduler_configs[0].scheduler
-        if "scaler" not in opts:
-            opts["scaler"] = getattr(trainer.precision_plugin, "scaler", None)
-        guard = Guard(pl_module, optimizer, policy=self.policy, out=out, config=cfg,
-                      hook_optimizer=False, **opts)
-        guard.run_entry = "lightning"
-        self.guard = guard
+        several = len(optimizers) > 1
+        if several:
+            self._folder = Path(out) if out is not None else Path("nanguard_runs") / (
+                time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
+            # one summary for the run: the merged one, printed by rank 0
+            self._merged_summary = cfg.record.summary and self._rank == 0
+            cfg.record = dataclasses.replace(cfg.record, summary=False)
+        scaler = opts.pop("scaler", getattr(trainer.precision_plugin, "scaler", None))
+        given = opts.pop("scheduler", None)
+        for i, optimizer in enumerate(optimizers):
+            name, module = (_owner(pl_module, optimizer, optimizers) if several
+                            else ("", pl_module))
+            scheduler = given if not several or getattr(given, "optimizer", None) is optimizer \
+                else None
+            if scheduler is None:
+                scheduler = next((c.scheduler for c in trainer.lr_scheduler_configs
+                                  if getattr(c.scheduler, "optimizer", None) is optimizer), None)
+            folder = self._folder / f"optimizer-{i}" if self._folder is not None else out
+            guard = Guard(module, optimizer, policy=self.policy, out=folder, config=cfg,
+                          hook_optimizer=False, scheduler=scheduler, scaler=scaler, **opts)
+            guard.run_entry = "lightning"
+            self.guards.append(guard)
+            self._labels.append(f"optimizer-{i}")
+            self._modules.append(name or type(module).__name__)
+            self._by_opt[id(optimizer)] = guard
+            self._handles.append(optimizer.register_step_post_hook(self._after_step))
+        if several:
+            self.guards[0].couple(*self.guards[1:])
         if self._state is not None:
-            guard.load_state_dict(self._state["guard"])
+            self._load(self._state)
             self._state = None
-        self._handle = optimizer.register_step_post_hook(self._after_step)
 
     # ------------------------------------------------------------------ the step
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        """Runs before `training_step`, with the batch already on the device: fingerprints."""
-        if self.guard is not None:
-            self.guard.watch(batch=batch)
+        """Runs before `training_step`, with the batch already on the device: fingerprints
+        (every optimizer's guard: each step of this batch trains on it)."""
+        for guard in self.guards:
+            if not guard.closed:
+                guard.watch(batch=batch)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule,
                            loss: torch.Tensor) -> None:
         """Runs right before `backward` with the loss Lightning back-propagates: scaled by the
-        GradScaler and divided by `accumulate_grad_batches`; both undone on the device."""
-        if self.guard is None:
+        GradScaler and divided by `accumulate_grad_batches`; both undone on the device. Kept
+        for the next optimizer step (a non-finite one is never hidden by a later one)."""
+        if not self.guards:
             return
-        value = loss.detach()
+        value = loss.detach().reshape(-1)[:1].double()
         scale = getattr(getattr(trainer.precision_plugin, "scaler", None), "_scale", None)
         if isinstance(scale, torch.Tensor):
             value = value / scale.to(value.device)
         if pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1:
             value = value * trainer.accumulate_grad_batches
-        self.guard.watch(loss=value)
+        if self._loss is not None and self._loss.device == value.device:
+            value = torch.where(torch.isfinite(self._loss), value, self._loss)
+        self._loss = value
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
         """Runs after the closure (training_step + backward) and the AMP unscale, before
-        gradient clipping and the update: the guard reads, detects and decides here."""
-        if self.guard is None or self.guard.closed:
+        gradient clipping and the update: that optimizer's guard reads, detects and decides
+        here."""
+        guard = self._by_opt.get(id(optimizer))
+        if guard is None or guard.closed:
             return
-        self._in_step = True
-        self.guard.before_update()
+        if self._loss is not None:
+            guard.watch(loss=self._loss)
+            self._loss = None
+        self._open = guard
+        if guard not in self._order:
+            self._order.append(guard)
+        guard.before_update()
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """Step post-hook of the optimizer: right after the update."""
-        if self._in_step and self.guard is not None:
-            self._in_step = False
-            self.guard.after_update()
+        """Step post-hook of each optimizer: right after the update."""
+        self._finish_step()
+
+    def _finish_step(self) -> None:
+        guard, self._open = self._open, None
+        if guard is not None:
+            guard.after_update()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         """Runs after the optimizer step and the per-step LR scheduler step. Closes the step
         when the optimizer did not run (the GradScaler skipped an overflow step)."""
-        if self._in_step and self.guard is not None:
-            self._in_step = False
-            self.guard.after_update()
+        self._finish_step()
 
     # ------------------------------------------------------------------ the end
 
@@ -173,47 +231,107 @@ class NanguardCallback(Callback):
         self._close(*ending.classify(exception))
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Runs last in every stage; closes a guard left open (never raises)."""
-        if stage == "fit" and self.guard is not None and not self.guard.closed:
+        """Runs last in every stage; closes guards left open (never raises)."""
+        if stage == "fit" and any(not g.closed for g in self.guards):
             self._close("ok", None)
 
     def _close(self, ended: str, error: str | None) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-        guard = self.guard
-        if guard is None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if not self.guards:
             return
-        already = guard.closed
-        report = guard.close(ended, error)
-        self.report = report
-        if already or self._world <= 1 or self._rank != 0 or self.out is None:
+        already = all(g.closed for g in self.guards)
+        reports = [g.close(ended, error) for g in self.guards]
+        self.report = reports[0]
+        if already:
             return
         from nanguard.integrations.merge import collect_rank_reports, merge_reports
 
-        parts, missing = collect_rank_reports(Path(self.out), self._world)
-        merged = merge_reports(parts, {"folder": str(self.out), "world_size": self._world,
-                                       "missing_ranks": missing, "entry": "lightning"})
-        merged.write(Path(self.out))
-        self.report = merged
+        if self._folder is not None:  # several optimizers: one report over them
+            for report, guard in zip(reports, self.guards, strict=True):
+                report.run["folder"] = str(guard.folder)
+            # At the same step and phase the optimizer that steps first in a batch saw it
+            # first (a GAN's generator step, then the discriminator's on its output).
+            timed = sorted(zip(self._labels, reports, self.guards, strict=True),
+                           key=lambda p: self._rank_in_time(p[2]))
+            merged = merge_reports([(label, r) for label, r, _ in timed],
+                                   {"folder": str(self._folder), "entry": "lightning"})
+            for label, module in zip(self._labels, self._modules, strict=True):
+                merged.run["parts"][label]["module"] = module
+            merged.write(self._folder)
+            self.report = merged
+        if self._world > 1 and self._rank == 0 and self.out is not None:
+            parts, missing = collect_rank_reports(Path(self.out), self._world)
+            merged = merge_reports(parts, {"folder": str(self.out), "world_size": self._world,
+                                           "missing_ranks": missing, "entry": "lightning"})
+            merged.write(Path(self.out))
+            self.report = merged
+        if self._merged_summary:
+            self._print_merged(self.report)
+
+    def _rank_in_time(self, guard: Guard) -> int:
+        return self._order.index(guard) if guard in self._order else len(self._order)
+
+    def _print_merged(self, report: Report) -> None:
+        from nanguard.show.summary import print_summary
+
+        print_summary(report, parts_history={label: g.history for label, g in
+                                             zip(self._labels, self.guards, strict=True)})
 
     # ------------------------------------------------------------------ resume
 
     def state_dict(self) -> dict[str, Any]:
-        """Saved in Lightning checkpoints: the guard's state and its run folder."""
-        if self.guard is None or self.guard.error is not None:
+        """Saved in Lightning checkpoints: each guard's state (plain data: the checkpoint
+        loads with `weights_only=True`) and the run folder."""
+        if not self.guards or any(g.error is not None for g in self.guards):
             return {}
-        folder = self.guard.folder
-        return {"guard": self.guard.state_dict(),
-                "folder": str(folder) if folder is not None and self._world <= 1 else None}
+        folder = self._folder or self.guards[0].folder
+        state: dict[str, Any] = {
+            "folder": str(folder) if folder is not None and self._world <= 1 else None}
+        if len(self.guards) == 1:
+            state["guard"] = self.guards[0].state_dict()
+        else:
+            state["guards"] = [g.state_dict() for g in self.guards]
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Called by a Trainer resuming from a checkpoint (`fit(ckpt_path=...)`), before or
-        after `on_fit_start` depending on the strategy: the guard resumes where it left off,
-        recording into the same folder (unless `out` says otherwise)."""
+        after `on_fit_start` depending on the strategy: the guards resume where they left
+        off, recording into the same folder (unless `out` says otherwise)."""
         if not state_dict:
             return
-        if self.guard is not None:
-            self.guard.load_state_dict(state_dict["guard"])
+        if self.guards:
+            self._load(state_dict)
         else:
             self._state = dict(state_dict)
+
+    def _load(self, state: dict[str, Any]) -> None:
+        states = state["guards"] if "guards" in state else [state["guard"]]
+        if len(states) != len(self.guards):
+            raise ValueError(f"the checkpoint holds {len(states)} guard state(s) for "
+                             f"{len(self.guards)} optimizer(s): it comes from another setup")
+        for guard, s in zip(self.guards, states, strict=True):
+            guard.load_state_dict(s)
+
+
+def _owner(root: nn.Module, optimizer: torch.optim.Optimizer,
+           optimizers: list[torch.optim.Optimizer]) -> tuple[str, nn.Module]:
+    """The network `optimizer` trains: the outermost submodule of `root` that holds all of its
+    parameters and none of the other optimizers' (`self.generator`, not the `Sequential`
+    inside it), with its name; `root` itself (name "") when no child qualifies."""
+    wanted = _param_ids(optimizer)
+    others = set().union(*(_param_ids(o) for o in optimizers if o is not optimizer))
+    name, module = "", root
+    while others & {id(p) for p in module.parameters()}:
+        inner = next(((n, c) for n, c in module.named_children()
+                      if wanted <= {id(p) for p in c.parameters()}), None)
+        if inner is None:
+            return "", root
+        name = f"{name}.{inner[0]}" if name else inner[0]
+        module = inner[1]
+    return name, module
+
+
+def _param_ids(optimizer: torch.optim.Optimizer) -> set[int]:
+    return {id(p) for g in optimizer.param_groups for p in g["params"]}
