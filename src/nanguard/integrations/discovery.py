@@ -51,12 +51,22 @@ from torch.nn.modules.module import (
     register_module_forward_hook,
     register_module_forward_pre_hook,
 )
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils.hooks import RemovableHandle
 
 from nanguard.config import GuardConfig, RecordConfig
 from nanguard.guard import Guard
-from nanguard.integrations.manual import ManualBoundaries, ManualStep, forked
+from nanguard.integrations.manual import ManualBoundaries, ManualStep, forked, replaying
+from nanguard.pinpoint.recorded import (
+    NotReplayable,
+    Recipe,
+    StepRecorder,
+    mark_replayed_loss,
+    replay_forward,
+)
 from nanguard.watch import loads
 
 _MAX_OUTPUTS = 32
@@ -79,6 +89,12 @@ class Watched:
     error: str | None = None
     note: str | None = None
     """A one-line remark printed with the summary (e.g. a policy that could not apply)."""
+    recipe: Recipe | str | None = None
+    """How to replay the step in progress in process (pinpoint/recorded.py), or why it cannot
+    be; set at the step's start, dropped after its update."""
+    in_process: dict[str, Any] | None = None
+    """The guard's in-process replay of the first non-finite step: `before` (the finding as
+    the watched signals gave it), `reason` when it could not run."""
 
     @property
     def manual(self) -> bool:
@@ -151,6 +167,9 @@ class Discovery:
         outputs (model output, loss module): two reductions on the device per root forward,
         read only at the end of the run (the outputs themselves are not kept)."""
         self._manual = ManualBoundaries(roots=lambda: list(self._roots.values()))
+        self.recorder = StepRecorder()
+        self._root_hooks: weakref.WeakKeyDictionary[nn.Module, RemovableHandle] = \
+            weakref.WeakKeyDictionary()
         self._start: Any = None
         self.processes_started = 0
 
@@ -161,7 +180,9 @@ class Discovery:
             register_optimizer_step_pre_hook(self._optimizer_pre),
             register_module_forward_pre_hook(self._forward_pre),
             register_module_forward_hook(self._forward_post, always_call=True),
+            register_optimizer_step_post_hook(self._optimizer_post),
         ]
+        self.recorder.install()  # before the preflight's loss wrappers (removed after them)
         original = torch.Tensor.backward
         self._backward = original
         me = weakref.ref(self)
@@ -214,7 +235,7 @@ class Discovery:
         """Every hook of this object does nothing, and `Tensor.backward` is the original one
         (the hand-written-update boundaries wrap it too), while the preflight trains its
         copies inside a step of the script."""
-        self._quiet = True
+        self._quiet = self.recorder.paused = True
         current = torch.Tensor.backward
         if self._backward is not None:
             torch.Tensor.backward = self._backward  # type: ignore[method-assign]
@@ -222,7 +243,7 @@ class Discovery:
             yield
         finally:
             torch.Tensor.backward = current  # type: ignore[method-assign]
-            self._quiet = False
+            self._quiet = self.recorder.paused = False
 
     @property
     def steps_started(self) -> int:
@@ -241,6 +262,10 @@ class Discovery:
         self._handles = []
         if self.preflight is not None:
             self.preflight.remove()
+        self.recorder.remove()
+        for h in list(self._root_hooks.values()):
+            h.remove()
+        self._root_hooks = weakref.WeakKeyDictionary()
         loads.untrack()
         if self._clip is not None:
             torch.nn.utils.clip_grad_norm_ = self._clip
@@ -291,21 +316,27 @@ class Discovery:
     # ------------------------------------------------------------------ hooks
 
     def _saw_backward(self, tensor: torch.Tensor) -> None:
-        if forked() or self._quiet:
+        if forked() or self._quiet or replaying(tensor):
             return
         if self.preflight is not None and not self.preflight.done:
             self.preflight.saw_backward(tensor)
+        self.recorder.saw_backward(tensor)
         if tensor.numel() == 1 and tensor.is_floating_point():
             self._loss = tensor.detach()
             self._loss_seq += 1
 
     def _forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if forked() or self._quiet:
+        if forked() or self._quiet or replaying():
             return
         self._depth += 1
         if self._depth != 1:
             return
         self._roots[id(module)] = module
+        if module not in self._root_hooks:
+            # Global pre-hooks are not given keyword arguments: a root's own hook is (from its
+            # next call on) what the in-process replay calls it with again.
+            self._root_hooks[module] = module.register_forward_pre_hook(self._root_call,
+                                                                        with_kwargs=True)
         if not torch.is_grad_enabled():
             return  # evaluation (`no_grad`): not a training batch
         if self.preflight is not None and not self.preflight.done:
@@ -320,11 +351,12 @@ class Discovery:
             rec.other = tensors
 
     def _forward_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if forked() or self._quiet:
+        if forked() or self._quiet or replaying():
             return
         self._depth = max(0, self._depth - 1)
         if self._depth:
             return
+        self.recorder.saw_output(module, output)
         if self.preflight is not None and not self.preflight.done and torch.is_grad_enabled():
             self.preflight.saw_root_output(module, output)
         if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
@@ -337,6 +369,13 @@ class Discovery:
             self._train_outputs = [*self._train_outputs[-3:], (type(module).__name__, flags)]
         self._outputs = [r for r in self._outputs if r() is not None][-_MAX_OUTPUTS:]
         self._outputs.append(weakref.ref(output))
+
+    def _root_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                   ) -> None:
+        """A root module's own forward pre-hook (after the global one): record the call."""
+        if (self._depth == 1 and torch.is_grad_enabled() and not self._quiet
+                and not replaying() and not forked()):
+            self.recorder.saw_call(module, args, kwargs)
 
     def _produced(self, t: torch.Tensor) -> bool:
         """`t` shares storage with a live output of a root module (e.g. `G(z).detach()`)."""
@@ -365,6 +404,7 @@ class Discovery:
             w = self._attach(optimizer)
         w.starts.append(self._steps)
         self._steps += 1
+        w.recipe = self.recorder.boundary(w.roots, closure=_closure_of(args, kwargs) is not None)
         if w.guard is None or w.guard._closed:
             return None
         result = _run_closure_first(optimizer, args, kwargs)
@@ -373,6 +413,43 @@ class Discovery:
         batch = self._take_batch(w)
         w.guard.watch(loss=loss, batch=batch)
         return result
+
+    def _optimizer_post(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        """Global step post-hook: the update is done, the step's recipe is of no more use
+        (its batch is let go)."""
+        w = self._by_opt.get(id(optimizer))
+        if w is not None and w.optimizer is optimizer:
+            w.recipe = None
+
+    def _replay(self, w: Watched, batch: Any) -> torch.Tensor:
+        """The `replay` function of `w`'s guard: the recorded step's forward and loss.
+
+        Called by the guard, before the update, at the first step whose signals went
+        non-finite (and to look for a spike's samples: refused, it replays whole steps only).
+
+        Raises:
+            NotReplayable: the step is not one the recorder can replay, or the finding is one
+                the runner pinpoints otherwise (the batch held it, or a checkpoint did).
+        """
+        guard = w.guard
+        first = guard.first_nonfinite if guard is not None else None
+        if first is not None and w.in_process is None:
+            w.in_process = {"before": dict(first)}
+        recipe = w.recipe
+        if first is not None and first.get("phase") in ("data", "checkpoint"):
+            reason = f"phase {first['phase']}: the re-run looks for it before the step"
+        elif not isinstance(recipe, Recipe):
+            reason = recipe or "no step recorded"
+        elif not recipe.matches(batch):
+            reason = "not the batch of the recorded step"
+        else:
+            with replay_forward(), torch.enable_grad():
+                loss = recipe.run()
+            mark_replayed_loss(loss)
+            return loss
+        if first is not None and w.in_process is not None:
+            w.in_process.setdefault("reason", reason)
+        raise NotReplayable(reason)
 
     def attach_unstepped(self) -> Watched | None:
         """At the end of a run that saw a non-finite value before any step was watched: a
@@ -410,7 +487,16 @@ class Discovery:
             config = dataclasses.replace(
                 config, watch=dataclasses.replace(config.watch, activations=False))
         try:
-            w.guard = Guard(model, optimizer, policy=policy, out=str(folder), config=config)
+            me = weakref.ref(self)
+
+            def replay(batch: Any) -> torch.Tensor:
+                d = me()
+                if d is None:
+                    raise NotReplayable("the run is over")
+                return d._replay(w, batch)
+
+            w.guard = Guard(model, optimizer, policy=policy, out=str(folder), config=config,
+                            replay=replay)
             w.guard.run_entry = "run"  # fixes are phrased as `nanguard run` flags
             w.guard.script_clip = self.script_clip  # type: ignore[attr-defined]
             # A script's optimizers train coupled models (a GAN): they roll back together.
@@ -471,6 +557,12 @@ class _Leaves(nn.Module):
     def parameters(self, *args: Any, **kwargs: Any) -> Any:
         for _, t in self.named_parameters():
             yield t
+
+
+def _closure_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The closure passed to `optimizer.step(closure)`, or None."""
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    return closure if callable(closure) else None
 
 
 def _run_closure_first(

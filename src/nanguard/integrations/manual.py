@@ -51,6 +51,26 @@ def forked() -> bool:
     return _forked
 
 
+class _Replay:
+    """Whether nanguard's in-process replay (pinpoint/recorded.py) is running: its forward,
+    and the loss it returned (whose `backward()` is nanguard's, not the script's)."""
+
+    def __init__(self) -> None:
+        self.forward = False
+        self.loss: weakref.ref[torch.Tensor] | None = None
+
+
+REPLAY = _Replay()
+
+
+def replaying(tensor: torch.Tensor | None = None) -> bool:
+    """A replay's forward is running, or `tensor` is the loss a replay returned: the hooks
+    that make step boundaries out of the script's forwards and backwards ignore it."""
+    if REPLAY.forward:
+        return True
+    return tensor is not None and REPLAY.loss is not None and REPLAY.loss() is tensor
+
+
 class ManualStep(torch.optim.Optimizer):
     """A no-op optimizer over tensors that the script updates itself.
 
@@ -182,7 +202,7 @@ class ManualBoundaries:
 
         def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             m = me()
-            if m is None or _forked:
+            if m is None or _forked or replaying(tensor):  # nanguard's replay: no boundary
                 return original_backward(tensor, *args, **kwargs)
             if m.enabled:  # ends the previous step: before this loss is taken
                 m._before_backward(tensor)
@@ -244,7 +264,7 @@ class ManualBoundaries:
             self._real_optimizer()
 
     def _forward_pre(self, module: nn.Module, args: Any) -> None:
-        if self._pending and not _forked:
+        if self._pending and not _forked and not replaying():
             self._end()
 
     def _before_backward(self, tensor: torch.Tensor) -> None:

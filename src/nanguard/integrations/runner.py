@@ -11,9 +11,16 @@ guard to every optimizer that steps. When the script is done:
    backward, the output of its last training forward: BCE's "all elements of input should be
    between 0 and 1", `torch.multinomial`'s "probability tensor contains either inf, nan or
    element < 0") gets that value as its finding: status `failed`, pinpointed like any other;
-2. on a non-finite value (single process), the script is re-run deterministically in a
-   subprocess (same initial RNG states) with `pinpoint.armed(step)` at the failing step, within
-   `replay_budget` seconds; its origin refines `first_nonfinite` and the diagnosis is redone;
+2. on a non-finite value, the origin op comes first from the guard's in-process replay:
+   `Discovery` records each step's model call and loss by reference (pinpoint/recorded.py) and
+   the guard replays the failing step under the op checker before its update, so a failure
+   hours into a run is pinpointed where it happens (report `run.replay.status`: `in-process`).
+   When that step cannot be replayed in process (the reason goes to `run.replay.in_process`:
+   an unrecognised loss, a model called several times per step, a closure optimizer, ...) or
+   the value came from the batch (phase `data`), the script is re-run deterministically in a
+   subprocess (single process; same initial RNG states) with `pinpoint.armed(step)` at the
+   failing step, within `replay_budget` seconds; its origin refines `first_nonfinite` and the
+   diagnosis is redone;
 3. under torchrun, rank 0 merges the ranks' reports from their files (never through the
    process group, so a dead rank cannot hang it);
 4. the summary is printed (rank 0 only) and the exit code chosen: the script's own non-zero
@@ -56,6 +63,7 @@ from nanguard.config import GuardConfig, RecordConfig, WatchConfig
 from nanguard.errors import NanguardError
 from nanguard.integrations.discovery import Discovery, Watched
 from nanguard.integrations.merge import collect_rank_reports, finding_key, merge_reports
+from nanguard.pinpoint.recorded import NotReplayable
 from nanguard.record.report import REPORT_NAME, Report
 from nanguard.watch import rng
 
@@ -170,6 +178,8 @@ def run(opts: RunOptions) -> int:
         return _preflight_only(disc, outcome, live, folder)
 
     late = _late_finding(disc, outcome, rank)
+    for w in disc.watched:
+        _settle_in_process(w)
     reports = _close(disc, outcome)
     if late is not None:
         w, finding = late
@@ -178,7 +188,9 @@ def run(opts: RunOptions) -> int:
     replay: dict[str, Any] | None = None
     target = _first_failure(disc.watched, reports)
     if target is not None:
-        if world_size > 1:
+        if _found_in_process(target):
+            replay = {"status": "in-process", "step": _failing_step(target)}
+        elif world_size > 1:
             replay = {"status": "skipped", "reason": "torch.distributed: one rank cannot re-run "
                       "a multi-rank script; the watched signals name the rank and batch"}
         elif opts.replay_budget <= 0:
@@ -197,6 +209,8 @@ def run(opts: RunOptions) -> int:
                              global_step=late_step)
             if replay.get("origin"):
                 reports[target.index] = _refine(target, replay["origin"])
+        if replay["status"] != "in-process" and target.in_process:
+            replay["in_process"] = target.in_process.get("reason")
         reports[target.index].run["replay"] = {k: v for k, v in replay.items() if k != "origin"}
 
     report = _write(folder, disc.watched, reports, outcome, replay,
@@ -443,6 +457,43 @@ def _set_finding(w: Watched, finding: dict[str, Any]) -> Report:
     guard = w.guard
     assert guard is not None
     return guard.refine(finding)
+
+
+_REPLAYED_PHASES = ("forward", "loss", "backward")
+"""Phases an in-process replay of the step's forward and backward can name for good."""
+
+
+def _settle_in_process(w: Watched) -> None:
+    """After the script: keep the guard's in-process origin, or, when there is none to keep
+    (the step could not be replayed, ran clean, or did not give the same loss bit for bit), put
+    the finding back as the watched signals gave it and say why (`w.in_process["reason"]`)."""
+    info, guard = w.in_process, w.guard
+    if info is None or guard is None or guard.first_nonfinite is None:
+        return
+    first = guard.first_nonfinite
+    error = first.pop("replay_error", None)
+    if error is not None and not str(error).startswith(NotReplayable.__name__):
+        info.setdefault("reason", f"the in-process replay failed: {error}")
+    elif error is None and first.get("op") and first.get("phase") in _REPLAYED_PHASES:
+        if first.get("reproduced") is not False:
+            info["found"] = True
+            return
+        info["reason"] = ("the in-process replay did not give the step's loss bit for bit "
+                          "(state changed between the forward and the update?)")
+    info.setdefault("reason", "the in-process replay ran clean at that step")
+    if first != info["before"]:
+        guard.first_nonfinite = dict(info["before"])
+        guard.store.write_finding(guard.first_nonfinite)
+
+
+def _failing_step(w: Watched) -> int:
+    assert w.guard is not None and w.guard.first_nonfinite is not None
+    return int(w.guard.first_nonfinite["step"])
+
+
+def _found_in_process(w: Watched) -> bool:
+    return bool(w.in_process and w.in_process.get("found") and w.guard is not None
+                and w.guard.first_nonfinite is not None)
 
 
 def _first_failure(watched: list[Watched], reports: dict[int, Report]) -> Watched | None:

@@ -1,0 +1,299 @@
+"""The in-process replay of `nanguard run`: each step's forward and loss, kept by reference.
+
+A script run by `nanguard run` never hands nanguard a `replay(batch) -> loss` function, so the
+zero-code runner used to find an origin by re-running the whole script up to the failing step.
+`StepRecorder` instead records, while the script runs, what re-executing a step's forward and
+loss needs, and `Recipe.run()` is then the `replay` function the `Guard` calls at the first
+non-finite step, before the update (pinpoint/inprocess.py). What is kept per step:
+
+* the trained model's root call: the module, its positional and keyword arguments (a per-root
+  `with_kwargs` forward pre-hook: global hooks are not given the keywords), the version counters
+  of the tensors among them, the torch RNG states and the autocast state when it started;
+* the loss: the `torch.nn.functional` loss call (loss modules call these too) caught by the
+  wrappers of audit/preflight_live.py (`LOSS_FUNCTIONS`, `_find`: the same mechanism), with its
+  other arguments and how its input came from the output (the output itself, or a contiguous
+  view / reshape of it); or the output element itself when the model returns its loss;
+* which of them the `backward()` of the step took.
+
+Everything is held by reference (no copies, no device reads): the arguments until the step's
+update, the outputs and loss values only until the backward. A step is replayable only when it
+is that simple: one call of the model, one backward, of a recognised loss of that call's output,
+no closure (LBFGS), no torch.distributed, no batch changed in place since. Anything else gets a
+one-line reason and the runner falls back to re-running the script.
+
+While a replay runs, `replaying()` is true for its forward and for the `backward()` of the loss
+it returned, so that the step-boundary hooks of the runner (`Discovery`, `ManualBoundaries`)
+do not take nanguard's own forward and backward for the script's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from nanguard.audit.preflight_live import LOSS_FUNCTIONS, _find, _select, _versions, _wrap
+from nanguard.integrations.manual import REPLAY, forked, replaying
+from nanguard.watch import rng
+
+_MAX_CALLS = 8
+"""Root calls and loss calls kept per step; more than that is not a simple step anyway."""
+_AMP_DEVICES = ("cpu", "cuda")
+
+
+class NotReplayable(Exception):  # noqa: N818 - the word users read in `replay.in_process`
+    """This step cannot be replayed in process; the message says why in one line."""
+
+
+def _amp_state() -> tuple[tuple[str, torch.dtype], ...]:
+    return tuple((d, torch.get_autocast_dtype(d)) for d in _AMP_DEVICES
+                 if torch.is_autocast_enabled(d))
+
+
+@contextlib.contextmanager
+def _amp(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
+    """Autocast as it was when the call was recorded (off for the devices it was off for)."""
+    with contextlib.ExitStack() as stack:
+        for d in _AMP_DEVICES:
+            dtype = dict(state).get(d)
+            stack.enter_context(torch.autocast(d, dtype=dtype, enabled=dtype is not None))
+        yield
+
+
+def _batch_of(args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+    """The tensors `Discovery` hands the guard as the batch of a root call."""
+    return tuple(a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0)
+
+
+@dataclass(eq=False)
+class RootCall:
+    """One grad-enabled call of a root module."""
+
+    module: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    versions: list[tuple[torch.Tensor, int]]
+    rng: dict[str, Any]
+    amp: tuple[tuple[str, torch.dtype], ...]
+    output: Any = None
+    """Kept until the step's backward only (the loss input is looked up in it)."""
+
+
+@dataclass(eq=False)
+class LossCall:
+    """One `torch.nn.functional` loss whose input came from a root call's output."""
+
+    fn: Any
+    call: RootCall
+    path: tuple[Any, ...]
+    shape: tuple[int, ...] | None
+    rest: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    versions: list[tuple[torch.Tensor, int]]
+    amp: tuple[tuple[str, torch.dtype], ...]
+    result: Any = None
+    """The loss value, kept until the step's backward only (compared by identity)."""
+
+
+@dataclass(eq=False)
+class Recipe:
+    """How to compute one recorded step's loss again: call the module, take the loss."""
+
+    call: RootCall
+    loss: LossCall | None
+    path: tuple[Any, ...] = ()
+    """Without `loss`: where the loss sits in the output (a model that returns its loss)."""
+
+    def matches(self, batch: Any) -> bool:
+        """`batch` is the one the guard was handed for this step (the same tensors)."""
+        mine = _batch_of(self.call.args)
+        if batch is None:
+            return not mine
+        theirs = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        return len(theirs) == len(mine) and all(a is b for a, b in zip(theirs, mine,
+                                                                        strict=True))
+
+    def run(self) -> torch.Tensor:
+        """The step's forward and loss again, from the RNG states its forward started with.
+
+        Raises:
+            NotReplayable: a tensor of the batch or the targets changed in place since.
+        """
+        loss = self.loss
+        versions = [*self.call.versions, *(loss.versions if loss is not None else [])]
+        if any(t._version != v for t, v in versions):
+            raise NotReplayable("the script changed the batch in place after the forward")
+        rng.restore(self.call.rng)
+        with _amp(self.call.amp):
+            out = self.call.module(*self.call.args, **self.call.kwargs)
+        if loss is None:
+            return cast(torch.Tensor, _select(out, self.path))
+        x = _select(out, loss.path)
+        if loss.shape is not None:
+            x = x.reshape(loss.shape)
+        with _amp(loss.amp):
+            return cast(torch.Tensor, loss.fn(x, *loss.rest, **loss.kwargs))
+
+
+@dataclass
+class _Window:
+    """What the script did since the last step boundary."""
+
+    calls: list[RootCall] = field(default_factory=list)
+    losses: list[LossCall] = field(default_factory=list)
+    backwards: int = 0
+    target: LossCall | tuple[RootCall, tuple[Any, ...]] | None = None
+    """What the (last) backward took: a recorded loss, or (call, path) of an output element."""
+    dropped: bool = False
+
+
+class StepRecorder:
+    """Records root calls, loss calls and backwards between step boundaries (see the module
+    docstring). The runner's hooks feed it; `boundary()` turns a window into a `Recipe`.
+
+    Hooks run on the script's hot path: each does a few attribute reads and list appends, never
+    a device read or a copy.
+    """
+
+    def __init__(self) -> None:
+        self.paused = False
+        """Set while the runner is quiet (the preflight trains its copies)."""
+        self._window = _Window()
+        self._patched: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ install / remove
+
+    def install(self) -> StepRecorder:
+        """Wrap the `torch.nn.functional` losses (they pass straight through)."""
+        import torch.nn.functional as F
+
+        me = cast(Any, weakref.ref(self))  # `_wrap` calls `.done` and `._saw_loss` on it
+        for name in LOSS_FUNCTIONS:
+            original = getattr(F, name, None)
+            if original is None or name in self._patched:
+                continue
+            self._patched[name] = original
+            setattr(F, name, _wrap(name, original, me))
+        return self
+
+    def remove(self) -> None:
+        """Put the loss functions back and drop every reference (idempotent). Call it after
+        anything that wrapped them on top (the live preflight) has put them back."""
+        import torch.nn.functional as F
+
+        for name, original in self._patched.items():
+            setattr(F, name, original)
+        self._patched = {}
+        self._window = _Window()
+
+    @property
+    def done(self) -> bool:
+        """The loss wrappers' question (`preflight_live._wrap`): ignore this call?"""
+        return self.paused or forked() or replaying()
+
+    # ------------------------------------------------------------------ what the script does
+
+    def saw_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A grad-enabled root call starts (a per-root `with_kwargs` forward pre-hook)."""
+        w = self._window
+        if len(w.calls) >= _MAX_CALLS:
+            w.dropped = True
+            return
+        w.calls.append(RootCall(module, args, dict(kwargs), _versions(args, kwargs),
+                                rng.capture_step(), _amp_state()))
+
+    def saw_output(self, module: nn.Module, output: Any) -> None:
+        """A root call returned (the global forward hook, at depth 0)."""
+        for call in reversed(self._window.calls):
+            if call.module is module and call.output is None:
+                call.output = output
+                return
+
+    def _saw_loss(self, name: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  out: Any) -> None:
+        """A `torch.nn.functional` loss returned (its wrapper): where its input came from."""
+        try:
+            w = self._window
+            if not torch.is_grad_enabled() or len(w.losses) >= _MAX_CALLS:
+                return
+            kwargs = dict(kwargs)
+            x = args[0] if args else kwargs.pop("input", None)
+            if not isinstance(x, torch.Tensor) or x.grad_fn is None:
+                return
+            for call in reversed(w.calls):
+                found = _find(call.output, x) if call.output is not None else None
+                if found is None:
+                    continue
+                path, shape = found
+                if shape is not None and not (x.is_contiguous()
+                                              and _select(call.output, path).is_contiguous()):
+                    return  # a transpose or permute: not what a reshape gives back
+                rest = tuple(args[1:])
+                w.losses.append(LossCall(fn, call, path, shape, rest, kwargs,
+                                         _versions(rest, kwargs), _amp_state(), out))
+                return
+        except Exception:  # noqa: BLE001, S110 - never in the script's way
+            pass
+
+    def saw_backward(self, tensor: torch.Tensor) -> None:
+        """The script calls `tensor.backward()`: which recorded loss (or output) it is. The
+        outputs and loss values are let go afterwards."""
+        w = self._window
+        w.backwards += 1
+        w.target = next((c for c in reversed(w.losses) if c.result is tensor), None)
+        if w.target is None:
+            for call in reversed(w.calls):
+                found = _find(call.output, tensor) if call.output is not None else None
+                if found is not None and found[1] is None:
+                    w.target = (call, found[0])
+                    break
+        for call in w.calls:
+            call.output = None
+        for loss in w.losses:
+            loss.result = None
+
+    # ------------------------------------------------------------------ step boundaries
+
+    def boundary(self, roots: list[nn.Module], *, closure: bool) -> Recipe | str:
+        """An optimizer step starts: the recipe of the step that led to it, or why there is
+        none. The window starts afresh."""
+        w, self._window = self._window, _Window()
+        if closure:
+            return "the optimizer takes a closure (its forward runs inside step())"
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return "torch.distributed: a replayed backward would wait for the other ranks"
+        calls = [c for c in w.calls if any(c.module is r for r in roots)]
+        if w.dropped or len(calls) > 1:
+            return "the model is called several times in a step"
+        if not calls:
+            return ("no call of the trained model was recorded in that step (its first call, "
+                    "or parameters outside any module)")
+        if w.backwards != 1:
+            return f"{w.backwards} backward() calls in a step"
+        target = w.target
+        if isinstance(target, LossCall) and target.call is calls[0]:
+            return Recipe(calls[0], target)
+        if isinstance(target, tuple) and target[0] is calls[0]:
+            return Recipe(calls[0], None, target[1])
+        return ("the loss backpropagated is not a torch.nn.functional loss (or loss module) of "
+                "the model's output, nor an element of that output")
+
+
+@contextlib.contextmanager
+def replay_forward() -> Iterator[None]:
+    """Mark a replay's forward (and loss) as nanguard's own while it runs."""
+    REPLAY.forward = True
+    try:
+        yield
+    finally:
+        REPLAY.forward = False
+
+
+def mark_replayed_loss(loss: torch.Tensor) -> None:
+    """The replay returned `loss`: its `backward()` is nanguard's, not the script's."""
+    REPLAY.loss = weakref.ref(loss)
