@@ -116,6 +116,12 @@ class DetectConfig:
     initial scale, so a loss that fell far below it and wanders there (a GAN discriminator at
     0.001) never fires."""
 
+    saturation_every: int = 100
+    """Arm the saturation probe (`nanguard.watch.saturation`) for one step every N steps: it
+    notes sigmoid / softmax probabilities within rounding of exactly 0 or 1 that a `log`
+    consumes (the NaN of a hand-written cross-entropy, waiting to happen) and raises a
+    `saturation` warning. An armed step runs its ops through Python once; 0 disables it."""
+
     lead_window: int = 10
     """report.json's `first_warning` is the first alarm within this many steps before the first
     non-finite value (an unrelated spike long before does not count as a warning of it)."""
@@ -341,6 +347,9 @@ class GuardConfig:
                 "recover: snapshot_every and max_rollbacks must be >= 1 and "
                 "backoff_factor in (0, 1]"
             )
+        if self.detect.saturation_every < 0:
+            raise ValueError("detect.saturation_every must be >= 0 (0 disables the probe), "
+                             f"got {self.detect.saturation_every}")
         if r.skip_escalation not in ("raise", "rollback"):
             raise ValueError(f"unknown recover.skip_escalation {r.skip_escalation!r}; "
                              "use one of: raise, rollback")

@@ -14,6 +14,8 @@ ALARM_KINDS = (
     "divergence",  # the loss climbs far above its recent level
     "vanishing",  # gradients vanish against the parameters for many steps
     "amp_collapse",  # the GradScaler's scale keeps backing off: fp16 overflows at any scale
+    "saturation",  # a sigmoid/softmax probability a log consumes is about to round to 0 or 1
+    # (a warning from a sampled probe, nanguard.watch.saturation: recorded, never acted on)
 )
 
 

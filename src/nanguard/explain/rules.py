@@ -422,7 +422,10 @@ def saturated_loss(ev: Evidence) -> Cause | None:
     """Needs: origin op binary_cross_entropy (not with logits), or a log in the loss phase
     (raw-tensor code without modules counts as loss) whose input is a probability that
     saturated to 0 (all inputs within [0, 1], a zero among them). Ruled out: a log in the
-    model's forward (log_of_nonpositive), a log input outside [0, 1]."""
+    model's forward (log_of_nonpositive), a log input outside [0, 1]. A `saturation` warning
+    before the failure (the sampled probe saw probabilities a log consumes creep to within
+    rounding of 0 / 1) confirms it where the input range was not recorded."""
+    warned = [a for a in ev.alarms if a.get("kind") == "saturation"]
     if "binary_cross_entropy" in ev.op and "with_logits" not in ev.op:
         conf = 0.9
         what = "a probability saturated at 0 or 1 before the loss took its log"
@@ -432,6 +435,9 @@ def saturated_loss(ev: Evidence) -> Cause | None:
             conf = 0.92
             what = ("its input is a probability (within [0, 1]) that rounded to exactly 0: "
                     "a sigmoid / softmax saturated before the log")
+        elif not ev.inputs and warned:
+            conf = 0.9
+            what = "a log in the loss, after the saturation probe's warning"
         elif not ev.inputs:
             conf = 0.6
             what = ("a log in the loss; its input range was not recorded, so a saturated "
@@ -440,6 +446,9 @@ def saturated_loss(ev: Evidence) -> Cause | None:
             return None
     else:
         return None
+    if warned:
+        what += (f"; the saturation probe warned from step {warned[0]['step']}: "
+                 f"{warned[0]['message'].split(';')[0]}")
     return Cause(
         cause="saturated_loss",
         confidence=conf,

@@ -1,0 +1,110 @@
+"""The saturation precursor (`nanguard.watch.saturation`) on a real textbook logistic regression
+in raw tensors: `h = torch.sigmoid(X @ W + b)`,
+`cost = -(Y * torch.log(h) + (1 - Y) * torch.log(1 - h)).mean()`, plain SGD.
+
+On separable data the logits grow without bound while the loss falls smoothly; the loss turns
+NaN the first step an `h` rounds to exactly 1.0. The probe (armed one step in every
+`saturation_every`) must warn before that step, naming the sigmoid, `log(1 - p)` and the cost's
+source line. On overlapping classes the logits stay moderate: no alarm at all.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from nanguard import Guard, GuardConfig, RecordConfig
+from nanguard.config import DetectConfig
+from nanguard.detect import ALARM_KINDS
+
+
+def _logreg(separation: float, steps: int, every: int = 100) -> tuple[Guard, list[float], int]:
+    g = torch.Generator().manual_seed(0)
+    n = 64
+    X = torch.cat([torch.randn(n, 2, generator=g) + separation,
+                   torch.randn(n, 2, generator=g) - separation])
+    Y = torch.cat([torch.ones(n, 1), torch.zeros(n, 1)])
+    W = torch.zeros(2, 1, requires_grad=True)
+    b = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([W, b], lr=0.05)
+    cfg = GuardConfig(record=RecordConfig(out="", summary=False),
+                      detect=DetectConfig(saturation_every=every))
+    guard = Guard(nn.Module(), opt, config=cfg)  # raw tensors: no module holds them
+    losses: list[float] = []
+    z_max = 0.0
+    for _ in range(steps):
+        z = X @ W + b
+        h = torch.sigmoid(z)
+        cost = -(Y * torch.log(h) + (1 - Y) * torch.log(1 - h)).mean()
+        guard.watch(loss=cost)
+        losses.append(cost.item())
+        z_max = max(z_max, z.abs().max().item())
+        if not math.isfinite(losses[-1]):
+            break
+        opt.zero_grad()
+        cost.backward()
+        opt.step()
+    guard.close()
+    return guard, losses, int(z_max)
+
+
+@pytest.mark.slow
+def test_saturating_logistic_regression_warns_before_the_nan() -> None:
+    guard, losses, _ = _logreg(separation=2.0, steps=3000)
+    nan_at = next(i for i, v in enumerate(losses) if not math.isfinite(v))
+    assert nan_at > 500  # a long, smoothly falling run first
+    assert all(b <= a * 1.01 for a, b in zip(losses[:nan_at - 1], losses[1:nan_at], strict=True))
+    report = guard.report
+    assert report is not None and report.first_nonfinite is not None
+    assert report.first_nonfinite["step"] == nan_at
+    sat = [a for a in report.alarms if a["kind"] == "saturation"]
+    assert sat, report.alarms
+    assert "saturation" in ALARM_KINDS
+    first = sat[0]
+    assert first["step"] < nan_at - 100, (first["step"], nan_at)  # far ahead, not at the NaN
+    assert first["signal"] == "sigmoid"
+    assert "log(1 - p)" in first["message"] and "torch.log(1 - h)" in first["message"]
+    # Before the NaN, only the precursor spoke: nothing else had a magnitude to warn about.
+    assert {a["kind"] for a in report.alarms if a["step"] < nan_at} == {"saturation"}
+    assert guard.saturation is not None and guard.saturation.armed_steps >= nan_at // 100 - 1
+
+
+@pytest.mark.slow
+def test_healthy_logistic_regression_raises_nothing() -> None:
+    guard, losses, z_max = _logreg(separation=0.5, steps=1500)
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    assert z_max < 10  # overlapping classes: the logits stay moderate
+    report = guard.report
+    assert report is not None
+    assert report.alarms == [] and report.status == "healthy"
+    assert guard.saturation is not None and guard.saturation.armed_steps >= 14
+
+
+def test_probe_off_and_bad_setting() -> None:
+    opt = torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)
+    cfg = GuardConfig(record=RecordConfig(out="", summary=False),
+                      detect=DetectConfig(saturation_every=0))
+    guard = Guard(nn.Module(), opt, config=cfg)
+    assert guard.saturation is None
+    guard.close()
+    with pytest.raises(ValueError, match="saturation_every"):
+        GuardConfig(detect=DetectConfig(saturation_every=-1))
+
+
+def test_explain_cites_the_saturation_warning() -> None:
+    """`saturated_loss` on a log in the loss with no recorded input range: presumed (0.6)
+    alone, confirmed (0.9) by an earlier saturation warning, which the evidence cites."""
+    from nanguard.explain.evidence import Evidence
+    from nanguard.explain.rules import saturated_loss
+
+    finding = {"step": 1358, "phase": "loss", "op": "aten.log.default", "module": None}
+    alone = saturated_loss(Evidence(first_nonfinite=finding))
+    assert alone is not None and alone.confidence == 0.6
+    warning = {"step": 700, "kind": "saturation", "signal": "sigmoid", "value": 1.0,
+               "message": "sigmoid output saturating: 1 within 16 ulps of 1.0; once ..."}
+    warned = saturated_loss(Evidence(first_nonfinite=finding, alarms=[warning]))
+    assert warned is not None and warned.confidence == 0.9
+    assert "warned from step 700" in warned.evidence and "16 ulps" in warned.evidence
