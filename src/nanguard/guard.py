@@ -50,7 +50,7 @@ from nanguard.record.report import Report, build_report
 from nanguard.record.rows import write_step
 from nanguard.record.store import DB_NAME, NullStore, RunStore
 from nanguard.recover.policy import Recovery
-from nanguard.watch import loads, rng
+from nanguard.watch import loads, rng, saturation
 from nanguard.watch.activations import ActivationProbe, dtype_max
 from nanguard.watch.batch import BatchProbe
 from nanguard.watch.packet import Packet
@@ -198,6 +198,8 @@ class Guard:
         )
         self._write_params()
         self.store.write_rng(0, rng.dumps(self._step_rng))
+        # Its hooks first: it disarms before this guard's pre-hook (and any replay) runs.
+        self.saturation = saturation.attach(self)
         self._handles = [
             *([optimizer.register_step_pre_hook(self._pre_hook),
                optimizer.register_step_post_hook(self._post_hook)] if hook_optimizer else []),
@@ -340,6 +342,8 @@ class Guard:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.saturation:
+            self.saturation.remove()
         if self.act_probe:
             self.act_probe.close()
 
@@ -745,7 +749,7 @@ class Guard:
             decoded.append((p, stats, fresh))
         newest = decoded[-1][1]
         params_finite_now = not any(
-            s.startswith(("param", "optimizer")) for s in newest.nonfinite_signals()
+            s.startswith(("param", "optimizer")) for s in newest.seal()
         )
         for k, (_, stats, _) in enumerate(decoded[:-1]):
             # Older buffered steps (read_every > 1): their parameters were finite after the
@@ -797,7 +801,8 @@ class Guard:
                 # expected fp16 overflow: its inf/NaN are not this step's (nor an alarm).
                 stats.activations = {m: v for m, v in stats.activations.items()
                                      if math.isfinite(v)}
-        stats.seal()  # the values are final for this phase: scan them for non-finite once
+                stats._signals = None
+        stats.seal()  # final for this phase (decoding unseals): scan for non-finite once
         for d in self.detectors:
             if d.phase == phase:
                 alarms += d.check(stats)

@@ -18,15 +18,16 @@ from typing import Any
 
 import torch
 
-_DTENSOR: type | None
-try:  # sharded parameters (FSDP2, tensor parallel)
-    from torch.distributed.tensor import DTensor as _DTENSOR
-except ImportError:  # pragma: no cover - torch built without distributed
-    _DTENSOR = None
+from nanguard.watch.norms import NormPlan, _is_dtensor, _values, foreach_norms, local
 
 
-def _is_dtensor(t: Any) -> bool:
-    return _DTENSOR is not None and isinstance(t, _DTENSOR)
+def _any_nonfinite(norms: dict[int, float], key: str, overflowed: set[tuple[str, int]]) -> bool:
+    """Whether a norm other than a known float32 overflow is NaN or infinite. Norms are >= 0,
+    so their float64 sum (one C-level pass) is finite exactly when every norm is."""
+    if math.isfinite(sum(norms.values())):
+        return False
+    return any(not math.isfinite(v) for i, v in norms.items() if (key, i) not in overflowed)
+
 
 # Optimizer state entries that are tensors shaped like the parameter, by meaning.
 FIRST_MOMENT_KEYS = ("momentum_buffer", "exp_avg")
@@ -89,9 +90,9 @@ class StepStats:
 
     def seal(self) -> list[str]:
         """Compute `nonfinite_signals()` once and keep it until the values change again
-        (`assume_overflow` and the overflow checks unseal)."""
-        self._signals = None
-        self._signals = self.nonfinite_signals()
+        (decoding, `assume_overflow` and the overflow checks unseal)."""
+        if self._signals is None:
+            self._signals = self.nonfinite_signals()
         return self._signals
 
     @staticmethod
@@ -160,101 +161,16 @@ class StepStats:
         if self.nonfinite_grads:
             out.append("grad")
         over = self.overflow_norms
-        if any(not math.isfinite(v) for i, v in self.param_norms.items()
-               if ("param", i) not in over):
+        if _any_nonfinite(self.param_norms, "param", over):
             out.append("param")
         for key, norms in self.state_norms.items():
-            if any(not math.isfinite(v) for i, v in norms.items() if (key, i) not in over):
+            if _any_nonfinite(norms, key, over):
                 out.append(f"optimizer.{key}")
-        if any(not math.isfinite(v) for v in self.buffer_norms.values()):
+        if not math.isfinite(sum(self.buffer_norms.values())):
             out.append("buffer")
-        if any(not math.isfinite(v) for v in self.activations.values()):
+        if not math.isfinite(sum(self.activations.values())):
             out.append("activation")
         return out
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor; any other tensor as it is."""
-    return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
-
-
-_F32_NORM = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _values(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's stored values as a dense real float64 tensor (sparse: its values; complex: its
-    magnitudes), for the rare exact checks on the host."""
-    t = t.detach()
-    if t.layout != torch.strided:
-        t = t.coalesce().values()
-    return (t.abs() if t.is_complex() else t).double()
-
-
-def _plain_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Stacked float64 L2 norms of local tensors of any dtype and layout.
-
-    The common case (dense float16 / bfloat16 / float32 tensors) is one fused `_foreach_norm`
-    computed in float32 (an fp16 norm above 65504 would read as inf). Float64 and complex
-    tensors are reduced in their own precision (a float32 norm cannot be asked of them), sparse
-    gradients (`nn.Embedding(sparse=True)`) by the norm of their stored values: every dtype and
-    layout PyTorch trains in is measured.
-    """
-    if all(t.layout == torch.strided and t.dtype in _F32_NORM for t in tensors):
-        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).double()
-    groups: dict[Any, list[int]] = {}
-    for i, t in enumerate(tensors):
-        key = "sparse" if t.layout != torch.strided else t.dtype
-        groups.setdefault(key, []).append(i)
-    device = tensors[0].device
-    out = torch.empty(len(tensors), dtype=torch.float64, device=device)
-    for key, ids in groups.items():
-        if key == "sparse":
-            # Uncoalesced values may repeat an index; their norm still tells finite from not.
-            vals = [tensors[i].coalesce().values() for i in ids]
-            norms = [torch.linalg.vector_norm(v.double() if not v.is_complex() else v)
-                     for v in vals]
-        elif key in _F32_NORM:
-            norms = list(torch._foreach_norm([tensors[i] for i in ids], 2, dtype=torch.float32))
-        else:  # float64, complex: their own precision; complex norms are real
-            norms = list(torch._foreach_norm([tensors[i] for i in ids], 2))
-        out[ids] = torch.stack([n.to(device=device, dtype=torch.float64) for n in norms])
-    return out
-
-
-def foreach_norms(tensors: list[torch.Tensor], like: list[torch.Tensor] | None = None
-                  ) -> torch.Tensor:
-    """Stacked L2 norms of `tensors` (fused), on their device, as float64.
-
-    DTensors (FSDP2, tensor parallel): the norms of the local shards, combined into the norm of
-    the whole tensor by one sum-of-squares all-reduce per group of sharded mesh dimensions
-    (usually one collective per call); replicated dimensions need none. `like` gives, for plain
-    local tensors (e.g. local update differences), the DTensors whose sharding they follow.
-    Every rank must call this with the same tensors, as it does for gradients, parameters and
-    optimizer state of one optimizer.
-    """
-    specs = like if like is not None else tensors
-    dts: list[Any] = [t if _is_dtensor(t) else None for t in specs]
-    if not any(d is not None for d in dts):
-        return _plain_norms(tensors)
-    norms = _plain_norms([local(t) for t in tensors])
-    groups: dict[tuple[int, tuple[int, ...]], tuple[Any, list[int]]] = {}
-    for i, d in enumerate(dts):
-        if d is None:
-            continue
-        dims = tuple(k for k, p in enumerate(d.placements) if p.is_shard())
-        if dims:
-            groups.setdefault((id(d.device_mesh), dims), (d.device_mesh, []))[1].append(i)
-    if not groups:
-        return norms
-    import torch.distributed as dist
-
-    squares = norms.pow(2)
-    for (_, dims), (mesh, ids) in groups.items():
-        part = squares[ids]
-        for k in dims:
-            dist.all_reduce(part, group=mesh.get_group(k))
-        squares[ids] = part
-    return squares.sqrt()
 
 
 class StepProbe:
@@ -273,6 +189,23 @@ class StepProbe:
         """Floating-point buffers of the model, measured after every step."""
         self._update_buf: list[torch.Tensor] | None = None
         self._with_update = False
+        self._plan: NormPlan | None = None
+        self._plan_for: list[torch.Tensor] | None = None
+
+    def _norms(self, tensors: list[torch.Tensor], like: list[torch.Tensor] | None = None
+               ) -> torch.Tensor:
+        """`foreach_norms(tensors)`, through a `NormPlan` when the tensors are aligned with the
+        parameters and there are many small ones on the CPU."""
+        if len(tensors) == len(self.params):
+            if self._plan_for is not self.params:  # new parameters (`_sync_params`)
+                self._plan_for = self.params
+                self._plan = NormPlan(self.params) if NormPlan.worth(self.params) else None
+            if self._plan is not None:
+                norms = self._plan.norms(tensors)
+                if norms is not None:
+                    return norms
+                self._plan = None  # no longer fits: `_foreach_norm` from here on
+        return foreach_norms(tensors, like=like)
 
     def pre_step(self, snapshot_update: bool) -> tuple[torch.Tensor | None, list[int]]:
         """Runs after backward (and any clipping), before `optimizer.step()` changes anything.
@@ -282,7 +215,8 @@ class StepProbe:
         to. When `snapshot_update` is set, copies the parameters into a buffer allocated once,
         so that `post_step` can measure the update.
         """
-        idx = [i for i, p in enumerate(self.params) if p.grad is not None]
+        every = [p.grad for p in self.params]
+        idx = [i for i, g in enumerate(every) if g is not None]
         self._with_update = snapshot_update and bool(idx)
         if self._with_update:
             if self._update_buf is not None and any(
@@ -296,8 +230,8 @@ class StepProbe:
                 torch._foreach_copy_(self._update_buf, [local(p.detach()) for p in self.params])
         if not idx:
             return None, idx
-        grads = [self.params[i].grad for i in idx]
-        return foreach_norms(grads), idx  # type: ignore[arg-type]
+        grads = every if len(idx) == len(every) else [every[i] for i in idx]
+        return self._norms(grads), idx  # type: ignore[arg-type]
 
     def post_step(
         self, second_moments: bool = True
@@ -305,7 +239,7 @@ class StepProbe:
         """Runs right after `optimizer.step()`: parameter norms, optimizer-state norms (second
         moments only when `second_moments`), buffer norms and, on sampled steps, the update
         norm. Returns one float64 device tensor and its layout."""
-        parts = [foreach_norms([p.detach() for p in self.params])]
+        parts = [self._norms([p.detach() for p in self.params])]
         layout: list[tuple[str, list[int]]] = [("param", list(range(len(self.params))))]
         by_key: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
         for i, p in enumerate(self.params):
@@ -322,7 +256,7 @@ class StepProbe:
                     ids.append(i)
                     tensors.append(value)
         for key, (ids, tensors) in by_key.items():
-            parts.append(foreach_norms(tensors))
+            parts.append(self._norms(tensors))
             layout.append((key, ids))
         if self.buffers:
             parts.append(foreach_norms(self.buffers))
@@ -331,7 +265,7 @@ class StepProbe:
             assert self._update_buf is not None
             with torch.no_grad():  # in place: no transient parameter-sized allocation
                 torch._foreach_sub_(self._update_buf, [local(p.detach()) for p in self.params])
-            norms = foreach_norms(self._update_buf, like=self.params)
+            norms = self._norms(self._update_buf, like=self.params)
             parts.append(norms.double().pow(2).sum().sqrt().reshape(1))
             layout.append(("update", [0]))
         self._with_update = False
