@@ -90,11 +90,12 @@ def trace(cwd: Path, name: str, *args: str) -> Trace:
 
 
 def both(cwd: Path, name: str, *args: str,
-         prepare: Callable[[Path], object] | None = None) -> tuple[Trace, Guarded]:
+         prepare: Callable[[Path], object] | None = None,
+         options: tuple[str, ...] = ()) -> tuple[Trace, Guarded]:
     """The tracer run and the `nanguard run` of the same command, side by side (two processes
     at once: most of their time is process start-up), each in a folder of its own
     (`cwd/trace`, `cwd/guarded`) that `prepare(folder)` fills first (data files, checkpoints),
-    so that files the script writes never collide."""
+    so that files the script writes never collide. `options` go to `nanguard run`."""
     dirs = []
     for sub in ("trace", "guarded"):
         (cwd / sub).mkdir()
@@ -103,14 +104,14 @@ def both(cwd: Path, name: str, *args: str,
         dirs.append(cwd / sub)
     with ThreadPoolExecutor(2) as pool:
         traced = pool.submit(trace, dirs[0], name, *args)
-        run = pool.submit(guarded, dirs[1], name, *args)
+        run = pool.submit(guarded, dirs[1], name, *args, options=options)
         return traced.result(), run.result()
 
 
 def guarded(cwd: Path, name: str, *args: str, out: str = "run",
-            policy: str | None = None) -> Guarded:
-    """`python -m nanguard run --out DIR [--policy P] SCRIPT ARGS` in `cwd`."""
-    opts = ["--policy", policy] if policy else []
+            policy: str | None = None, options: tuple[str, ...] = ()) -> Guarded:
+    """`python -m nanguard run --out DIR [--policy P] [OPTIONS] SCRIPT ARGS` in `cwd`."""
+    opts = (["--policy", policy] if policy else []) + list(options)
     folder = cwd / out
     proc = python(["-m", "nanguard", "run", "--out", str(folder), *opts, script(name), *args],
                   cwd)
