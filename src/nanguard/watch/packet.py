@@ -40,7 +40,7 @@ class Packet:
             AssertionError: `name` is already a slot of this packet (an internal error).
         """
         assert name not in self._slots, f"slot {name!r} added twice"
-        flat = values.detach().reshape(-1)
+        flat = values if values.dim() == 1 else values.reshape(-1)  # probes hand detached values
         if flat.device != self.device:
             flat = flat.to(self.device)
         self._slots[name] = (self._size, flat.numel())

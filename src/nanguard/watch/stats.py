@@ -88,10 +88,15 @@ class StepStats:
     """`nonfinite_signals()` as of the last `seal()`: the guard seals a step once its values are
     decoded, and the detectors, the policy and the record then read it without rescanning."""
 
+    _grad_norm: float | None = field(default=None, repr=False, compare=False)
+    _param_norm: float | None = field(default=None, repr=False, compare=False)
+
     def seal(self) -> list[str]:
-        """Compute `nonfinite_signals()` once and keep it until the values change again
-        (decoding, `assume_overflow` and the overflow checks unseal)."""
+        """Compute `nonfinite_signals()` once and keep it, and the global norms once asked,
+        until the values change again (decoding, `assume_overflow` and the overflow checks
+        unseal)."""
         if self._signals is None:
+            self._grad_norm = self._param_norm = None
             self._signals = self.nonfinite_signals()
         return self._signals
 
@@ -101,12 +106,21 @@ class StepStats:
 
     @property
     def grad_norm(self) -> float:
-        """Global gradient L2 norm, computed in float64 on the host (no overflow)."""
-        return self._global(self.grad_norms)
+        """Global gradient L2 norm, computed in float64 on the host (no overflow). Once sealed,
+        computed once (the detectors, the policy and the record all ask for it)."""
+        if self._signals is None:
+            return self._global(self.grad_norms)
+        if self._grad_norm is None:
+            self._grad_norm = self._global(self.grad_norms)
+        return self._grad_norm
 
     @property
     def param_norm(self) -> float:
-        return self._global(self.param_norms)
+        if self._signals is None:
+            return self._global(self.param_norms)
+        if self._param_norm is None:
+            self._param_norm = self._global(self.param_norms)
+        return self._param_norm
 
     @property
     def momentum_norm(self) -> float | None:
