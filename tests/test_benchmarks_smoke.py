@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -36,3 +38,24 @@ def test_overhead_quick_prints_json_summary(tmp_path: Path) -> None:
         assert all(isinstance(v, float) and v > 0 for v in ratios.values())
     # The guards wrote their run folders under a temporary directory, never into the cwd.
     assert not list(tmp_path.iterdir())
+
+
+def test_frameworks_quick_prints_json_summary(tmp_path: Path) -> None:
+    """benchmarks/frameworks.py --quick: each framework with and without nanguard, one round."""
+    for pkg in ("lightning", "transformers", "accelerate"):
+        pytest.importorskip(pkg)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "frameworks.py"), "--quick"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name in ("lightning", "transformers", "accelerate"):
+        row = result[name]
+        assert row["steps_timed"] == 3
+        assert row["wall_ratio"] > 0 and row["cpu_ratio"] > 0
+    assert not list(tmp_path.iterdir())  # run folders went to a temporary directory
