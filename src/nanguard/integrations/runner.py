@@ -374,11 +374,16 @@ def _nanguard_error(exc: BaseException) -> NanguardError | None:
     return None
 
 
+_PASS_THROUGH = ("backward", "wrapper")
+"""nanguard's wrappers around torch functions the script calls: an error in them is torch's."""
+
+
 def _raised_in_nanguard(exc: BaseException, script: Path) -> bool:
     """The exception came out of nanguard's own code (its hooks), not the script's: below the
     script's first frame, the innermost frame outside torch is nanguard's. The `backward`
-    wrappers only pass autograd's errors on, and a closure nanguard runs first (LBFGS) is the
-    script's code: neither makes an error nanguard's."""
+    wrappers only pass autograd's errors on, as the `wrapper`s of the loss functions and of
+    `torch.load` pass on theirs, and a closure nanguard runs first (LBFGS) is the script's
+    code: none of these makes an error nanguard's."""
     if isinstance(exc, ValueError):
         # nanguard raises ValueError only for a user's mistake (a Guard(...) call with a
         # folder that holds a run, a misspelled setting): the script's error, not a bug.
@@ -394,7 +399,7 @@ def _raised_in_nanguard(exc: BaseException, script: Path) -> bool:
         in_script = in_script or path == target
         if in_script and torch_dir not in path.parents and not code.co_filename.startswith("<"):
             ours = package in path.parents and not any(d in path.parents for d in user_dirs)
-            if not (ours and code.co_name == "backward"):
+            if not (ours and code.co_name in _PASS_THROUGH):
                 last_is_ours = ours
         tb = tb.tb_next
     return last_is_ours
