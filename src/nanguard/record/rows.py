@@ -1,20 +1,23 @@
-"""One step's statistics as rows of the run store (a single transaction per step)."""
+"""One step's statistics handed to the run store (the hot path: plain Python data only).
+
+`write_step` runs inside the optimizer's step hooks, once per recorded step. It copies what the
+store needs out of the `StepStats` (shallow copies of its dicts, so later changes to the stats
+cannot reach the writer thread) and queues it; JSON encoding and SQL happen on the store's
+writer thread (`record/writer.py`), except for steps that must be committed at once (see
+`RunStore.write_step`).
+"""
 
 from __future__ import annotations
 
-import hashlib
-
 from nanguard.record.store import NullStore
+from nanguard.record.writer import PerParam, batch_hash
 from nanguard.watch.stats import StepStats
 
-
-def batch_hash(samples: list[int]) -> str:
-    """Fingerprint of a whole batch from its per-sample fingerprints."""
-    return hashlib.blake2b(repr(samples).encode(), digest_size=8).hexdigest()
+__all__ = ["batch_hash", "write_step"]
 
 
 def write_step(store: NullStore, stats: StepStats, n_params: int, per_parameter: bool) -> None:
-    """Write the step row, per-parameter stats, activations, batch fingerprints and alarms."""
+    """Record the step row, per-parameter stats, activations, batch fingerprints and alarms."""
     row = {
         "step": stats.step, "loss": stats.loss, "grad_norm": stats.grad_norm,
         "param_norm": stats.param_norm, "update_ratio": stats.update_ratio,
@@ -22,13 +25,13 @@ def write_step(store: NullStore, stats: StepStats, n_params: int, per_parameter:
         "nonfinite": stats.nonfinite_signals(), "skipped": stats.skipped,
         "amp_scale": stats.amp_scale, "act_limit": stats.act_limit,
     }
-    params = []
-    if per_parameter:
-        for i in range(n_params):
-            state = {k: v[i] for k, v in stats.state_norms.items() if i in v}
-            params.append((i, stats.grad_norms.get(i), stats.param_norms.get(i), state))
+    per_param: PerParam | None = None
+    if per_parameter and n_params:
+        per_param = (n_params, stats.grad_norms.copy(), stats.param_norms.copy(),
+                     {k: v.copy() for k, v in stats.state_norms.items()})
     batch = None
-    if stats.sample_hashes:
-        batch = (batch_hash(stats.sample_hashes), stats.sample_hashes, stats.nonfinite_samples)
-    store.write_step(row, params=params, activations=stats.activations, batch=batch,
-                     alarms=[a.to_dict() for a in stats.alarms])
+    if stats.sample_hashes:  # the writer computes the batch's fingerprint
+        batch = (None, list(stats.sample_hashes), list(stats.nonfinite_samples))
+    store.write_step(row, per_param=per_param,
+                     activations=stats.activations.copy() if stats.activations else None,
+                     batch=batch, alarms=[a.to_dict() for a in stats.alarms])

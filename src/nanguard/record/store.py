@@ -1,21 +1,57 @@
-"""The run store: one SQLite database per run folder, written as the run goes.
+"""The run store: one SQLite database per run folder (`run.db`, WAL journal), written as the run
+goes, off the training thread.
 
-Crash safety: WAL journal, one transaction per recorded step. A process killed with SIGKILL
-loses at most the step it was writing; the database opens and holds every completed step.
-NaN is not representable in SQLite (it is stored as NULL), so NaN is encoded as the text 'nan'
-and decoded back (infinities are stored as REAL): the record never drops a NaN point.
+What the training thread pays: `write_step` queues the step's values (plain Python data, no
+JSON, no SQL); a writer thread (`record/writer.py`) encodes and writes them in batched
+transactions, committed at least every `flush_seconds` (0.5 s) or every `flush_steps` (256)
+queued items, whichever comes first. Alarms, actions and findings are written AND committed on
+the calling thread before the call returns, after everything queued before them; so is a step
+that carries an alarm, a non-finite value or a skip, and the next step recorded after any
+alarm, action or finding.
+
+Crash-safety promise (tested by SIGKILL at random points, tests/test_crash_safe.py): a process
+killed at any point leaves a store that opens (`open_run`) and holds
+  - every step up to the last commit: at most the steps of the last `flush_seconds` (or the
+    last `flush_steps` items) before the kill are lost, never a step in the middle;
+  - every alarm, action and finding whose `write_*` call returned, and every step that
+    triggered one (a step recorded with an alarm or a non-finite value is committed before
+    `write_step` returns; an action or finding written before its step is recorded is
+    followed by that step's commit);
+  - no half-written step: one transaction holds a step's row, its per-parameter values, its
+    activations, its batch and its alarms.
+The WAL with synchronous=NORMAL survives a process crash; only a power loss may drop the last
+transactions, and the database still opens.
+
+Schema notes: NaN is stored as the text 'nan' (SQLite turns a NaN REAL into NULL), infinities
+as REAL. A step's per-parameter values are ONE row of `param_blobs` (`writer.param_blob`: one
+JSON array per parameter, 9 significant digits); `param_stats(step, param_id, grad_norm, param_norm,
+state)` is a VIEW that reads them one row per parameter (SQLite's json_each), unioned with the
+table older stores wrote (`param_stats_rows`; reopening an old store renames its table to it),
+so readers run the same SQL on old and new stores. Long runs are compacted (`record/compact.py`):
+see there for what a reader of `steps` sees, and `step_count` for the number of steps recorded.
 """
 
 from __future__ import annotations
 
-import json
-import math
+import atexit
 import os
 import sqlite3
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from nanguard.record.compact import Compactor, step_count
+from nanguard.record.writer import STEP_ROW, PerParam, StoreError, Writer, enc, from_rows
+
+__all__ = ["DB_NAME", "SCHEMA", "STEP_ROW", "NullStore", "RunStore", "StoreError",
+           "add_missing_columns", "dec", "enc", "open_run", "step_columns", "step_count"]
+
+_BLOBS = """SELECT b.step, CAST(j.key AS INTEGER), json_extract(j.value, '$[0]'),
+        json_extract(j.value, '$[1]'), json_extract(j.value, '$[2]')
+    FROM param_blobs b, json_each(b.rows) j"""
+_VIEW = "CREATE VIEW param_stats (step, param_id, grad_norm, param_norm, state) AS "
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
@@ -23,28 +59,40 @@ CREATE TABLE IF NOT EXISTS params (id INTEGER PRIMARY KEY, name TEXT, shape TEXT
 CREATE TABLE IF NOT EXISTS steps (
     step INTEGER PRIMARY KEY, time REAL, loss, grad_norm, param_norm, update_ratio,
     momentum_norm, act_max, lr, nonfinite TEXT, skipped INTEGER, amp_scale, act_limit);
-CREATE TABLE IF NOT EXISTS param_stats (
+CREATE TABLE IF NOT EXISTS param_stats_rows (
     step INTEGER, param_id INTEGER, grad_norm, param_norm, state TEXT,
     PRIMARY KEY (step, param_id));
+CREATE TABLE IF NOT EXISTS param_blobs (step INTEGER PRIMARY KEY, rows TEXT);
 CREATE TABLE IF NOT EXISTS activations (step INTEGER, module TEXT, absmax,
     PRIMARY KEY (step, module));
 CREATE TABLE IF NOT EXISTS batches (step INTEGER PRIMARY KEY, fingerprint TEXT, samples TEXT,
     nonfinite_samples TEXT);
 CREATE TABLE IF NOT EXISTS rng (step INTEGER PRIMARY KEY, state BLOB);
 CREATE TABLE IF NOT EXISTS alarms (step INTEGER, kind TEXT, signal TEXT, value, message TEXT);
+CREATE INDEX IF NOT EXISTS alarms_step ON alarms (step);
 CREATE TABLE IF NOT EXISTS actions (step INTEGER, action TEXT, detail TEXT);
+CREATE INDEX IF NOT EXISTS actions_step ON actions (step);
 CREATE TABLE IF NOT EXISTS findings (id INTEGER PRIMARY KEY, body TEXT);
-"""
+CREATE TABLE IF NOT EXISTS step_buckets (first INTEGER PRIMARY KEY, last INTEGER, n INTEGER,
+    kept INTEGER, nonfinite_steps INTEGER, skipped INTEGER, nonfinite TEXT, signals TEXT);
+CREATE TABLE IF NOT EXISTS store_state (key TEXT PRIMARY KEY, value);
+CREATE VIEW IF NOT EXISTS param_stats (step, param_id, grad_norm, param_norm, state) AS
+    SELECT step, param_id, grad_norm, param_norm, state FROM param_stats_rows
+    UNION ALL {BLOBS};
+CREATE TRIGGER IF NOT EXISTS param_stats_insert INSTEAD OF INSERT ON param_stats BEGIN
+    INSERT OR REPLACE INTO param_stats_rows
+    VALUES (NEW.step, NEW.param_id, NEW.grad_norm, NEW.param_norm, NEW.state);
+END;
+""".replace("{BLOBS}", _BLOBS)
+"""The store's tables. `param_stats` is a view of both forms of per-parameter rows (INSERTs into it
+land in `param_stats_rows`); `RunStore` makes a new store's view read `param_blobs` only (faster:
+SQLite cannot flatten a UNION ALL view under GROUP BY)."""
 
 DB_NAME = "run.db"
 
-STEP_ROW = ("step", "time", "loss", "grad_norm", "param_norm", "update_ratio", "momentum_norm",
-            "act_max", "lr", "nonfinite", "skipped", "amp_scale", "act_limit")
-"""Columns of the `steps` table. `amp_scale` (the GradScaler's loss scale) and `act_limit`
-(largest finite value of the activations' narrowest dtype, for the headroom) came later: a
-store written before them lacks them (`add_missing_columns` adds them when it is reopened for
-writing; readers check `step_columns`)."""
 _LATER_STEP_COLUMNS = ("amp_scale", "act_limit")
+"""`steps` columns that came later: a store written before them lacks them (`add_missing_columns`
+adds them when it is reopened for writing; readers check `step_columns`)."""
 
 
 def step_columns(db: sqlite3.Connection) -> set[str]:
@@ -60,13 +108,19 @@ def add_missing_columns(db: sqlite3.Connection) -> None:
             db.execute(f"ALTER TABLE steps ADD COLUMN {col}")
 
 
-def enc(x: float | None) -> float | str | None:
-    """Encode a float for SQLite without losing NaN."""
-    if x is None:
-        return None
-    if math.isnan(x):
-        return "nan"
-    return x
+def _upgrade(db: sqlite3.Connection) -> None:
+    """A store written before `param_blobs` has a real `param_stats` table: it becomes
+    `param_stats_rows`, read through the view like before."""
+    kind = db.execute("SELECT type FROM sqlite_master WHERE name = 'param_stats'").fetchone()
+    if kind and kind[0] == "table":
+        db.execute("ALTER TABLE param_stats RENAME TO param_stats_rows")
+
+
+def _blob_view(db: sqlite3.Connection) -> None:
+    """A store without one-row-per-parameter rows reads `param_stats` from `param_blobs` only."""
+    if db.execute("SELECT 1 FROM param_stats_rows LIMIT 1").fetchone() is None:
+        db.execute("DROP VIEW param_stats")  # and its INSERT trigger
+        db.execute(_VIEW + _BLOBS)
 
 
 def dec(x: Any) -> float | None:
@@ -80,6 +134,7 @@ class NullStore:
     """Records nothing: used when recording is off, so callers never test `if store:`."""
 
     path: Path | None = None
+    error: BaseException | None = None
 
     def write_meta(self, **values: Any) -> None: ...
     def write_params(self, names: list[tuple[str, tuple[int, ...], int]]) -> None: ...
@@ -88,25 +143,45 @@ class NullStore:
         row: dict[str, Any],
         *,
         params: Sequence[tuple[int, float | None, float | None, dict[str, float]]] = (),
+        per_param: PerParam | None = None,
         activations: dict[str, float] | None = None,
-        batch: tuple[str, list[int], list[int]] | None = None,
+        batch: tuple[str | None, list[int], list[int]] | None = None,
         alarms: Sequence[dict[str, Any]] = (),
     ) -> None: ...
     def write_alarm(self, alarm: dict[str, Any]) -> None: ...
     def write_action(self, step: int, action: str, detail: str) -> None: ...
     def write_rng(self, step: int, state: bytes) -> None: ...
     def write_finding(self, body: dict[str, Any]) -> None: ...
+    def flush(self) -> None: ...
     def close(self) -> None: ...
 
 
 class RunStore(NullStore):
-    """Writes one run's record into `folder/run.db`.
+    """Writes one run's record into `folder/run.db` (see the module docstring for when what is
+    committed).
+
+    Errors: a failure of the background writer never raises on its thread; it is kept in
+    `error`, writing stops, and the next `write_*` or `flush()` call raises `StoreError` on the
+    calling thread (the Guard's fail-open path then stands nanguard down, status degraded).
+    `close()` never raises: it prints one line to stderr if the store had failed.
 
     Args:
         folder: the run folder; created if missing. Raises ValueError if it cannot be written.
+        flush_steps: commit once this many items are queued...
+        flush_seconds: ...or this long after the last commit, whichever comes first.
+        keep_recent: compaction leaves the last `keep_recent` steps at full resolution
+            (negative: never compact).
+        bucket: steps per compacted bucket.
+        window: steps kept at full resolution on each side of an alarm, action or finding.
     """
 
-    def __init__(self, folder: str | os.PathLike[str]) -> None:
+    FLUSH_STEPS = 256
+    FLUSH_SECONDS = 0.5
+    """The defaults of `flush_steps` / `flush_seconds` (the crash-safety promise's bounds)."""
+
+    def __init__(self, folder: str | os.PathLike[str], *, flush_steps: int = FLUSH_STEPS,
+                 flush_seconds: float = FLUSH_SECONDS, keep_recent: int = 10_000,
+                 bucket: int = 1000, window: int = 50) -> None:
         self.folder = Path(folder)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -123,108 +198,112 @@ class RunStore(NullStore):
         self.db = sqlite3.connect(self.path, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         # NORMAL in WAL mode survives a process crash (SIGKILL); only power loss may drop the
-        # last transaction, and the database still opens.
+        # last transactions, and the database still opens.
         self.db.execute("PRAGMA synchronous=NORMAL")
+        # After a checkpoint the WAL file is cut back to this size (a long run's WAL stays small).
+        self.db.execute("PRAGMA journal_size_limit=8388608")
+        _upgrade(self.db)
         self.db.executescript(SCHEMA)
         add_missing_columns(self.db)
+        _blob_view(self.db)
         self.db.commit()
+        compactor = Compactor(self.db, keep_recent=keep_recent, bucket=bucket, window=window)
+        self._writer = Writer(self.db, flush_steps=flush_steps, flush_seconds=flush_seconds,
+                              after_commit=compactor if keep_recent >= 0 else None)
+        self._sync_next = False
+        self._closed = False
+        atexit.register(self.close)  # a run that never closes still writes its last steps
+
+    @property
+    def error(self) -> BaseException | None:  # type: ignore[override]
+        """The first error the store hit while writing (None while it writes)."""
+        return self._writer.error
 
     def write_meta(self, **values: Any) -> None:
-        with self.db:
-            self.db.executemany(
-                "INSERT OR REPLACE INTO meta VALUES (?, ?)",
-                [(k, json.dumps(v)) for k, v in values.items()],
-            )
+        """Write run metadata and commit before returning."""
+        self._writer.write_now(("meta", values))
 
     def write_params(self, names: list[tuple[str, tuple[int, ...], int]]) -> None:
-        with self.db:
-            self.db.executemany(
-                "INSERT OR REPLACE INTO params VALUES (?, ?, ?, ?)",
-                [(i, n, json.dumps(list(s)), k) for i, (n, s, k) in enumerate(names)],
-            )
+        """Write the parameter table (name, shape, numel by index) and commit before returning."""
+        self._writer.write_now(("params", names))
 
     def write_step(
         self,
         row: dict[str, Any],
         *,
         params: Sequence[tuple[int, float | None, float | None, dict[str, float]]] = (),
+        per_param: PerParam | None = None,
         activations: dict[str, float] | None = None,
-        batch: tuple[str, list[int], list[int]] | None = None,
+        batch: tuple[str | None, list[int], list[int]] | None = None,
         alarms: Sequence[dict[str, Any]] = (),
     ) -> None:
-        """Write everything about one step in a single transaction."""
-        step = row["step"]
-        with self.db:
-            self.db.execute(
-                f"INSERT OR REPLACE INTO steps ({', '.join(STEP_ROW)}) "
-                f"VALUES ({', '.join('?' * len(STEP_ROW))})",
-                (
-                    step,
-                    time.time(),
-                    enc(row.get("loss")),
-                    enc(row.get("grad_norm")),
-                    enc(row.get("param_norm")),
-                    enc(row.get("update_ratio")),
-                    enc(row.get("momentum_norm")),
-                    enc(row.get("act_max")),
-                    enc(row.get("lr")),
-                    json.dumps(row.get("nonfinite", [])),
-                    int(row.get("skipped", False)),
-                    enc(row.get("amp_scale")),
-                    enc(row.get("act_limit")),
-                ),
-            )
-            if params:
-                self.db.executemany(
-                    "INSERT OR REPLACE INTO param_stats VALUES (?,?,?,?,?)",
-                    [
-                        (step, pid, enc(g), enc(p), json.dumps({k: _jf(v) for k, v in s.items()}))
-                        for pid, g, p, s in params
-                    ],
-                )
-            if activations:
-                self.db.executemany(
-                    "INSERT OR REPLACE INTO activations VALUES (?,?,?)",
-                    [(step, m, enc(v)) for m, v in activations.items()],
-                )
-            if batch is not None:
-                fp, samples, bad = batch
-                self.db.execute(
-                    "INSERT OR REPLACE INTO batches VALUES (?,?,?,?)",
-                    (step, fp, json.dumps(samples), json.dumps(bad)),
-                )
-            for a in alarms:
-                self._insert_alarm(a)
+        """Record one step; its row, per-parameter values, activations, batch and alarms are
+        written in one transaction.
 
-    def _insert_alarm(self, a: dict[str, Any]) -> None:
-        self.db.execute(
-            "INSERT INTO alarms VALUES (?,?,?,?,?)",
-            (a["step"], a["kind"], a["signal"], enc(a["value"]), a["message"]),
-        )
+        Queued for the writer thread, except a step with alarms, a non-finite value or a skip,
+        and the first step recorded after an alarm, action or finding: those are written and
+        committed before this returns. The caller must not change the containers it passes
+        afterwards (the writer reads them later); `rows.write_step` passes copies.
+
+        Args:
+            row: the `steps` columns (`step` required; missing ones are NULL).
+            params: older form of `per_param`: one (index, grad norm, param norm, state norms)
+                per parameter.
+            per_param: (n, grad norms, param norms, {state key: norms}), by parameter index.
+            activations: module name -> activation abs-max.
+            batch: (fingerprint or None to compute it, per-sample fingerprints, indices of the
+                non-finite samples).
+            alarms: the step's alarms (`Alarm.to_dict()`).
+        """
+        item = ("step", row, time.time(), per_param if per_param is not None or not params
+                else from_rows(params), activations, batch, alarms)
+        if alarms or row.get("nonfinite") or row.get("skipped") or self._sync_next:
+            self._sync_next = False
+            self._writer.write_now(item)
+        else:
+            self._writer.put(item)
 
     def write_alarm(self, alarm: dict[str, Any]) -> None:
-        with self.db:
-            self._insert_alarm(alarm)
+        """Write an alarm and commit (after everything queued) before returning."""
+        self._writer.write_now(("alarm", alarm))
+        self._sync_next = True
 
     def write_action(self, step: int, action: str, detail: str) -> None:
-        with self.db:
-            self.db.execute("INSERT INTO actions VALUES (?,?,?)", (step, action, detail))
-
-    def write_rng(self, step: int, state: bytes) -> None:
-        with self.db:
-            self.db.execute("INSERT OR REPLACE INTO rng VALUES (?,?)", (step, state))
+        """Write an action and commit (after everything queued) before returning."""
+        self._writer.write_now(("action", step, action, detail))
+        self._sync_next = True
 
     def write_finding(self, body: dict[str, Any]) -> None:
-        with self.db:
-            self.db.execute("INSERT INTO findings (body) VALUES (?)", (json.dumps(body),))
+        """Write a finding and commit (after everything queued) before returning."""
+        self._writer.write_now(("finding", body))
+        self._sync_next = True
+
+    def write_rng(self, step: int, state: bytes) -> None:
+        """Queue the RNG state at the start of `step` (committed with the next batch, or before
+        the alarm written after it)."""
+        self._writer.put(("rng", step, state))
+
+    def flush(self) -> None:
+        """Write and commit everything queued; raises StoreError if the store has failed."""
+        self._writer.write_now()
 
     def close(self) -> None:
-        self.db.close()
-
-
-def _jf(v: float) -> float | str:
-    """JSON has no NaN/Inf: store them as strings."""
-    return v if math.isfinite(v) else str(v)
+        """Write what is queued, stop the writer thread and close the database. Idempotent;
+        never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        try:
+            self._writer.close()
+            self.db.close()
+        except Exception as exc:  # noqa: BLE001 - closing must not raise into training
+            self._writer.error = self._writer.error or exc
+        if self._writer.error is not None:
+            err = self._writer.error
+            print(f"nanguard: the run store {str(self.path)!r} stopped writing "
+                  f"({type(err).__name__}: {err}); it holds the steps committed before",
+                  file=sys.stderr)
 
 
 def open_run(folder: str | os.PathLike[str]) -> sqlite3.Connection:

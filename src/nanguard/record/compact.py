@@ -1,0 +1,161 @@
+"""Compaction: the run store stays bounded on long runs.
+
+Full resolution is kept for the last `keep_recent` steps and for `window` steps on each side of
+every alarm, action and finding. Older steps are compacted on the writer thread (after one of its
+commits, a few buckets at a time, each in its own transaction) into buckets of `bucket`
+consecutive steps (aligned at multiples of `bucket`; a bucket that contains kept steps is split
+around them). What a compacted bucket leaves:
+
+- `steps`: the rows of REAL steps only, never made-up values: the bucket's last step, its first
+  step with a non-finite value, and for every signal (loss, grad_norm, param_norm, ...) the step
+  of its smallest and of its largest finite value. A reader of `steps` sees the kept rows; a
+  plot's per-bucket min/max envelope over them is the true one. Typically 3-10 rows per bucket.
+- `step_buckets(first, last, n, kept, nonfinite_steps, skipped, nonfinite, signals)`: one row
+  per bucket: how many steps it had (`n`) and kept (`kept`), how many held a non-finite value
+  (never averaged away) and which signals (`nonfinite`, a JSON list), how many updates were
+  skipped, and `signals` = JSON {signal: [min, max, last, NaN count, inf count]} (min/max over
+  finite values; `last` with NaN/inf as strings).
+- `param_blobs` / `param_stats`: the per-parameter values of the last step, of the first
+  non-finite step and of the step with the largest grad norm.
+- `activations`, `batches`: those of the kept steps. `rng`: those of the kept steps and step 0.
+- `alarms`, `actions`, `findings`, `meta`, `params`: never compacted.
+
+The number of steps a run recorded is `step_count(db)` (`count(*)` of `steps` plus what the
+buckets dropped).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+from typing import Any
+
+SIGNALS = ("loss", "grad_norm", "param_norm", "update_ratio", "momentum_norm", "act_max", "lr",
+           "amp_scale", "act_limit")
+"""`steps` columns summarised per bucket."""
+
+_COLUMNS = ("step", *SIGNALS, "nonfinite", "skipped")
+
+
+def step_count(db: sqlite3.Connection) -> int:
+    """Steps recorded in a store: its `steps` rows plus the steps compaction removed."""
+    n = int(db.execute("SELECT count(*) FROM steps").fetchone()[0])
+    if db.execute("SELECT 1 FROM sqlite_master WHERE name = 'step_buckets'").fetchone():
+        n += int(db.execute("SELECT coalesce(sum(n - kept), 0) FROM step_buckets").fetchone()[0])
+    return n
+
+
+def _text(v: Any) -> Any:
+    """A stored value as JSON can hold it (inf as a string; 'nan' already is one)."""
+    return str(v) if isinstance(v, float) and not math.isfinite(v) else v
+
+
+class Compactor:
+    """Compacts the store's old steps; called by the writer thread under the store's lock.
+
+    Args:
+        db: the store's connection.
+        keep_recent: steps at the end of the run kept at full resolution.
+        bucket: steps per bucket.
+        window: steps kept on each side of an alarm, action or finding.
+        per_call: buckets compacted per call at most (bounds how long the lock is held).
+    """
+
+    def __init__(self, db: sqlite3.Connection, *, keep_recent: int, bucket: int, window: int,
+                 per_call: int = 4) -> None:
+        self.db = db
+        self.keep_recent = keep_recent
+        self.bucket = max(2, bucket)
+        self.window = window
+        self.per_call = per_call
+        self.next: int | None = None
+        """First step not yet considered (kept in `store_state`, so a resumed run goes on)."""
+
+    def __call__(self) -> None:
+        last = self.db.execute("SELECT max(step) FROM steps").fetchone()[0]
+        if last is None:
+            return
+        if self.next is None:
+            row = self.db.execute("SELECT value FROM store_state WHERE key = 'compacted'"
+                                  ).fetchone()
+            first = self.db.execute("SELECT min(step) FROM steps").fetchone()[0]
+            self.next = int(row[0]) if row else int(first)
+        for _ in range(self.per_call):
+            a = self.next
+            b = (a // self.bucket + 1) * self.bucket - 1
+            if b > last - self.keep_recent:
+                return
+            with self.db:
+                self._range(a, b)
+                self.db.execute("INSERT OR REPLACE INTO store_state VALUES ('compacted', ?)",
+                                (b + 1,))
+            self.next = b + 1
+
+    def _range(self, a: int, b: int) -> None:
+        """Compact the unprotected runs of steps `a..b`."""
+        rows = self.db.execute(f"SELECT {', '.join(_COLUMNS)} FROM steps "
+                               "WHERE step BETWEEN ? AND ? ORDER BY step", (a, b)).fetchall()
+        if len(rows) < 2:
+            return
+        w = self.window
+        events = [int(s) for (s,) in self.db.execute(
+            "SELECT step FROM alarms WHERE step BETWEEN ?1 AND ?2 UNION "
+            "SELECT step FROM actions WHERE step BETWEEN ?1 AND ?2 UNION "
+            "SELECT json_extract(body, '$.step') FROM findings WHERE json_valid(body) AND "
+            "json_extract(body, '$.step') BETWEEN ?1 AND ?2", (a - w, b + w)) if s is not None]
+        run: list[tuple[Any, ...]] = []
+        for r in rows:
+            if any(abs(r[0] - e) <= w for e in events):
+                self._bucket(run)
+                run = []
+            else:
+                run.append(r)
+        self._bucket(run)
+
+    def _bucket(self, run: list[tuple[Any, ...]]) -> None:
+        if len(run) < 2:
+            return
+        first, last = run[0][0], run[-1][0]
+        kept = {last}
+        bad = [r for r in run if r[-2] not in (None, "[]")]
+        nonfinite: set[str] = set()
+        for r in bad:
+            nonfinite.update(json.loads(r[-2]))
+        if bad:
+            kept.add(bad[0][0])
+        signals: dict[str, list[Any]] = {}
+        largest_grad = None
+        for j, name in enumerate(SIGNALS, start=1):
+            finite = [(r[j], r[0]) for r in run
+                      if isinstance(r[j], int | float) and math.isfinite(r[j])]
+            n_nan = sum(1 for r in run if r[j] == "nan")
+            n_inf = sum(1 for r in run if isinstance(r[j], float) and math.isinf(r[j]))
+            if not finite and not n_nan and not n_inf:
+                continue  # never measured in this bucket
+            lo = hi = None
+            if finite:
+                lo, hi = min(finite), max(finite)
+                kept.update((lo[1], hi[1]))
+                if name == "grad_norm":
+                    largest_grad = hi[1]
+            signals[name] = [lo[0] if lo else None, hi[0] if hi else None,
+                             _text(run[-1][j]), n_nan, n_inf]
+        self.db.execute(
+            "INSERT OR REPLACE INTO step_buckets VALUES (?,?,?,?,?,?,?,?)",
+            (first, last, len(run), len(kept), len(bad), sum(int(r[-1] or 0) for r in run),
+             json.dumps(sorted(nonfinite)), json.dumps(signals)))
+        keep = sorted(kept)
+        marks = ",".join("?" * len(keep))
+        for table in ("steps", "activations", "batches"):
+            self.db.execute(f"DELETE FROM {table} WHERE step BETWEEN ? AND ? "
+                            f"AND step NOT IN ({marks})", (first, last, *keep))
+        keep_rng = [*keep, 0]
+        self.db.execute(f"DELETE FROM rng WHERE step BETWEEN ? AND ? AND step NOT IN "
+                        f"({','.join('?' * len(keep_rng))})", (first, last, *keep_rng))
+        per_param = sorted({last, *([bad[0][0]] if bad else []),
+                            *([largest_grad] if largest_grad is not None else [])})
+        marks = ",".join("?" * len(per_param))
+        for table in ("param_blobs", "param_stats_rows"):
+            self.db.execute(f"DELETE FROM {table} WHERE step BETWEEN ? AND ? "
+                            f"AND step NOT IN ({marks})", (first, last, *per_param))

@@ -1,0 +1,262 @@
+"""The run store's background writer: steps are queued on the training thread and written by a
+thread of their own in batched transactions.
+
+`Writer.put` is what the hot path pays: one `deque.append` of plain Python data (no JSON, no
+SQL). The writer thread wakes every `flush_seconds`, or as soon as `flush_steps` items wait,
+encodes them (JSON, NaN-safe numbers) and writes them in ONE transaction. `Writer.write_now`
+writes the queue and one more item and commits on the calling thread before it returns: the
+run store uses it for alarms, actions, findings and the steps they concern, so their order is
+kept and they survive a SIGKILL that comes right after.
+
+Thread safety: one SQLite connection, every use of it under `Writer.lock` (the writer thread
+and `write_now` never interleave). A failure while writing (disk full, a locked or corrupt
+file, an unencodable value) never raises on the writer thread: it is kept in `Writer.error`,
+the writer stops writing, and the next `put` / `write_now` on the calling thread raises
+`StoreError` (inside the Guard's hooks, whose fail-open path stands nanguard down and marks the
+run degraded; training goes on).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sqlite3
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from itertools import chain
+from operator import itemgetter
+from typing import Any
+
+STEP_ROW = ("step", "time", "loss", "grad_norm", "param_norm", "update_ratio", "momentum_norm",
+            "act_max", "lr", "nonfinite", "skipped", "amp_scale", "act_limit")
+"""Columns of the `steps` table."""
+
+_INSERT = {
+    "steps": f"INSERT OR REPLACE INTO steps ({', '.join(STEP_ROW)}) "
+             f"VALUES ({', '.join('?' * len(STEP_ROW))})",
+    "param_blobs": "INSERT OR REPLACE INTO param_blobs VALUES (?,?)",
+    "activations": "INSERT OR REPLACE INTO activations VALUES (?,?,?)",
+    "batches": "INSERT OR REPLACE INTO batches VALUES (?,?,?,?)",
+    "rng": "INSERT OR REPLACE INTO rng VALUES (?,?)",
+    "alarms": "INSERT INTO alarms VALUES (?,?,?,?,?)",
+    "actions": "INSERT INTO actions VALUES (?,?,?)",
+    "findings": "INSERT INTO findings (body) VALUES (?)",
+    "meta": "INSERT OR REPLACE INTO meta VALUES (?, ?)",
+    "params": "INSERT OR REPLACE INTO params VALUES (?, ?, ?, ?)",
+}
+
+
+class StoreError(RuntimeError):
+    """The run store could not write; the first error is its `__cause__`."""
+
+
+def enc(x: float | None) -> float | str | None:
+    """Encode a float for SQLite without losing NaN (SQLite stores NaN as NULL)."""
+    if x is None:
+        return None
+    if math.isnan(x):
+        return "nan"
+    return x
+
+
+def batch_hash(samples: list[int]) -> str:
+    """Fingerprint of a whole batch from its per-sample fingerprints."""
+    return hashlib.blake2b(repr(samples).encode(), digest_size=8).hexdigest()
+
+
+@lru_cache(maxsize=64)
+def _template(n: int, keys: tuple[str, ...]) -> tuple[str, Callable[[dict[int, float]], Any]]:
+    """The %-format of `n` parameters' rows, and a getter of values 0..n-1 of a dict."""
+    state = ",".join(json.dumps(k).replace("%", "%%") + ":%.9g" for k in keys)
+    return ",".join(["[%.9g,%.9g,{" + state + "}]"] * n), itemgetter(*range(n))
+
+
+def _num(v: float | None, real_inf: bool) -> str:
+    if v is None:
+        return "null"
+    if math.isnan(v):
+        return '"nan"'
+    if math.isinf(v):  # 1e999 reads back as an infinite REAL (SQLite and Python alike)
+        return ("1e999" if v > 0 else "-1e999") if real_inf else f'"{v}"'
+    return f"{v:.9g}"
+
+
+PerParam = tuple[int, dict[int, float], dict[int, float], dict[str, dict[int, float]]]
+"""(number of parameters, grad norms, param norms, {state key: norms}), by parameter index."""
+
+
+def param_blob(per_param: PerParam) -> str:
+    """One step's per-parameter values as the `param_blobs.rows` JSON: one array per parameter,
+    `[grad norm, param norm, {state key: norm}]`.
+
+    Numbers have 9 significant digits (exact for the float32 norms the probes produce); a
+    missing grad or param norm is null, a missing state key is left out; NaN is the string
+    "nan"; an infinite grad/param norm is 1e999 (read back as an infinite REAL, as `enc` stores
+    it), an infinite state norm the string "inf" (as the one-row-per-parameter stores had it)."""
+    n, grads, params, states = per_param
+    if n <= 0:
+        return "[]"
+    cols = [grads, params, *states.values()]
+    fmt, get = _template(n, tuple(states))
+    try:
+        vals = [get(c) for c in cols] if n > 1 else [(get(c),) for c in cols]
+        flat = tuple(chain.from_iterable(zip(*vals, strict=True)))
+        if math.isfinite(sum(flat)):  # every value finite (a sum that overflows: slow path)
+            return f"[{fmt % flat}]"
+    except (KeyError, TypeError):  # a parameter without a value (no grad, no state)
+        pass
+    rows = []
+    for i in range(n):
+        state = ",".join(f"{json.dumps(k)}:{_num(v[i], False)}" for k, v in states.items()
+                         if i in v)
+        rows.append(f"[{_num(grads.get(i), True)},{_num(params.get(i), True)},{{{state}}}]")
+    return "[" + ",".join(rows) + "]"
+
+
+def from_rows(params: Sequence[tuple[int, float | None, float | None, dict[str, float]]]
+              ) -> PerParam:
+    """The older `params=` form (one (id, grad, param, state) tuple per parameter) as PerParam."""
+    grads = {i: g for i, g, _, _ in params if g is not None}
+    norms = {i: p for i, _, p, _ in params if p is not None}
+    states: dict[str, dict[int, float]] = {}
+    for i, _, _, s in params:
+        for k, v in s.items():
+            states.setdefault(k, {})[i] = v
+    return max(i for i, *_ in params) + 1, grads, norms, states
+
+
+def encode(items: list[tuple[Any, ...]]) -> dict[str, list[tuple[Any, ...]]]:
+    """Queued items to rows, by table."""
+    out: dict[str, list[tuple[Any, ...]]] = {k: [] for k in _INSERT}
+    for kind, *a in items:
+        if kind == "step":
+            row, when, per_param, acts, batch, alarms = a
+            step = row["step"]
+            out["steps"].append((
+                step, when, *(enc(row.get(c)) for c in STEP_ROW[2:9]),
+                json.dumps(row.get("nonfinite", [])), int(row.get("skipped", False)),
+                enc(row.get("amp_scale")), enc(row.get("act_limit"))))
+            if per_param is not None:
+                out["param_blobs"].append((step, param_blob(per_param)))
+            if acts:
+                out["activations"].extend((step, m, enc(v)) for m, v in acts.items())
+            if batch is not None:
+                fp, samples, bad = batch
+                out["batches"].append((step, fp or batch_hash(samples), json.dumps(samples),
+                                       json.dumps(bad)))
+            out["alarms"].extend(_alarm(x) for x in alarms)
+        elif kind == "alarm":
+            out["alarms"].append(_alarm(a[0]))
+        elif kind == "action":
+            out["actions"].append(tuple(a))
+        elif kind == "rng":
+            out["rng"].append(tuple(a))
+        elif kind == "finding":
+            out["findings"].append((json.dumps(a[0]),))
+        elif kind == "meta":
+            out["meta"].extend((k, json.dumps(v)) for k, v in a[0].items())
+        elif kind == "params":
+            out["params"].extend((i, n, json.dumps(list(s)), k)
+                                 for i, (n, s, k) in enumerate(a[0]))
+    return out
+
+
+def _alarm(a: dict[str, Any]) -> tuple[Any, ...]:
+    return (a["step"], a["kind"], a["signal"], enc(a["value"]), a["message"])
+
+
+class Writer:
+    """Owns the store's connection and the thread that writes it.
+
+    Args:
+        db: the open connection (`check_same_thread=False`); used only under `lock`.
+        flush_steps: wake the writer as soon as this many items are queued.
+        flush_seconds: ...or after this long, whichever comes first.
+        after_commit: called on the writer thread, under `lock`, after each of its commits
+            (the store's compaction).
+    """
+
+    def __init__(self, db: sqlite3.Connection, *, flush_steps: int, flush_seconds: float,
+                 after_commit: Callable[[], None] | None = None) -> None:
+        self.db = db
+        self.lock = threading.Lock()
+        self.error: BaseException | None = None
+        self._queue: deque[tuple[Any, ...]] = deque()
+        self._flush_steps = flush_steps
+        self._limit = 16 * flush_steps  # past this the caller writes (the writer lags behind)
+        self._flush_seconds = flush_seconds
+        self._after_commit = after_commit
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="nanguard-run-store",
+                                        daemon=True)
+        self._thread.start()
+
+    def put(self, item: tuple[Any, ...]) -> None:
+        """Queue one item (the hot path: no encoding, no SQL). Raises StoreError once the
+        writer has failed."""
+        if self.error is not None:
+            self._raise()
+        q = self._queue
+        q.append(item)
+        if len(q) >= self._flush_steps:
+            if len(q) >= self._limit:
+                self.write_now()
+            else:
+                self._wake.set()
+
+    def write_now(self, item: tuple[Any, ...] | None = None) -> None:
+        """Write the queue, then `item`, and commit, on the calling thread, before returning.
+        Raises StoreError if it (or the writer earlier) failed."""
+        with self.lock:
+            if item is not None:
+                self._queue.append(item)
+            self._drain()
+        if self.error is not None:
+            self._raise()
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the thread and write what is left (never raises; see `error`)."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+        with self.lock:
+            self._drain()
+
+    def _raise(self) -> None:
+        raise StoreError(f"the run store stopped writing ({type(self.error).__name__}: "
+                         f"{self.error})") from self.error
+
+    def _drain(self) -> None:
+        """Encode and write every queued item in one transaction (caller holds `lock`)."""
+        items = []
+        q = self._queue
+        while q:
+            items.append(q.popleft())
+        if not items or self.error is not None:
+            return
+        try:
+            rows = encode(items)
+            with self.db:
+                for table, values in rows.items():
+                    if values:
+                        self.db.executemany(_INSERT[table], values)
+        except Exception as exc:  # noqa: BLE001 - kept, re-raised on the calling thread
+            self.error = exc
+
+    def _loop(self) -> None:
+        while not self._stop:
+            self._wake.wait(self._flush_seconds)
+            self._wake.clear()
+            if self._stop:
+                return
+            with self.lock:
+                self._drain()
+                if self._after_commit is not None and self.error is None:
+                    try:
+                        self._after_commit()
+                    except Exception as exc:  # noqa: BLE001 - kept, re-raised on the caller
+                        self.error = exc
