@@ -113,6 +113,7 @@ def test_dashboard_live_update(healthy_run: Path, page: Page, tmp_path: Path) ->
     for s in range(30):
         store.write_step({"step": s, "loss": 1.0 / (s + 1), "grad_norm": 1.0, "lr": 0.1},
                          params=[(0, 1.0, 2.0, {"exp_avg": 0.1})])
+    store.flush()  # steps are committed in batches (record/store.py)
     server = serve(str(tmp_path / "runs"), 0)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
                               daemon=True)

@@ -98,9 +98,11 @@ def test_store_read_only_while_writer_open(tmp_path: Path) -> None:
     store = RunStore(tmp_path / "live")
     store.write_step({"step": 0, "loss": 1.0})
     store.write_step({"step": 1, "loss": float("nan")})
+    store.flush()  # steps are committed in batches (record/store.py)
     r = load_series(tmp_path / "live", "live")
     assert r.steps["loss"].nonfinite.tolist() == [0, 1]
     store.write_step({"step": 2, "loss": 0.5})  # the reader never blocked the writer
+    store.flush()
     assert load_series(tmp_path / "live", "live").last_step == 2
     store.close()
     assert sqlite3.connect(tmp_path / "live" / "run.db").execute(
