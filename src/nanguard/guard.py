@@ -45,6 +45,7 @@ from nanguard.detect.detectors import Detector
 from nanguard.detect.locate import locate, owner
 from nanguard.errors import NanguardError
 from nanguard.integrations import distributed
+from nanguard.policy import make_policy, wants_to_act
 from nanguard.record import ending
 from nanguard.record.report import Report, build_report
 from nanguard.record.rows import write_step
@@ -191,6 +192,7 @@ class Guard:
         self._loss_before: float | None = None  # their median when the first NaN came
         self.report: Report | None = None
         self.recovery = Recovery(self, scheduler=scheduler, scaler=scaler)
+        self.policy = make_policy(cfg.policy, cfg.acting_on, cfg.recover.max_consecutive_skips)
 
         self.store.write_meta(
             version=__version__, policy=cfg.policy, model=type(model).__name__,
@@ -824,7 +826,7 @@ class Guard:
     def _decide(self, stats: StepStats, alarms: list[Alarm], post: bool = False) -> bool:
         """This rank's verdict, agreed with every other rank under torch.distributed: all ranks
         act in the same step, or none does (one small int32 all-reduce)."""
-        act = self._should_act(stats, alarms, post)
+        act = wants_to_act(stats, alarms, self.config.acting_on, post)
         if not distributed.active():
             return act
         device = self.params[0].device if self.params else torch.device("cpu")
@@ -834,67 +836,38 @@ class Guard:
             stats.agreed_bad_rank = bad_rank
         return act
 
-    def _should_act(self, stats: StepStats, alarms: list[Alarm], post: bool = False) -> bool:
-        act_on = self.config.acting_on
-        if "nonfinite" in act_on:
-            # `data` only comes from a batch whose step the GradScaler already skipped: there
-            # is nothing left to act on.
-            signals = [s for s in stats.nonfinite_signals() if s != "data"]
-            if post:
-                signals = [s for s in signals if s.startswith(("param", "optimizer"))]
-            if signals:
-                return True
-        return any(a.kind in act_on and (a.kind, a.signal) != ("nonfinite", "data")
-                   for a in alarms)
-
     def _act(self, stats: StepStats, alarms: list[Alarm], post: bool = False) -> None:
-        """Apply the policy. Pre-step: `skip` discards the update; `raise` stops first."""
-        policy = self.config.policy
-        why = ", ".join(sorted({f"{a.kind}:{a.signal}" for a in alarms})) or ", ".join(
-            stats.nonfinite_signals()
-        )
-        if stats.agreed_bad_rank is not None:
-            why = f"{why or 'agreed'}; non-finite first on rank {stats.agreed_bad_rank}"
-        elif not why:
-            why = "another rank's alarm"
-        if policy == "skip" and not post:
-            limit = self.config.recover.max_consecutive_skips
-            if self._skips_in_row >= limit:  # skipping does not heal it: escalate
-                if self.recovery.escalate(stats, f"{limit} skips in a row ({why})", post):
-                    self._skips_in_row = 0  # recover.skip_escalation="rollback" rolled back
-                    return
-                detail = (f"{self._skips_in_row} updates discarded in a row and the next is "
-                          f"bad too ({why}); skipping does not heal this run: stopped")
-                self._action(stats.step, "give_up", detail)
-                self.stop(stats, detail)
+        """Apply what the policy stage decides for this step (see `nanguard.policy`)."""
+        d = self.policy.decide(stats, alarms, post=post, skips_in_row=self._skips_in_row)
+        if d.action == "skip":
             self.discard_update(stats)
             self._skips_in_row += 1
-            self._action(stats.step, "skip", f"update discarded ({why})")
-            return
-        acting = {a.kind for a in alarms if a.kind in self.config.acting_on}
-        nonfinite = [s for s in stats.nonfinite_signals() if s != "data"]
-        if policy == "rollback" and not post and acting <= {"spike"} and not nonfinite:
-            # A spike is seen before its update: the state is still good, and discarding the
-            # update is all it takes (no rollback, no LR change, nothing counted to give up).
+            self._action(stats.step, "skip", f"update discarded ({d.why})")
+        elif d.action == "discard_spike":
+            # The spike was seen before its update: no rollback, no LR change, nothing counted.
             self.discard_update(stats)
-            self._action(stats.step, "skip", f"update discarded ({why}): the state before it "
+            self._action(stats.step, "skip", f"update discarded ({d.why}): the state before it "
                          "is still good, no rollback needed")
-            return
-        if policy == "rollback":
-            self.recovery.rollback(stats, why, post)
-            return
-        if policy == "skip" and stats.skipped:
-            return  # this step's update was discarded already: the values were there before
-        if policy == "skip":
-            # The update itself produced the non-finite value; undoing it needs a saved copy,
-            # which is the `rollback` policy's job. Record that we could not skip it.
-            if self.recovery.escalate(stats, why, post):  # skip_escalation="rollback"
+        elif d.action == "rollback":
+            self.recovery.rollback(stats, d.why, post)
+        elif d.action == "escalate":
+            limit = self.config.recover.max_consecutive_skips
+            if self.recovery.escalate(stats, f"{limit} skips in a row ({d.why})", post):
+                self._skips_in_row = 0  # recover.skip_escalation="rollback" rolled back
                 return
-            self._action(stats.step, "none", f"non-finite after the update ({why}); cannot skip")
-            return
-        if policy == "raise":
-            self._action(stats.step, "raise", f"stopped ({why})")
-            self.stop(stats, why)
+            detail = (f"{self._skips_in_row} updates discarded in a row and the next is "
+                      f"bad too ({d.why}); skipping does not heal this run: stopped")
+            self._action(stats.step, "give_up", detail)
+            self.stop(stats, detail)
+        elif d.action == "cannot_skip":
+            # The update itself produced the non-finite value; undoing it needs a saved copy,
+            # which is the `rollback` policy's job. Record that it could not be skipped.
+            if not self.recovery.escalate(stats, d.why, post):  # skip_escalation="rollback"
+                self._action(stats.step, "none",
+                             f"non-finite after the update ({d.why}); cannot skip")
+        elif d.action == "raise":
+            self._action(stats.step, "raise", f"stopped ({d.why})")
+            self.stop(stats, d.why)
 
     def discard_update(self, stats: StepStats) -> None:
         """Make the coming `optimizer.step()` a no-op: optimizers leave a parameter whose .grad
