@@ -191,6 +191,7 @@ class Guard:
         self._recent_losses: deque[float] = deque(maxlen=20)  # finite losses, newest last
         self._loss_before: float | None = None  # their median when the first NaN came
         self.report: Report | None = None
+        self._resumed: dict[str, Any] = {}  # run log from before a resume (`load_state_dict`)
         self.recovery = Recovery(self, scheduler=scheduler, scaler=scaler)
         self.policy = make_policy(cfg.policy, cfg.acting_on, cfg.recover.max_consecutive_skips)
 
@@ -395,9 +396,60 @@ class Guard:
         self.report = report
         return report
 
+    def run_log(self) -> dict[str, Any]:
+        """What this run has seen, as plain data: the first non-finite finding, alarms, actions,
+        spikes, the steps that led into the failure (`history`, step records), the failing
+        step's batch flags, the optimizer's settings and how nanguard was started. `explain`
+        builds its evidence from it alone (`explain.context.evidence_from_log`); `state_dict`
+        carries it, so a resumed guard explains with the history from before the resume.
+
+        Set by other parts, read here with a default: `run_entry`, `script_clip` (the
+        `max_norm` of the script's own clipping, 0 when off) and `preflight`."""
+        from nanguard.detect.detectors import SpikeDetector
+
+        group = self.optimizer.param_groups[0] if self.optimizer.param_groups else {}
+        momentum = group.get("momentum")
+        if momentum is None and isinstance(group.get("betas"), (tuple, list)):
+            momentum = group["betas"][0]
+        healthy = None
+        for d in self.detectors:
+            if isinstance(d, SpikeDetector) and d.history["grad_norm"]:
+                healthy = 10 ** statistics.median(d.history["grad_norm"])
+        dtypes = {str(p.dtype) for p in self.params}
+        failing = self.failing_stats
+        name = type(self.optimizer).__name__
+        return {
+            "first_nonfinite": self.first_nonfinite,
+            "alarms": [a.to_dict() for a in self.alarms],
+            "actions": list(self.actions),
+            "spikes": list(self.spikes),
+            "optimizer": {
+                # `nanguard run`'s stand-in for hand-written updates is no optimizer the user
+                # knows.
+                "name": "your hand-written update" if name == "ManualStep" else name,
+                "lr": group.get("lr") if isinstance(group.get("lr"), (int, float)) else None,
+                "momentum": momentum if isinstance(momentum, (int, float)) else None,
+                "eps": group.get("eps") if isinstance(group.get("eps"), (int, float)) else None,
+                "dtype": dtypes.pop() if len(dtypes) == 1 else None,
+            },
+            "failing": self._resumed.get("failing") if failing is None else {
+                "step": failing.step, "lr": failing.lr,
+                "bad_tensors": list(failing.nonfinite_tensors),
+                "n_batch_tensors": failing.batch_tensors,
+            },
+            "healthy_grad_norm": healthy,
+            "history": self._resumed.get("history", []) + [s.record() for s in self.history],
+            "lead_window": self.config.detect.lead_window,
+            "script_clip": getattr(self, "script_clip", None),
+            "entry": getattr(self, "run_entry", "api"),
+            "preflight": getattr(self, "preflight", None),
+        }
+
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume watching where this guard left off."""
+        """Everything needed to resume watching where this guard left off, the run log
+        included (`run_log()`: history and failing step for a diagnosis after the resume)."""
         self._flush()
+        log = self.run_log()
         return {
             "step": self.step,
             "detectors": [d.state_dict() for d in self.detectors],
@@ -407,6 +459,7 @@ class Guard:
             "recovery": self.recovery.state_dict(),
             "grad_baseline": {str(i): v for i, v in self._grad_baseline.items()},
             "spikes": list(self.spikes),
+            "log": {"history": log["history"][-64:], "failing": log["failing"]},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -426,6 +479,7 @@ class Guard:
             self.recovery.load_state_dict(state["recovery"])
         self._grad_baseline = {int(i): float(v) for i, v in state.get("grad_baseline", {}).items()}
         self.spikes = list(state.get("spikes", []))
+        self._resumed = dict(state.get("log") or {})
 
     # ------------------------------------------------------------------ hooks
 
