@@ -1,7 +1,9 @@
 """The run store's cost: what `write_step` costs the training thread, in all, and on disk.
 
 Synthetic steps go through the real write path (`nanguard.record.rows.write_step` with a real
-`StepStats`, into a real `RunStore`); no model is trained, so only the store is measured.
+`StepStats` of float32 values and 32 per-sample batch fingerprints, into a real `RunStore`; the
+RNG states every 100 steps as the guard writes them); no model is trained, so only the store is
+measured.
 
 Two modes:
 
@@ -39,7 +41,10 @@ from typing import Any
 from nanguard.detect.alarm import Alarm
 from nanguard.record.rows import write_step
 from nanguard.record.store import DB_NAME, RunStore
+from nanguard.watch import rng
 from nanguard.watch.stats import StepStats
+
+RNG_EVERY = 100
 
 
 def _pool(n_params: int, size: int, seed: int) -> list[StepStats]:
@@ -82,6 +87,7 @@ def _empty_size(root: Path) -> int:
 def _run(folder: Path, n_params: int, steps: int, alarm_every: int = 0,
          sample_every: int = 0) -> dict[str, Any]:
     pool = _pool(n_params, 64, seed=n_params)
+    rng_state = rng.dumps(rng.capture())
     store = RunStore(folder)
     sizes: list[tuple[int, int]] = []
     t_thread, t_proc, t_wall = time.thread_time(), time.process_time(), time.perf_counter()
@@ -93,6 +99,8 @@ def _run(folder: Path, n_params: int, steps: int, alarm_every: int = 0,
             stats.alarms = [Alarm(step=step, kind="spike", signal="grad_norm", value=50.0,
                                   message="synthetic spike")]
         write_step(store, stats, n_params, True)
+        if step % RNG_EVERY == 0:  # as the guard does (RecordConfig.rng_every)
+            store.write_rng(step, rng_state)
         if sample_every and step % sample_every == 0:
             sizes.append((step, _size(folder)))
     caller = time.thread_time() - t_thread

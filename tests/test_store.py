@@ -16,9 +16,11 @@ from __future__ import annotations
 import json
 import math
 import sqlite3
+import time
 
 import pytest
 
+from nanguard import load_report
 from nanguard.detect.alarm import Alarm
 from nanguard.record.rows import write_step
 from nanguard.record.store import RunStore, StoreError, dec, open_run, step_count
@@ -149,11 +151,10 @@ def test_writer_failure_is_kept_and_raised_on_the_next_call(tmp_path, capsys):
     store = RunStore(tmp_path, flush_steps=2, flush_seconds=3600.0)
     write_step(store, _stats(0), 2, True)
     store.write_step({"step": 1, "loss": "not a number"})  # enc() fails on the writer thread
-    store._writer._thread.join(0.01)
-    for _ in range(200):  # the writer wakes at 2 queued items
+    for _ in range(500):  # the writer thread wakes at 2 queued items
         if store.error is not None:
             break
-        store._writer._wake.wait(0.01)
+        time.sleep(0.01)
     assert isinstance(store.error, TypeError)
     with pytest.raises(StoreError, match="stopped writing"):
         write_step(store, _stats(2), 2, True)
@@ -180,12 +181,11 @@ def test_compaction_keeps_windows_recent_steps_and_nonfinite_counts(tmp_path):
         if s % 100 == 0:
             store.write_rng(s, b"state")
     store.flush()
-    for _ in range(200):  # compaction runs on the writer thread after its commits
-        if store._writer.error is not None or _read(
+    for _ in range(1000):  # compaction runs on the writer thread after its commits
+        if store.error is not None or _read(
                 tmp_path, "SELECT value FROM store_state WHERE key = 'compacted'") == [(500,)]:
             break
-        store._writer._wake.set()
-        store._writer._wake.wait(0.02)
+        time.sleep(0.01)
     store.close()
     db = open_run(tmp_path)
     try:
@@ -196,6 +196,7 @@ def test_compaction_keeps_windows_recent_steps_and_nonfinite_counts(tmp_path):
         rng = [s for (s,) in db.execute("SELECT step FROM rng")]
     finally:
         db.close()
+    assert load_report(tmp_path).steps == 600  # a died run's report counts compacted steps
     assert set(range(500, 600)) <= set(steps)  # the recent steps
     assert set(range(245, 256)) <= set(steps)  # the alarm's window
     assert len(steps) < 250, "nothing was compacted"
@@ -212,3 +213,28 @@ def test_compaction_keeps_windows_recent_steps_and_nonfinite_counts(tmp_path):
     assert {99, 77} <= per_param and 0 in rng
     # The window splits bucket 200..249 / 250..299 around the alarm.
     assert buckets[200][1] == 244 and buckets[256][1] == 299
+
+
+def test_a_store_dropped_without_close_writes_its_steps_and_ends_its_thread(tmp_path):
+    import gc
+    import threading
+
+    store = RunStore(tmp_path, **QUIET)
+    for s in range(3):
+        write_step(store, _stats(s), 2, True)
+    thread = store._writer._thread
+    del store
+    gc.collect()
+    assert not thread.is_alive()
+    assert not any(t is thread for t in threading.enumerate())
+    assert _read(tmp_path, "SELECT count(*) FROM steps") == [(3,)]
+
+
+def test_writing_after_close_raises(tmp_path):
+    store = RunStore(tmp_path, **QUIET)
+    store.close()
+    with pytest.raises(StoreError, match="closed"):
+        write_step(store, _stats(0), 2, True)
+    with pytest.raises(StoreError, match="closed"):
+        store.write_action(0, "skip", "why")
+    assert store.error is None

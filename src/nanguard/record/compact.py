@@ -63,7 +63,7 @@ class Compactor:
     """
 
     def __init__(self, db: sqlite3.Connection, *, keep_recent: int, bucket: int, window: int,
-                 per_call: int = 4) -> None:
+                 per_call: int = 2) -> None:
         self.db = db
         self.keep_recent = keep_recent
         self.bucket = max(2, bucket)

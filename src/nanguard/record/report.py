@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanguard.record.store import dec, open_run
+from nanguard.record.store import dec, open_run, step_count
 
 REPORT_NAME = "report.json"
 
@@ -186,7 +186,7 @@ def load_report(folder: str | os.PathLike[str]) -> Report:
         return Report(**{k: v for k, v in data.items() if k in known})
     db = open_run(path)
     try:
-        steps = db.execute("SELECT count(*) FROM steps").fetchone()[0]
+        steps = step_count(db)  # compacted steps included (record/compact.py)
         alarms = [
             {"step": s, "kind": k, "signal": g, "value": dec(v), "message": m}
             for s, k, g, v, m in db.execute("SELECT * FROM alarms ORDER BY step, rowid")

@@ -33,11 +33,11 @@ see there for what a reader of `steps` sees, and `step_count` for the number of 
 
 from __future__ import annotations
 
-import atexit
 import os
 import sqlite3
 import sys
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -211,8 +211,9 @@ class RunStore(NullStore):
         self._writer = Writer(self.db, flush_steps=flush_steps, flush_seconds=flush_seconds,
                               after_commit=compactor if keep_recent >= 0 else None)
         self._sync_next = False
-        self._closed = False
-        atexit.register(self.close)  # a run that never closes still writes its last steps
+        # Runs at close(), when the store is garbage-collected, or at interpreter exit: a run
+        # that never closes still writes its last steps, and a dropped store ends its thread.
+        self._finalizer = weakref.finalize(self, _shut, self._writer, self.db)
 
     @property
     def error(self) -> BaseException | None:  # type: ignore[override]
@@ -289,21 +290,23 @@ class RunStore(NullStore):
 
     def close(self) -> None:
         """Write what is queued, stop the writer thread and close the database. Idempotent;
-        never raises."""
-        if self._closed:
+        never raises (a failure is in `error`, and said once on stderr)."""
+        if not self._finalizer.alive:
             return
-        self._closed = True
-        atexit.unregister(self.close)
-        try:
-            self._writer.close()
-            self.db.close()
-        except Exception as exc:  # noqa: BLE001 - closing must not raise into training
-            self._writer.error = self._writer.error or exc
+        self._finalizer()
         if self._writer.error is not None:
             err = self._writer.error
             print(f"nanguard: the run store {str(self.path)!r} stopped writing "
                   f"({type(err).__name__}: {err}); it holds the steps committed before",
                   file=sys.stderr)
+
+
+def _shut(writer: Writer, db: sqlite3.Connection) -> None:
+    try:
+        writer.close()
+        db.close()
+    except Exception as exc:  # noqa: BLE001 - closing must not raise into training
+        writer.error = writer.error or exc
 
 
 def open_run(folder: str | os.PathLike[str]) -> sqlite3.Connection:

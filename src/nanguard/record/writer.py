@@ -198,7 +198,7 @@ class Writer:
     def put(self, item: tuple[Any, ...]) -> None:
         """Queue one item (the hot path: no encoding, no SQL). Raises StoreError once the
         writer has failed."""
-        if self.error is not None:
+        if self.error is not None or self._stop:
             self._raise()
         q = self._queue
         q.append(item)
@@ -211,6 +211,8 @@ class Writer:
     def write_now(self, item: tuple[Any, ...] | None = None) -> None:
         """Write the queue, then `item`, and commit, on the calling thread, before returning.
         Raises StoreError if it (or the writer earlier) failed."""
+        if self._stop:
+            self._raise()
         with self.lock:
             if item is not None:
                 self._queue.append(item)
@@ -227,6 +229,8 @@ class Writer:
             self._drain()
 
     def _raise(self) -> None:
+        if self.error is None:
+            raise StoreError("the run store is closed")
         raise StoreError(f"the run store stopped writing ({type(self.error).__name__}: "
                          f"{self.error})") from self.error
 
