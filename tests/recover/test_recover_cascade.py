@@ -4,7 +4,10 @@ Seeds 0..29 of the cascade scenario train for a fixed 300 steps (no early stop).
 unguarded run hits a non-finite loss are the failing ones; under the `rollback` policy (default
 settings) every one of them must finish all 300 steps, with at least one rollback, a finite
 final loss (mean of the last 20 steps) within [min, max] of the final losses of the seeds that did
-not fail under the same settings, and finite parameters.
+not fail under the same settings, and finite parameters. That range is wide (a seed that never
+hits a NaN may still end at a loss of 2.6 after a spike it absorbed badly), so each seed is also
+held to the model it would have been: within 2x the final loss of the same seed trained with
+no outlier sample at all.
 
 The failing set comes from plain runs: `observe` is bitwise identical to training without
 nanguard (tests/test_observe.py), and a plain run costs a fraction of a guarded one.
@@ -68,3 +71,6 @@ def test_rollback_finishes_every_failing_seed(unguarded):
 
     bad = {s: v for s, v in finals.items() if not (math.isfinite(v) and low <= v <= high)}
     assert not bad, f"final losses outside the healthy range [{low:.4g}, {high:.4g}]: {bad}"
+    clean = {s: _final(train_cascade(s, None, steps=STEPS, outlier_p=0.0)[1]) for s in failing}
+    worse = {s: (finals[s], clean[s]) for s in failing if finals[s] > 2 * clean[s]}
+    assert not worse, f"(final, outlier-free final) more than 2x apart: {worse}"
