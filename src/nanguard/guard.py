@@ -42,7 +42,7 @@ from nanguard import __version__
 from nanguard.config import GuardConfig
 from nanguard.detect import Alarm, default_detectors
 from nanguard.detect.detectors import Detector
-from nanguard.detect.locate import locate, owner
+from nanguard.detect.locate import locate
 from nanguard.errors import NanguardError
 from nanguard.integrations import distributed
 from nanguard.policy import make_policy, wants_to_act
@@ -509,46 +509,21 @@ class Guard:
 
     def _loaded_flags(self) -> tuple[list[str], torch.Tensor | None]:
         """Before the first update (and the first after a `load_state_dict`): finiteness flags
-        of every parameter, optimizer-state tensor and buffer, on the device. A value already
-        non-finite there was not made by training: it was loaded. They ride in that step's
-        packet (no extra host read)."""
-        named: list[tuple[str, torch.Tensor]] = list(zip(self.param_names, self.params,
-                                                         strict=True))
-        for name, p in zip(self.param_names, self.params, strict=True):
-            for key, v in self.optimizer.state.get(p, {}).items():
-                if key != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
-                    named.append((f"optimizer.{key}[{name}]", v))
-        named += [(f"buffer:{n}", b) for n, b in zip(self.buffer_names, self.probe.buffers,
-                                                      strict=True)]
-        named = [(n, t) for n, t in named if t.numel() and (t.is_floating_point()
-                                                            or t.is_complex())]
-        if not named or self.first_nonfinite is not None:
+        of every parameter, optimizer-state tensor and buffer, riding in that step's packet."""
+        if self.first_nonfinite is not None:
             return [], None
-        with torch.no_grad():
-            device = local(named[0][1]).device
-            # DTensors (FSDP2): each rank checks its own shard; the finding is per rank.
-            flags = torch.stack([torch.isfinite(local(t.detach())).all().to(device)
-                                 for _, t in named])
-        return [n for n, _ in named], flags.double()
+        return loads.finiteness_flags(self.param_names, self.params, self.optimizer,
+                                      self.buffer_names, self.probe.buffers)
 
     def _loaded_finding(self, step: int, names: list[str], flags: list[float]) -> None:
         """The first non-finite finding for loaded state (phase `checkpoint`)."""
-        bad = [n for n, ok in zip(names, flags, strict=True) if not ok]
-        if not bad or self.first_nonfinite is not None:
+        if self.first_nonfinite is not None:
             return
-        signals = sorted({"buffer" if n.startswith("buffer:") else
-                          n.split("[")[0] if n.startswith("optimizer.") else "param"
-                          for n in bad})
-        first = bad[0]
-        param = first.split("[", 1)[1].rstrip("]") if first.startswith("optimizer.") else (
-            None if first.startswith("buffer:") else first)
-        module = owner(param) if param else owner(first.removeprefix("buffer:"))
-        self.first_nonfinite = {
-            "step": step, "phase": "checkpoint", "module": module, "op": None,
-            "source": self._load_site or loads.last_site(), "samples": [],
-            "rank": distributed.rank(), "signals": signals, "param": param, "tensors": bad,
-        }
-        self.store.write_finding(self.first_nonfinite)
+        found = loads.finding(step, names, flags, self._load_site or loads.last_site())
+        if found is not None:
+            found["rank"] = distributed.rank()
+            self.first_nonfinite = found
+            self.store.write_finding(found)
 
     def _check_leftover(self) -> None:
         """At close: a loss or batch handed to `watch` after the last optimizer step (the run

@@ -10,6 +10,8 @@ the tensor and the line that loaded it. The guard learns the line two ways:
   exists): it wraps `torch.load`, `nn.Module.load_state_dict` and
   `Optimizer.load_state_dict` to remember the last call site. Removed by `untrack()`.
 
+`finiteness_flags` puts one flag per loaded tensor into the first step's packet (no extra
+host read); `finding` turns the flags read with it into report.json's `first_nonfinite`.
 Nothing here reads a device value.
 """
 
@@ -21,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from nanguard.detect.locate import owner
+from nanguard.watch.norms import local
 
 _OWN = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
 _last: str | None = None
@@ -78,3 +83,45 @@ def untrack() -> None:
         owner, attr, original = _patched.pop()
         setattr(owner, attr, original)
     _last = None
+
+
+def finiteness_flags(
+    param_names: list[str], params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+    buffer_names: list[str], buffers: list[torch.Tensor],
+) -> tuple[list[str], torch.Tensor | None]:
+    """Names of every floating parameter, optimizer-state tensor and buffer, and a device
+    vector of their finiteness flags (1.0 finite, 0.0 not). DTensors (FSDP2): each rank checks
+    its own shard; the finding is per rank."""
+    named: list[tuple[str, torch.Tensor]] = list(zip(param_names, params, strict=True))
+    for name, p in zip(param_names, params, strict=True):
+        for key, v in optimizer.state.get(p, {}).items():
+            if key != "step" and isinstance(v, torch.Tensor) and v.is_floating_point():
+                named.append((f"optimizer.{key}[{name}]", v))
+    named += [(f"buffer:{n}", b) for n, b in zip(buffer_names, buffers, strict=True)]
+    named = [(n, t) for n, t in named if t.numel() and (t.is_floating_point() or t.is_complex())]
+    if not named:
+        return [], None
+    with torch.no_grad():
+        device = local(named[0][1]).device
+        flags = torch.stack([torch.isfinite(local(t.detach())).all().to(device)
+                             for _, t in named])
+    return [n for n, _ in named], flags.double()
+
+
+def finding(step: int, names: list[str], flags: list[float], source: str | None
+            ) -> dict[str, Any] | None:
+    """report.json's `first_nonfinite` for loaded state (phase `checkpoint`: the tensors that
+    were non-finite before training touched them, and the line that loaded them), or None when
+    every flag says finite. The caller adds the rank."""
+    bad = [n for n, ok in zip(names, flags, strict=True) if not ok]
+    if not bad:
+        return None
+    signals = sorted({"buffer" if n.startswith("buffer:") else
+                      n.split("[")[0] if n.startswith("optimizer.") else "param" for n in bad})
+    first = bad[0]
+    param = first.split("[", 1)[1].rstrip("]") if first.startswith("optimizer.") else (
+        None if first.startswith("buffer:") else first)
+    module = owner(param) if param else owner(first.removeprefix("buffer:"))
+    return {"step": step, "phase": "checkpoint", "module": module, "op": None,
+            "source": source, "samples": [], "rank": None, "signals": signals, "param": param,
+            "tensors": bad}
