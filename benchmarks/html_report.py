@@ -9,12 +9,12 @@ report with `nanguard.show.html.write_html` and loads it in headless Debian Chro
 Playwright: time from navigation to the page drawn (`NANGUARD_READY`) and to the end of a zoom
 (a relayout of the shared x axis).
 
-With `--compare-libs` it also renders the same content (8 line plots of 2000 points, one
-300 x 800 heat map, linked x) with Plotly and with Bokeh, each library's JavaScript inlined,
-and prints both pages' size and render time.
+In the same rounds it loads pages that only evaluate the plotting library's JavaScript
+(bokeh.min.js, and plotly.min.js when plotly is installed) and a blank page: the floor under
+the report's time at the machine's current load. `--pages` adds more HTML files (e.g. the
+Plotly report of an earlier commit) to the same rounds.
 
     python benchmarks/html_report.py --steps 1000000 --layers 300 --param-every 100
-    python benchmarks/html_report.py --compare-libs
 """
 
 from __future__ import annotations
@@ -88,93 +88,115 @@ def make_run(folder: Path, steps: int, layers: int, param_every: int) -> float:
     return time.perf_counter() - t0
 
 
-def render(path: Path, ready: str, runs: int = 3) -> dict[str, float]:
-    """Median seconds to the page drawn and to a zoom done, in headless Chromium."""
+ZOOM = """() => new Promise(done => {
+  // Zoom the shared x axis, then wait until the browser painted: Bokeh repaints in an
+  // animation frame (throttled to 60/s), so three frames later every canvas is redrawn.
+  const frames = n => n ? requestAnimationFrame(() => frames(n - 1)) : done();
+  if (window.Bokeh && Bokeh.documents.length) {
+    Bokeh.documents[0].get_model_by_name('x').setv({start: 100, end: 5000});
+    frames(3);
+  } else if (window.Plotly && (document.getElementById('plots') || {}).data) {
+    Plotly.relayout('plots', {'xaxis.range': [100, 5000]}).then(() => frames(1));
+  } else {
+    frames(1);
+  }
+})"""
+
+
+def chromium_cpu() -> float:
+    """CPU seconds used so far by this process's children (the browser and its renderer, GPU
+    and utility processes, including those already exited and reaped): unlike wall time, it
+    hardly depends on what else the machine runs."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(d)] = fields
+            children.setdefault(int(fields[1]), []).append(int(d))
+    total, todo = 0, list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        f = stats[pid]
+        total += sum(int(x) for x in f[11:15])  # utime stime cutime cstime
+        todo += children.get(pid, [])
+    return total / tick
+
+
+def render(paths: list[Path], runs: int = 3) -> list[dict[str, float]]:
+    """Median seconds to each page drawn (`window.NANGUARD_READY`) and to a zoom painted, and
+    the browser's CPU seconds over both, in headless Chromium; the pages are loaded in turn
+    (`runs` rounds), so that a change of the machine's load hits them alike."""
     from playwright.sync_api import sync_playwright
 
-    drawn, zoomed = [], []
+    drawn: list[list[float]] = [[] for _ in paths]
+    zoomed: list[list[float]] = [[] for _ in paths]
+    cpu: list[list[float]] = [[] for _ in paths]
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
         for _ in range(runs):
-            ctx = b.new_context(viewport={"width": 1300, "height": 900})
-            page = ctx.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
-            t0 = time.perf_counter()
-            page.goto(path.as_uri(), timeout=120_000)
-            page.wait_for_function(ready, timeout=120_000, polling=20)
-            drawn.append(time.perf_counter() - t0)
-            if "NANGUARD" in ready:
-                page.evaluate("() => Plotly.relayout('plots', {'xaxis.range': [100, 5000]})")
-            zoomed.append(time.perf_counter() - t0)
-            if errors:
-                raise RuntimeError(f"page errors: {errors[:3]}")
-            ctx.close()
+            for i, path in enumerate(paths):
+                ctx = b.new_context(viewport={"width": 1300, "height": 900})
+                page = ctx.new_page()
+                errors: list[str] = []
+                page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
+                c0 = chromium_cpu()
+                t0 = time.perf_counter()
+                page.goto(path.as_uri(), timeout=120_000)
+                page.wait_for_function("window.NANGUARD_READY === true", timeout=120_000,
+                                       polling=10)
+                drawn[i].append(time.perf_counter() - t0)
+                page.evaluate(ZOOM)
+                zoomed[i].append(time.perf_counter() - t0)
+                cpu[i].append(chromium_cpu() - c0)
+                if errors:
+                    raise RuntimeError(f"{path}: page errors: {errors[:3]}")
+                ctx.close()
         b.close()
-    drawn.sort()
-    zoomed.sort()
-    return {"drawn_s": drawn[len(drawn) // 2], "zoomed_s": zoomed[len(zoomed) // 2]}
+    def median(v: list[float]) -> float:
+        return sorted(v)[len(v) // 2]
+
+    return [{"drawn_s": median(d), "zoomed_s": median(z), "cpu_s": median(c)}
+            for d, z, c in zip(drawn, zoomed, cpu, strict=True)]
 
 
-def compare_libs(out: Path) -> None:
-    """The same content with Plotly and with Bokeh: size and render time."""
-    import numpy as np
+def baselines(out: Path) -> list[tuple[str, Path]]:
+    """Pages that only evaluate a library's JavaScript (and a blank page): the floor under a
+    report's time, measured in the same run."""
+    ready = "<script>window.NANGUARD_READY = true;</script>"
+    pages = [("blank page", "")]
+    from nanguard.show.html import bokeh_js
 
-    rng = np.random.default_rng(0)
-    x = np.arange(0, 1_000_000, 500)
-    lines = [np.exp(rng.normal(size=len(x))) for _ in range(8)]
-    heat = rng.normal(size=(300, 800))
-    hx = np.arange(0, 1_000_000, 1250)
+    pages.append(("bokeh.min.js alone", f"<script>{bokeh_js()}</script>"))
+    try:
+        from plotly.offline import get_plotlyjs
 
-    # Plotly, the way nanguard.show.html builds it (figure JSON + inlined plotly.js).
-    from plotly.offline import get_plotlyjs
+        pages.append(("plotly.min.js alone", f"<script>{get_plotlyjs()}</script>"))
+    except ImportError:  # plotly is not a dependency any more; measured when installed
+        pass
+    out_pages = []
+    for i, (name, script) in enumerate(pages):
+        path = out / f"baseline{i}.html"
+        path.write_text(f"<!DOCTYPE html><html><head>{script}</head><body>{ready}</body></html>")
+        out_pages.append((name, path))
+    return out_pages
 
-    data, layout = [], {"height": 2200, "showlegend": False}
-    n = 9
-    for i in range(n):
-        s = "" if i == 0 else str(i + 1)
-        layout[f"yaxis{s}"] = {"domain": [1 - (i + 1) / n + 0.01, 1 - i / n - 0.01]}
-        layout[f"xaxis{s}"] = {"anchor": f"y{s}", **({"matches": "x"} if i else {})}
-        if i < 8:
-            data.append({"type": "scatter", "mode": "lines", "x": x.tolist(),
-                         "y": np.round(lines[i], 4).tolist(), "xaxis": f"x{s}",
-                         "yaxis": f"y{s}"})
-        else:
-            data.append({"type": "heatmap", "x": hx.tolist(), "z": np.round(heat, 2).tolist(),
-                         "xaxis": f"x{s}", "yaxis": f"y{s}"})
-    plotly_page = out / "plotly.html"
-    plotly_page.write_text(
-        f"<html><head><script>{get_plotlyjs()}</script></head><body><div id='plots'></div>"
-        f"<script>Plotly.newPlot('plots', {json.dumps(data)}, {json.dumps(layout)})"
-        ".then(() => {window.NANGUARD_READY = true;});</script></body></html>")
 
-    from bokeh.embed import file_html
-    from bokeh.layouts import column
-    from bokeh.plotting import figure
-    from bokeh.resources import INLINE
-
-    figs = []
-    for i in range(8):
-        shared = {"x_range": figs[0].x_range} if figs else {}
-        f = figure(height=220, width=1200, y_axis_type="log", **shared)
-        f.line(x, lines[i])
-        figs.append(f)
-    f = figure(height=400, width=1200, x_range=figs[0].x_range)
-    f.image(image=[heat], x=0, y=0, dw=1_000_000, dh=300, palette="Viridis256")
-    figs.append(f)
-    bokeh_page = out / "bokeh.html"
-    page = file_html(column(*figs), INLINE, "bokeh")
-    # Ready when Bokeh has built the views of every plot.
-    page = page.replace("</body>", "<script>var iv = setInterval(function() {"
-                        "if (window.Bokeh && Bokeh.index && Object.keys(Bokeh.index).length ||"
-                        " (Bokeh.index && Bokeh.index.roots && Bokeh.index.roots.length)) {"
-                        "requestAnimationFrame(function(){window.BK_READY = true;});"
-                        "clearInterval(iv);}}, 10);</script></body>")
-    bokeh_page.write_text(page)
-    for name, path, ready in (("plotly", plotly_page, "window.NANGUARD_READY === true"),
-                              ("bokeh", bokeh_page, "window.BK_READY === true")):
-        r = render(path, ready)
-        print(f"{name}: {path.stat().st_size / 1e6:.2f} MB, drawn in {r['drawn_s']:.2f} s")
+def report_times(pages: list[tuple[str, Path]], runs: int) -> list[dict[str, float]]:
+    """Render `pages` interleaved, print a table row per page; returns the medians."""
+    times = render([p for _, p in pages], runs)
+    for (name, path), r in zip(pages, times, strict=True):
+        print(f"  {name}: {path.stat().st_size / 1e6:.2f} MB, drawn {r['drawn_s']:.2f} s, "
+              f"zoomed {r['zoomed_s']:.2f} s, browser CPU {r['cpu_s']:.2f} s "
+              f"(median of {runs})")
+    return times
 
 
 def main() -> None:
@@ -185,28 +207,35 @@ def main() -> None:
     ap.add_argument("--param-every", type=int, default=100,
                     help="per-layer rows every N steps (1: every step, the full 3e8 rows)")
     ap.add_argument("--out", default="", help="work folder (default: a temporary one)")
-    ap.add_argument("--compare-libs", action="store_true")
+    ap.add_argument("--runs", type=int, default=3, help="loads of each page (median)")
+    ap.add_argument("--pages", nargs="*", default=[], type=Path,
+                    help="more HTML files timed in the same rounds (e.g. the Plotly report of "
+                         "an earlier commit, written from the same run)")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="nanguard_html_bench_"))
     out.mkdir(parents=True, exist_ok=True)
-    if args.compare_libs:
-        compare_libs(out)
-        return
     from nanguard.show.html import write_html
 
     run = out / "run"
-    gen = make_run(run, args.steps, args.layers, args.param_every)
-    n_param = math.ceil(args.steps / args.param_every) * args.layers
-    print(f"run: {args.steps} steps, {args.layers} layers, {n_param} param_stats rows "
-          f"(every {args.param_every} steps), generated in {gen:.1f} s")
+    if (run / "run.db").is_file():
+        print(f"run: reusing {run}")
+    else:
+        gen = make_run(run, args.steps, args.layers, args.param_every)
+        n_param = math.ceil(args.steps / args.param_every) * args.layers
+        print(f"run: {args.steps} steps, {args.layers} layers, {n_param} param_stats rows "
+              f"(every {args.param_every} steps), generated in {gen:.1f} s")
     t0 = time.perf_counter()
     page = write_html([str(run)], out / "report.html")
     build = time.perf_counter() - t0
     size = page.stat().st_size
     print(f"build: {build:.1f} s; HTML {size / 1e6:.2f} MB")
-    r = render(page, "window.NANGUARD_READY === true")
-    print(f"chromium: drawn in {r['drawn_s']:.2f} s, zoomed in {r['zoomed_s']:.2f} s "
-          f"(median of 3)")
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    print(f"chromium (load average before: {load}), pages loaded in turn:")
+    pages = [("report", page), *((p.name, p) for p in args.pages), *baselines(out)]
+    r = report_times(pages, args.runs)[0]
+    with open("/proc/loadavg") as f:
+        print(f"load average after: {' '.join(f.read().split()[:3])}")
     print(f"budget: size <= 10 MB {'OK' if size <= 10e6 else 'OVER'}; interactive <= 2 s "
           f"{'OK' if r['zoomed_s'] <= 2 else 'OVER'}")
 

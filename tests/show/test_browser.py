@@ -1,6 +1,7 @@
 """The HTML report and the live dashboard in a real browser (headless Debian Chromium driven
-by Playwright): no console errors, the finding visible, every plot drawn, the non-finite step
-marked, a new step written while the page is open shows up."""
+by Playwright): no console errors, the finding visible, every plot drawn (colored pixels in
+its frame), the non-finite step marked on every plot, one shared x range, a new step written
+while the page is open shows up (and the user's zoom stays)."""
 
 from __future__ import annotations
 
@@ -16,44 +17,78 @@ from typing import Any
 from conftest import Page
 from nanguard.show.html import write_html
 
-PLOTS = """() => {
-  const out = [];
-  for (const sp of document.querySelectorAll('#plots .cartesianlayer .subplot')) {
-    const name = sp.classList[1];
-    const drag = document.querySelector('#plots .draglayer > g.' + name + ' rect.nsewdrag');
-    const r = drag.getBoundingClientRect();
-    const drawn = sp.querySelectorAll('path.js-line, .points path').length;
-    out.push({name, w: r.width, h: r.height, drawn});
-  }
-  return out;
-}"""
+# Helpers evaluated in the page: the Bokeh document drawn last (a live update replaces it),
+# the views of its figures (named `row:...` by nanguard.show.plots) and what they painted.
+JS = """
+window.T = {
+  doc: () => Bokeh.documents[Bokeh.documents.length - 1],
+  models: () => [...T.doc().all_models],
+  tagged: tag => T.models().filter(m => (m.tags || []).includes(tag)),
+  xs: rs => [].concat(...rs.map(r => Array.from(r.data_source.get_column('x')))),
+  figViews: () => {
+    const out = [];
+    const walk = v => {
+      if ((v.model.name || '').startsWith('row:')) out.push(v);
+      for (const c of v.child_views || []) walk(c);
+    };
+    for (const v of Bokeh.index.roots) walk(v);
+    return out;
+  },
+  // Saturated pixels inside a figure's frame: drawn data (background, grid and axes are grey).
+  colored: v => {
+    const canvas = v.export('png', false).canvas;
+    const f = v.frame.bbox;
+    const px = canvas.getContext('2d').getImageData(f.left, f.top, f.width, f.height).data;
+    let n = 0;
+    for (let i = 0; i < px.length; i += 4) {
+      const hi = Math.max(px[i], px[i + 1], px[i + 2]), lo = Math.min(px[i], px[i + 1], px[i + 2]);
+      if (hi - lo > 40) n++;
+    }
+    return n;
+  },
+};
+"""
+
+PLOTS = """() => T.figViews().map(v => ({name: v.model.name, w: v.frame.bbox.width,
+  h: v.frame.bbox.height, colored: T.colored(v), x: v.model.x_range.id}))"""
 
 NONFINITE = """() => {
-  const div = document.getElementById('plots');
-  const shapes = (div.layout.shapes || []).filter(s => s.name === 'first non-finite')
-      .map(s => s.x0);
-  const traces = div.data.filter(t => t.meta === 'nonfinite');
-  const xs = [].concat(...traces.map(t => t.x));
-  const points = document.querySelectorAll('#plots .scatterlayer .trace .points path').length;
-  return {shapes, xs, nTraces: traces.length, points,
-          heat: document.querySelectorAll('#plots .heatmaplayer image').length};
+  const lines = T.doc().get_model_by_name('lines');  // not in the page when there is no event
+  const kind = lines ? lines.get_column('kind') : [];
+  const first = lines ? Array.from(lines.get_column('x'))
+      .filter((x, i) => kind[i] === 'first_nonfinite') : [];
+  const figs = T.models().filter(m => (m.name || '').startsWith('row:'));
+  const marks = T.tagged('nonfinite');
+  return {shapes: first, xs: T.xs(marks), nTraces: marks.length,
+          withLines: figs.filter(f => f.renderers.some(r => r.data_source === lines)).length,
+          nFigs: figs.length, heat: T.tagged('heat').length};
 }"""
+
+
+def _open(page: Page, url: str) -> Any:
+    pg = page.open(url)
+    pg.evaluate(f"() => {{ {JS} }}")
+    return pg
 
 
 def _check_plots(page: Any, empty: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """Every subplot has a nonzero size and drew something (`empty`: may draw nothing)."""
+    """Every figure has a nonzero size, drew data (`empty`: may draw nothing) and shares the
+    one x range (zoom one, all follow)."""
     plots = page.evaluate(PLOTS)
-    assert len(plots) >= 7, plots  # events, loss, grad norm, heat map, act, state, ratio, lr
+    names = [p["name"] for p in plots]
+    assert len(plots) >= 8, names  # events, loss, grad norm, heat map, act, state, ratio, lr
+    assert len({p["x"] for p in plots}) == 1, plots
     for p in plots:
-        assert p["w"] > 100 and p["h"] > 20, p
-        if p["name"] not in ("x4y4", *empty):  # the heat map draws an <image> (checked apart)
-            assert p["drawn"] > 0, p
+        assert p["w"] > 500 and p["h"] > 40, p
+        if p["name"] not in empty:
+            # More than a few vertical event lines' worth of pixels: data was drawn.
+            assert p["colored"] > (0 if p["name"] == "row:events" else 5 * p["h"]), p
     return plots
 
 
 def test_failing_run_report(failing_run: Path, page: Page, tmp_path: Path) -> None:
     out = write_html([str(failing_run)], tmp_path / "failing.html")
-    pg = page.open(out.as_uri())
+    pg = _open(page, out.as_uri())
     assert page.errors == []
     finding = pg.locator(".finding")
     assert finding.is_visible() and "first non-finite at step 20" in finding.inner_text()
@@ -63,26 +98,26 @@ def test_failing_run_report(failing_run: Path, page: Page, tmp_path: Path) -> No
     _check_plots(pg)
     nf = pg.evaluate(NONFINITE)
     assert nf["shapes"] == [20], nf  # the first non-finite step, across every plot
-    assert 20 in nf["xs"] and nf["nTraces"] >= 4 and nf["points"] > 0, nf
+    assert nf["withLines"] == nf["nFigs"], nf
+    assert 20 in nf["xs"] and nf["nTraces"] >= 4, nf
     assert nf["heat"] == 1
     # Activation headroom (float32 here) with the NaN activation of step 20 marked on it.
-    head = pg.evaluate("""() => {
-      const div = document.getElementById('plots');
-      const i = div.layout.annotations.findIndex(a => a.text.includes('headroom'));
-      const ax = 'y' + (i ? i + 1 : '');
-      return div.data.filter(t => t.yaxis === ax && t.meta === 'nonfinite').map(t => t.x);
-    }""")
+    head = pg.evaluate("""() => T.doc().get_model_by_name('row:act_headroom').renderers
+      .filter(r => (r.tags || []).includes('nonfinite')).map(r => T.xs([r]))""")
     assert head == [[20]], head
+    # A zoom of one figure is the zoom of all: they share the x range.
+    pg.evaluate("() => T.doc().get_model_by_name('x').setv({start: 10, end: 30})")
+    pg.wait_for_function("() => T.figViews().every(v => v.frame.x_scale.source_range.start === 10)")
     pg.screenshot(path=str(tmp_path / "failing.png"), full_page=True)
 
 
 def test_healthy_run_report(healthy_run: Path, page: Page, tmp_path: Path) -> None:
     out = write_html([str(healthy_run)], tmp_path / "healthy.html")
-    pg = page.open(out.as_uri())
+    pg = _open(page, out.as_uri())
     assert page.errors == []
     assert pg.locator(".run .status").inner_text() == "healthy"
     assert pg.locator(".finding").count() == 0
-    _check_plots(pg, empty=("xy",))  # no alarm, action or non-finite value: no event
+    _check_plots(pg, empty=("row:events",))  # no alarm, action or non-finite value
     nf = pg.evaluate(NONFINITE)
     assert nf["shapes"] == [] and nf["xs"] == []
 
@@ -91,17 +126,15 @@ def test_compare_and_merged(failing_run: Path, healthy_run: Path, merged_run: Pa
                             page: Page, tmp_path: Path) -> None:
     out = write_html([str(failing_run), str(healthy_run), str(merged_run)],
                      tmp_path / "compare.html")
-    pg = page.open(out.as_uri())
+    pg = _open(page, out.as_uri())
     assert page.errors == []
     assert pg.locator(".run").count() == 3
-    names = pg.evaluate("() => document.getElementById('plots').data"
-                        ".filter(t => t.showlegend && t.legendgroup).map(t => t.legendgroup)")
-    # One trace per run, and one per part of the merged run.
+    names = pg.evaluate("() => T.models().filter(m => m.glyph && m.name).map(m => m.name)")
+    # One line per run, and one per part of the merged run.
     assert {"failing", "healthy", "gan/gen", "gan/disc"} <= set(names), names
-    assert pg.evaluate("() => document.querySelectorAll('.heatmaplayer image').length") == 4
-    shapes = pg.evaluate("() => document.getElementById('plots').layout.shapes"
-                         ".filter(s => s.name === 'first non-finite').map(s => s.x0)")
-    assert sorted(shapes) == [20, 25]
+    assert pg.evaluate("() => T.tagged('heat').length") == 4
+    assert sorted(pg.evaluate(NONFINITE)["shapes"]) == [20, 25]
+    _check_plots(pg)
 
 
 def test_dashboard_live_update(healthy_run: Path, page: Page, tmp_path: Path) -> None:
@@ -124,15 +157,20 @@ def test_dashboard_live_update(healthy_run: Path, page: Page, tmp_path: Path) ->
         index.goto(base + "/")
         assert index.locator("#runs a").inner_text() == "live"
         assert "running" in index.locator("#runs").inner_text()
-        pg = page.open(base + "/run?path=live")
+        pg = _open(page, base + "/run?path=live")
         assert "last step 29" in pg.locator("#meta").inner_text()
+        pg.evaluate("() => T.doc().get_model_by_name('x').setv({start: 5, end: 25})")
         store.write_step({"step": 30, "loss": float("nan"), "grad_norm": 1.0, "lr": 0.1},
                          params=[(0, float("nan"), 2.0, {"exp_avg": float("nan")})])
         pg.wait_for_function("document.getElementById('meta').textContent"
                              ".includes('last step 30')", timeout=20_000)
-        xs = pg.evaluate("() => [].concat(...document.getElementById('plots').data"
-                         ".filter(t => t.meta === 'nonfinite').map(t => t.x))")
-        assert 30 in xs
+        pg.wait_for_function("window.NANGUARD_READY && Bokeh.documents.length === 1")
+        assert 30 in pg.evaluate("() => T.xs(T.tagged('nonfinite'))")
+        # Redrawn with the new step, the user's zoom kept.
+        x = pg.evaluate("() => [T.doc().get_model_by_name('x').start,"
+                        " T.doc().get_model_by_name('x').end]")
+        assert x == [5, 25], x
+        assert pg.evaluate("() => T.figViews().length") >= 4
         assert page.errors == []
     finally:
         server.shutdown()

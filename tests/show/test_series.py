@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -67,7 +68,8 @@ def test_report_html_cli(failing_run: Path, healthy_run: Path, tmp_path: Path) -
     page = (failing_run / "report.html").read_text()
     assert "<script src=" not in page and "data_nonfinite" in page
     assert main(["report", str(healthy_run), "--html", str(tmp_path / "h.html")]) == 0
-    assert (tmp_path / "h.html").stat().st_size > 1_000_000  # plotly.js inlined
+    h = (tmp_path / "h.html").read_text()
+    assert len(h) > 1_000_000 and "BEGIN bokeh.min.js" in h  # BokehJS inlined
     out = tmp_path / "both.html"
     assert main(["report", str(failing_run), str(healthy_run), "--html", str(out)]) == 1
     assert out.is_file()
@@ -145,7 +147,7 @@ def test_store_written_before_amp_scale_opens(tmp_path: Path) -> None:
 def test_amp_scale_and_headroom_written_and_plotted(tmp_path: Path) -> None:
     from nanguard.record.rows import write_step
     from nanguard.record.store import RunStore
-    from nanguard.show.html import load_sources, payload
+    from nanguard.show.html import build_layout, load_sources, payload
     from nanguard.watch.stats import StepStats
 
     store = RunStore(tmp_path / "amp")
@@ -163,28 +165,36 @@ def test_amp_scale_and_headroom_written_and_plotted(tmp_path: Path) -> None:
     assert head.last[5] < 0  # 1e5 > 65504: overflowed
     assert head.nonfinite.tolist()[7] == 1 and head.last[7] == -np.inf
     assert r.steps["amp_scale"].bad_step.tolist()[8] == 8
-    fig = payload(load_sources([str(tmp_path / "amp")]))["figure"]
-    titles = [a["text"] for a in fig["layout"]["annotations"]]
-    assert any("activation headroom" in t for t in titles), titles
-    assert any("AMP loss scale" in t for t in titles), titles
-    assert any("dtype limit 6.55e+04" in t for t in titles), titles
-    marks = [(t["yaxis"], t["x"]) for t in fig["data"] if t.get("meta") == "nonfinite"]
-    axes = {i + 1: t for i, t in enumerate(titles)}
-    by_title = {axes[int(y[1:] or 1)].split(":")[0]: x for y, x in marks}
-    assert by_title["<b>activation headroom"] == [7]
-    assert by_title["<b>AMP loss scale (GradScaler)</b>"] == [8]
+    sources = load_sources([str(tmp_path / "amp")])
+    assert payload(sources)["plot"] is not None
+    layout = build_layout(sources, [load_series(tmp_path / "amp", "amp")])
+    figs = {child[0].name: child[0] for child in layout.children}
+    assert "dtype limit 6.55e+04" in figs["row:activations"].title.text
+    assert "activation headroom" in figs["row:act_headroom"].title.text
+    assert figs["row:amp_scale"].title.text == "AMP loss scale (GradScaler)"
+
+    def marked(fig: Any) -> list[int]:
+        return [x for r in fig.renderers if "nonfinite" in r.tags
+                for x in r.data_source.data["x"]]
+
+    assert marked(figs["row:act_headroom"]) == [7]
+    assert marked(figs["row:amp_scale"]) == [8]
+    # The first non-finite step (of the report) is a line on every figure.
+    lines = [r for r in figs["row:loss"].renderers if r.data_source.name == "lines"]
+    assert len(lines) == 1 and all(
+        any(r.data_source is lines[0].data_source for r in f.renderers) for f in figs.values())
 
 
 def test_nonfinite_run_one_marker_and_a_segment() -> None:
     """A series that stays NaN: one marker at its first non-finite step and a segment over
     every later bucket (none dropped, no wall of crosses)."""
-    from nanguard.show.html import _bad_markers
+    from nanguard.show.markers import bad_markers
 
     v = np.ones(100)
     v[3] = np.nan
     v[60:] = np.nan
     b = bucketize(np.arange(100), v, width=5)
-    xs, _, texts, seg_x, _ = _bad_markers(b)
+    xs, _, texts, seg_x, _ = bad_markers(b)
     assert xs == [3, 60]
     assert seg_x == [60, 95, None]
     assert "40 non-finite in steps 60.." in texts[1]
