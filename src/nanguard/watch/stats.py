@@ -292,7 +292,8 @@ class StepProbe:
             parts.append(norms.double().pow(2).sum().sqrt().reshape(1))
             layout.append(("update", [0]))
         self._with_update = False
-        return torch.cat([t.double().reshape(-1) for t in parts]), layout
+        # One part (SGD without momentum, no buffers): no cat; the packet makes it float64.
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), layout
 
     @staticmethod
     def decode_pre(values: list[float], layout: list[int], stats: StepStats) -> None:
@@ -328,10 +329,13 @@ class StepProbe:
         before the NaN in the cascade); calling them non-finite would blame the optimizer for
         a value it has not produced yet. Runs only when such a norm came back infinite.
         """
-        stats._signals = None
         groups: list[tuple[dict[int, float], str | None]] = [(stats.param_norms, None)]
         groups += [(norms, key) for key, norms in stats.state_norms.items()]
         groups.append((stats.buffer_norms, "buffer"))
+        # Norms are >= 0: a finite float64 sum means none is infinite (the every-step case).
+        if all(math.isfinite(sum(norms.values())) for norms, _ in groups):
+            return
+        stats._signals = None
         for norms, key in groups:
             for i, v in list(norms.items()):
                 if not math.isinf(v):
