@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+from helpers import make_lm, make_optimizer, train
+from nanguard import Guard, GuardConfig, RecordConfig
 from nanguard.config import DetectConfig
 from nanguard.detect.detectors import CascadeDetector, DivergenceDetector, ForecastDetector
 from nanguard.watch.stats import StepStats
@@ -29,6 +31,22 @@ def test_early_loss_divergence_warns_from_the_first_steps() -> None:
     losses = [4.5, 4.4, 4.6, 4.3, 5.0, 9.0, 20.0, 51.0, 60.0, 70.0]
     fired = _losses(DivergenceDetector(DetectConfig()), losses)
     assert fired and fired[0] == 8, fired  # 51 and 60 (two steps >= 10 x 4.6)
+
+
+def test_early_divergence_of_a_real_model() -> None:
+    """A tiny causal LM under AdamW with the LR typed 100x too large (1.0): the loss goes
+    4.3 -> 19 -> 28 -> ... -> 57 within its first 10 steps and wanders there. The divergence
+    alarm comes within the first 20 steps, its message names the first loss."""
+    task = make_lm(0)
+    opt = make_optimizer("adamw", task.model, 1.0)
+    guard = Guard(task.model, opt, config=GuardConfig(record=RecordConfig(out="",
+                                                                          summary=False)))
+    losses = train(task, opt, 20, guard=guard)
+    report = guard.close()
+    assert losses[0] < 5 and max(losses) > 10 * losses[0]  # what the rule is about
+    div = [a for a in report.alarms if a["kind"] == "divergence"]
+    assert div and div[0]["step"] < 20, report.alarms
+    assert "the run's first loss" in div[0]["message"]
 
 
 def test_early_rule_ignores_a_single_high_batch_and_healthy_falls() -> None:

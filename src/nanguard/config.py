@@ -111,10 +111,9 @@ class DetectConfig:
 
     early_loss_ratio: float = 10.0
     """Before the divergence statistics have history (`warmup_steps`): a loss at least this
-    many times the largest of the run's first 3 losses, two steps in a row, is an early
-    divergence (a loss going 4.5 -> 51 in its first steps). The reference is the loss's own
-    initial scale, so a loss that fell far below it and wanders there (a GAN discriminator at
-    0.001) never fires."""
+    many times the run's first loss, two steps in a row, is an early divergence (a loss going
+    4.5 -> 51 in its first steps). The reference is the loss's own initial scale, so a loss
+    that fell far below it and wanders there (a GAN discriminator at 0.001) never fires."""
 
     saturation_every: int = 100
     """Arm the saturation probe (`nanguard.watch.saturation`) for one step every N steps: it

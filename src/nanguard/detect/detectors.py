@@ -28,8 +28,6 @@ _LEVEL_MIN_STEPS = 5
 # grad norm so far: a healthy run whose gradients climb steadily in its first steps (a GAN's
 # discriminator learning, an LR warm-up) never jumps 3x over all its earlier steps at once.
 _EARLY_OVER_LARGEST = 3.0
-# The run's first losses that set its initial scale for the early divergence rule.
-_EARLY_LOSS_BASE = 3
 
 
 def _log10(x: float) -> float:
@@ -461,23 +459,24 @@ class DivergenceDetector(_SeriesDetector):
     def __init__(self, config: DetectConfig) -> None:
         super().__init__(config)
         self.recent: deque[float] = deque(maxlen=config.divergence_steps)
-        self.first: list[float] = []  # the run's first finite losses: its initial scale
+        self.first: float | None = None  # the run's first finite loss: its initial scale
 
     def _early(self, stats: StepStats, x: float) -> list[Alarm] | None:
         """Before the statistics have history: the loss and the one before it both at least
-        `early_loss_ratio` x the largest of the run's first losses. The floor is the loss's
-        own initial scale, not its recent median: a GAN discriminator's 0.001 -> 0.01 is 10x
-        its median, yet far below the ~1.4 it started from. None: no verdict."""
-        if len(self.first) < _EARLY_LOSS_BASE or len(self.recent) < 2:
+        `early_loss_ratio` x the run's first loss. The floor is the loss's own initial scale
+        (the loss at initialization: divergence may start with the very next step), not its
+        recent median: a GAN discriminator's 0.001 -> 0.01 is 10x its median, yet far below
+        the ~1.4 it started from. None: no verdict."""
+        if self.first is None or len(self.recent) < 2:
             return None
-        base = max(self.first)
+        base = self.first
         limit = self.config.early_loss_ratio * base
         if base <= 0 or min(list(self.recent)[-2:]) < limit:
             return None
         return self._fire(
             stats, "divergence", "loss", x,
-            f"loss {x:.4g} is {x / base:.3g}x the largest of the run's first "
-            f"{len(self.first)} losses ({base:.4g}), two steps in a row: early divergence")
+            f"loss {x:.4g} is {x / base:.3g}x the run's first loss ({base:.4g}), two steps in "
+            "a row: early divergence")
 
     def check(self, stats: StepStats) -> list[Alarm]:
         x = stats.loss
@@ -490,8 +489,8 @@ class DivergenceDetector(_SeriesDetector):
         early_regime = len(hist) < max(self.config.warmup_steps, 2 * self.config.divergence_steps)
         if early_regime and (early := self._early(stats, x)) is not None:
             return early  # not added to the history: a divergence never becomes the baseline
-        if len(self.first) < _EARLY_LOSS_BASE:
-            self.first.append(x)
+        if self.first is None:
+            self.first = x
         if (
             len(hist) >= max(self.config.warmup_steps, 2 * self.config.divergence_steps)
             and len(self.recent) == self.recent.maxlen
@@ -525,12 +524,13 @@ class DivergenceDetector(_SeriesDetector):
         return alarms
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "recent": list(self.recent), "first": list(self.first)}
+        return {**super().state_dict(), "recent": list(self.recent), "first": self.first}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.recent = deque(state["recent"], maxlen=self.config.divergence_steps)
-        self.first = [float(v) for v in state.get("first", [])]
+        first = state.get("first")
+        self.first = None if first is None else float(first)
 
 
 class VanishingDetector(Detector):
