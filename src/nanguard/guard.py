@@ -45,7 +45,7 @@ from nanguard.detect.detectors import Detector
 from nanguard.detect.locate import locate
 from nanguard.errors import NanguardError
 from nanguard.integrations import distributed
-from nanguard.policy import make_policy, wants_to_act
+from nanguard.policy import device_skip, make_policy, wants_to_act
 from nanguard.record import ending
 from nanguard.record.report import Report, build_report
 from nanguard.record.rows import write_step
@@ -78,6 +78,11 @@ class _Pending:
     loaded: list[str] = field(default_factory=list)
     """Names of the tensors in the `loaded` slot (first step, or the first after a
     `load_state_dict`)."""
+    device_skip: bool = False
+    """`skip` decided on the device: the fused optimizer got a `found_inf` flag (slot
+    `found_inf`) and skipped the update itself if it was set; the host learns it at the read."""
+    found_inf: bool = False
+    """The `found_inf` flag as read on the host."""
 
 
 class Guard:
@@ -616,6 +621,14 @@ class Guard:
         replaying = self.replay is not None and self.first_nonfinite is None
         if cfg.policy == "observe" and not replaying and cfg.clip is None:
             return
+        if not replaying and cfg.clip is None and device_skip.applies(self, grads):
+            # `skip` on the non-finite values alone, with a fused optimizer: the verdict goes to
+            # the optimizer as its `found_inf` flag, no host read; recorded at the read.
+            assert grads is not None
+            found = device_skip.arm(optimizer, pre.slot("loss"), grads)
+            pre.add("found_inf", found)
+            self._current.device_skip = True
+            return
         # Acting policies decide before the update, and a replay needs the parameters as they
         # were before it: read the pre-step statistics now.
         values = self._read(pre.host_tensor())
@@ -708,6 +721,8 @@ class Guard:
         assert cur is not None, "post-step hook without a pre-step hook"
         self._current = None
         self.recovery.after_update()  # the scheduler's LR back before anything reads it
+        if cur.device_skip:
+            device_skip.disarm(self.optimizer)
         if self._stashed_grads is not None:  # `skip`: give the user their gradients back
             for p, g in zip(self.params, self._stashed_grads, strict=True):
                 p.grad = g
@@ -790,6 +805,8 @@ class Guard:
             if params_finite_now or (next_loss is not None and math.isfinite(next_loss)):
                 stats.assume_overflow()
         for p, stats, fresh in decoded:
+            if p.device_skip:
+                self._device_skipped(p, stats)
             if fresh:
                 self._detect(stats, "pre", p.rng)
             alarms = self._detect(stats, "post", p.rng)
@@ -813,6 +830,8 @@ class Guard:
             stats.act_limit = min((dtype_max(d) for d in dtypes), default=None)
         if "scale" in slots:
             stats.amp_scale = slots["scale"][0]
+        if "found_inf" in slots:
+            p.found_inf = bool(slots["found_inf"][0])
         self.batch_probe.decode(slots.get("batch", []), p.batch_size, stats)
         if self.batch_probe.dropped is not None:
             stats.dropped_samples, self.batch_probe.dropped = self.batch_probe.dropped, None
@@ -897,6 +916,24 @@ class Guard:
         elif d.action == "raise":
             self._action(stats.step, "raise", f"stopped ({d.why})")
             self.stop(stats, d.why)
+
+    def _device_skipped(self, p: _Pending, stats: StepStats) -> None:
+        """Record what the fused optimizer did with the `found_inf` flag of step `p` (read a
+        step late on a GPU): a discarded update is a `skip` action; too many in a row stop the
+        run, as the host-side `skip` does."""
+        if not p.found_inf:
+            self._skips_in_row = 0
+            return
+        stats.skipped = True
+        self._skips_in_row += 1
+        why = ", ".join(stats.seal()) or "non-finite gradient norm"
+        self._action(stats.step, "skip", f"update discarded on the device ({why})")
+        limit = self.config.recover.max_consecutive_skips
+        if self._skips_in_row > limit:
+            detail = (f"{limit} updates discarded in a row and the next was bad too ({why}); "
+                      "skipping does not heal this run: stopped")
+            self._action(stats.step, "give_up", detail)
+            self.stop(stats, detail)
 
     def discard_update(self, stats: StepStats) -> None:
         """Make the coming `optimizer.step()` a no-op: optimizers leave a parameter whose .grad

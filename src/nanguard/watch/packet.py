@@ -47,6 +47,12 @@ class Packet:
         self._size += flat.numel()
         self._parts.append(flat)
 
+    def slot(self, name: str) -> torch.Tensor | None:
+        """The device values of slot `name` (None when the packet has no such slot)."""
+        if name not in self._slots:
+            return None
+        return self._parts[list(self._slots).index(name)]
+
     def __contains__(self, name: str) -> bool:
         return name in self._slots
 
