@@ -129,7 +129,8 @@ def test_compare_and_merged(failing_run: Path, healthy_run: Path, merged_run: Pa
     pg = _open(page, out.as_uri())
     assert page.errors == []
     assert pg.locator(".run").count() == 3
-    names = pg.evaluate("() => T.models().filter(m => m.glyph && m.name).map(m => m.name)")
+    names = pg.evaluate("() => [].concat(...T.models().filter(m => m.name === 'series')"
+                        ".map(r => Array.from(r.data_source.get_column('name'))))")
     # One line per run, and one per part of the merged run.
     assert {"failing", "healthy", "gan/gen", "gan/disc"} <= set(names), names
     assert pg.evaluate("() => T.tagged('heat').length") == 4

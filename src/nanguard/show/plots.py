@@ -9,7 +9,8 @@ non-finite values are red crosses, never dropped. Several runs, or the parts of 
 give one line each.
 
 Names the page and the browser tests find the models by: the shared x range is `x`; every
-figure is `row:<series>` (`row:events`, `row:loss`, `row:heat:<run>`, ...); renderers of
+figure is `row:<series>` (`row:events`, `row:loss`, `row:heat:<run>`, ...); its lines are one
+renderer `series` (their labels in its source's `name` column); renderers of
 non-finite markers carry the tag `nonfinite` (segments over a run of them `nonfinite_run`),
 the heat map's image `heat`; the vertical lines' source is `lines` (its `kind` column:
 `alarm`, `action`, `first_nonfinite`).
@@ -76,6 +77,9 @@ class Rows:
             background_fill_color="#fafafa", min_border_right=RIGHT_PX,
             toolbar_location=None, output_backend="canvas", **kw)
         fig.title.text_font_size = "12px"
+        # No minor ticks: less for the browser to draw, nothing lost at this size.
+        fig.xaxis.minor_tick_line_color = None
+        fig.yaxis.minor_tick_line_color = None
         fig.xaxis.axis_label_text_font_size = "11px"
         fig.yaxis.major_label_text_font_size = "10px"
         fig.xaxis.major_label_text_font_size = "10px"
@@ -111,35 +115,65 @@ def _source(**cols: Any) -> Any:
     return models.ColumnDataSource(data=cols)
 
 
-def line(fig: Any, b: Buckets, name: str, color: str, dash: str = "solid",
-         bad_level: float | None = None) -> list[Any]:
-    """A bucketed series: its min..max band (when downsampled), last value and non-finite
-    markers (`bad_level`: the height of the markers, e.g. 0 decades of headroom).
+class Lines:
+    """The series of one figure, drawn with four renderers whatever their number: one
+    multi-line for the last values, one set of patches for the min..max bands, one scatter
+    for the non-finite markers and one multi-line for the segments over runs of them (each
+    renderer costs Bokeh style and layout work when the page is built)."""
 
-    Returns:
-        the renderer of the line, then that of its non-finite markers if any.
-    """
-    src = _source(x=b.step.astype(np.float64), lo=b.lo, hi=b.hi, last=b.last)
-    if len(b) and bool(np.any(np.nan_to_num(b.hi - b.lo) > 0)):
-        fig.varea(x="x", y1="lo", y2="hi", source=src, fill_color=color, fill_alpha=0.25)
-    r = fig.line(x="x", y="last", source=src, line_color=color, line_width=1.5,
-                 line_dash=dash, name=name, legend_label=name)
-    out = [r]
-    xs, ys, texts, seg_x, seg_y = bad_markers(b)
-    if bad_level is not None:
-        ys = [bad_level] * len(ys)
-        seg_y = [None if y is None else bad_level for y in seg_y]
-    if xs:
-        m = fig.scatter(x="x", y="y", source=_source(x=xs, y=ys, text=[f"{name}: {t}"
-                                                                       for t in texts]),
-                        marker="x", size=11, line_width=2.5, color=BAD)
-        m.tags = ["nonfinite"]  # on the renderer (a `tags=` argument would go to the glyph)
-        out.append(m)
-    if seg_x:
-        seg = fig.line(x=np.array(seg_x, dtype=float), y=np.array(seg_y, dtype=float),
-                       line_color=BAD, line_width=3)
-        seg.tags = ["nonfinite_run"]
-    return out
+    def __init__(self) -> None:
+        self.line: dict[str, list[Any]] = {k: [] for k in ("xs", "ys", "name", "color",
+                                                            "dash")}
+        self.band: dict[str, list[Any]] = {k: [] for k in ("xs", "ys", "color")}
+        self.mark: dict[str, list[Any]] = {k: [] for k in ("x", "y", "text")}
+        self.seg: dict[str, list[Any]] = {"xs": [], "ys": []}
+
+    def add(self, b: Buckets, name: str, color: str, dash: str = "solid",
+            bad_level: float | None = None) -> None:
+        """A bucketed series: its min..max band (when downsampled), last value and non-finite
+        markers (`bad_level`: the height of the markers, e.g. 0 decades of headroom)."""
+        x = b.step.astype(np.float64)
+        for key, v in zip(self.line, (x, b.last, name, color, dash), strict=True):
+            self.line[key].append(v)
+        if len(b) and bool(np.any(np.nan_to_num(b.hi - b.lo) > 0)):
+            # One polygon per stretch of buckets with finite values (NaN splits it).
+            ok = np.isfinite(b.lo) & np.isfinite(b.hi)
+            cuts = np.flatnonzero(np.diff(np.r_[0, ok.astype(np.int8), 0]))
+            for i, j in zip(cuts[::2], cuts[1::2], strict=True):
+                self.band["xs"].append(np.r_[x[i:j], x[i:j][::-1]])
+                self.band["ys"].append(np.r_[b.hi[i:j], b.lo[i:j][::-1]])
+                self.band["color"].append(color)
+        xs, ys, texts, seg_x, seg_y = bad_markers(b)
+        if bad_level is not None:
+            ys = [bad_level] * len(ys)
+            seg_y = [None if y is None else bad_level for y in seg_y]
+        self.mark["x"] += xs
+        self.mark["y"] += ys
+        self.mark["text"] += [f"{name}: {t}" for t in texts]
+        for k in range(0, len(seg_x), 3):
+            self.seg["xs"].append(seg_x[k:k + 2])
+            self.seg["ys"].append(seg_y[k:k + 2])
+
+    def draw(self, rows: Rows, fig: Any) -> None:
+        hover = rows.models.HoverTool
+        if self.band["xs"]:
+            fig.patches(xs="xs", ys="ys", source=_source(**self.band), fill_color="color",
+                        fill_alpha=0.25, line_width=0)
+        r = fig.multi_line(xs="xs", ys="ys", source=_source(**self.line), line_color="color",
+                           line_dash="dash", line_width=1.5, legend_field="name", name="series")
+        fig.add_tools(hover(renderers=[r], line_policy="nearest",
+                            formatters={"$snap_y": "printf"}, tooltips=[
+                                ("", "@name"), ("step", "$snap_x{0}"),
+                                ("value", "$snap_y{%0.4g}")]))
+        if self.mark["x"]:
+            m = fig.scatter(x="x", y="y", source=_source(**self.mark), marker="x", size=11,
+                            line_width=2.5, color=BAD)
+            m.tags = ["nonfinite"]  # on the renderer (a `tags=` argument would go to the glyph)
+            fig.add_tools(hover(renderers=[m], tooltips=[("non-finite", "@text")]))
+        if self.seg["xs"]:
+            seg = fig.multi_line(xs="xs", ys="ys", source=_source(**self.seg), line_color=BAD,
+                                 line_width=3)
+            seg.tags = ["nonfinite_run"]
 
 
 def heat(rows: Rows, run: RunSeries, origin: int, width: int) -> None:
@@ -243,17 +277,11 @@ def series_row(rows: Rows, key: str, title: str, series: list[tuple[RunSeries, s
     from_zero = all(float(np.nanmin(b.lo, initial=0)) >= 0 for _, _, b in series
                     if np.isfinite(b.lo).any())
     fig = rows.add(key, title, log=log, from_zero=from_zero)
-    drawn = []
+    lines = Lines()
     for r, name, b in series:
         label = r.label if name == key else f"{r.label} {name}"
         dash = DASHES[order[r.label].index(name) % len(DASHES)]
-        drawn.append(line(fig, b, label, color[r.label], dash, bad_level=bad_level))
-    # Two hover tools per figure (lines, markers), not one per renderer: fewer views to build.
-    hover = rows.models.HoverTool
-    fig.add_tools(hover(renderers=[d[0] for d in drawn], formatters={"@last": "printf"},
-                        tooltips=[("", "$name"), ("step", "@x{0}"), ("value", "@last{%0.4g}")]))
-    marks = [m for d in drawn for m in d[1:]]
-    if marks:
-        fig.add_tools(hover(renderers=marks, tooltips=[("non-finite", "@text")]))
+        lines.add(b, label, color[r.label], dash, bad_level=bad_level)
+    lines.draw(rows, fig)
     rows.legend(fig)
     return fig
