@@ -168,7 +168,7 @@ class Discovery:
         read only at the end of the run (the outputs themselves are not kept)."""
         self._manual = ManualBoundaries(roots=lambda: list(self._roots.values()))
         self.recorder = StepRecorder()
-        self._root_hooks: weakref.WeakKeyDictionary[nn.Module, RemovableHandle] = \
+        self._root_hooks: weakref.WeakKeyDictionary[nn.Module, RemovableHandle | None] = \
             weakref.WeakKeyDictionary()
         self._start: Any = None
         self.processes_started = 0
@@ -264,7 +264,8 @@ class Discovery:
             self.preflight.remove()
         self.recorder.remove()
         for h in list(self._root_hooks.values()):
-            h.remove()
+            if h is not None:
+                h.remove()
         self._root_hooks = weakref.WeakKeyDictionary()
         loads.untrack()
         if self._clip is not None:
@@ -334,9 +335,11 @@ class Discovery:
         self._roots[id(module)] = module
         if module not in self._root_hooks:
             # Global pre-hooks are not given keyword arguments: a root's own hook is (from its
-            # next call on) what the in-process replay calls it with again.
-            self._root_hooks[module] = module.register_forward_pre_hook(self._root_call,
-                                                                        with_kwargs=True)
+            # next call on) what the in-process replay calls it with again. Only a root with
+            # parameters can be a trained model (not a loss module): only it is hooked.
+            hook = (module.register_forward_pre_hook(self._root_call, with_kwargs=True)
+                    if next(module.parameters(), None) is not None else None)
+            self._root_hooks[module] = hook
         if not torch.is_grad_enabled():
             return  # evaluation (`no_grad`): not a training batch
         if self.preflight is not None and not self.preflight.done:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -63,6 +63,18 @@ def _amp(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
             dtype = dict(state).get(d)
             stack.enter_context(torch.autocast(d, dtype=dtype, enabled=dtype is not None))
         yield
+
+
+def _flat_versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Any, int]]:
+    """`_versions(args, kwargs)`, without its recursion for the usual flat call (on the hot
+    path: once per root call)."""
+    out = []
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            out.append((v, v._version))
+        elif isinstance(v, (tuple, list, dict)):
+            out += _versions(v)
+    return out
 
 
 def _batch_of(args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
@@ -140,16 +152,19 @@ class Recipe:
             return cast(torch.Tensor, loss.fn(x, *loss.rest, **loss.kwargs))
 
 
-@dataclass
 class _Window:
-    """What the script did since the last step boundary."""
+    """What the script did since the last step boundary (a plain class: one is made per
+    step)."""
 
-    calls: list[RootCall] = field(default_factory=list)
-    losses: list[LossCall] = field(default_factory=list)
-    backwards: int = 0
-    target: LossCall | tuple[RootCall, tuple[Any, ...]] | None = None
-    """What the (last) backward took: a recorded loss, or (call, path) of an output element."""
-    dropped: bool = False
+    __slots__ = ("backwards", "calls", "dropped", "losses", "target")
+
+    def __init__(self) -> None:
+        self.calls: list[RootCall] = []
+        self.losses: list[LossCall] = []
+        self.backwards = 0
+        self.target: LossCall | tuple[RootCall, tuple[Any, ...]] | None = None
+        """What the (last) backward took: a recorded loss, or (call, path) of an output."""
+        self.dropped = False
 
 
 class StepRecorder:
@@ -204,7 +219,7 @@ class StepRecorder:
         if len(w.calls) >= _MAX_CALLS:
             w.dropped = True
             return
-        w.calls.append(RootCall(module, args, dict(kwargs), _versions(args, kwargs),
+        w.calls.append(RootCall(module, args, dict(kwargs), _flat_versions(args, kwargs),
                                 rng.capture_step(), _amp_state()))
 
     def saw_output(self, module: nn.Module, output: Any) -> None:
@@ -235,7 +250,7 @@ class StepRecorder:
                     return  # a transpose or permute: not what a reshape gives back
                 rest = tuple(args[1:])
                 w.losses.append(LossCall(fn, call, path, shape, rest, kwargs,
-                                         _versions(rest, kwargs), _amp_state(), out))
+                                         _flat_versions(rest, kwargs), _amp_state(), out))
                 return
         except Exception:  # noqa: BLE001, S110 - never in the script's way
             pass
