@@ -263,9 +263,9 @@ class Discovery:
         if self.preflight is not None:
             self.preflight.remove()
         self.recorder.remove()
-        for h in list(self._root_hooks.values()):
-            if h is not None:
-                h.remove()
+        for hook in list(self._root_hooks.values()):
+            if hook is not None:
+                hook.remove()
         self._root_hooks = weakref.WeakKeyDictionary()
         loads.untrack()
         if self._clip is not None:
