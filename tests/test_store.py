@@ -238,3 +238,26 @@ def test_writing_after_close_raises(tmp_path):
     with pytest.raises(StoreError, match="closed"):
         store.write_action(0, "skip", "why")
     assert store.error is None
+
+
+def test_store_benchmark_runs(tmp_path):
+    """benchmarks/store.py end to end on a few steps (its output's shape, no timing)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    for mode in ("hot", "long"):
+        proc = subprocess.run([sys.executable, str(root / "benchmarks" / "store.py"), mode,
+                               "--steps", "300", "--params", "2"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert result["mode"] == mode and result["steps"] == 300
+        row = result["2"] if mode == "hot" else result
+        assert row["caller_us"] > 0 and row["total_us"] >= row["caller_us"] * 0.5
+        assert row["closed_bytes"] > 0
+    assert not list(tmp_path.iterdir())  # the runs went to a temporary directory

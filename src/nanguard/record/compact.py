@@ -1,23 +1,26 @@
 """Compaction: the run store stays bounded on long runs.
 
 Full resolution is kept for the last `keep_recent` steps and for `window` steps on each side of
-every alarm, action and finding. Older steps are compacted on the writer thread (after one of its
-commits, a few buckets at a time, each in its own transaction) into buckets of `bucket`
+every alarm, action and finding. Older steps are compacted after the writer's commits (on the
+writer thread, or on the calling thread when the writer lags 16 batches behind; two buckets at a
+time, each in its own transaction, so a SIGKILL leaves a bucket either whole or untouched) into
+buckets of `bucket`
 consecutive steps (aligned at multiples of `bucket`; a bucket that contains kept steps is split
 around them). What a compacted bucket leaves:
 
 - `steps`: the rows of REAL steps only, never made-up values: the bucket's last step, its first
-  step with a non-finite value, and for every signal (loss, grad_norm, param_norm, ...) the step
-  of its smallest and of its largest finite value. A reader of `steps` sees the kept rows; a
-  plot's per-bucket min/max envelope over them is the true one. Typically 3-10 rows per bucket.
+  step with a non-finite value, and for every signal (loss, grad_norm, param_norm, ...) that
+  varies in the bucket the step of its smallest and of its largest finite value. A reader of
+  `steps` sees the kept rows; a plot's per-bucket min/max envelope over them is the true one.
+  Typically 3-10 rows per bucket.
 - `step_buckets(first, last, n, kept, nonfinite_steps, skipped, nonfinite, signals)`: one row
   per bucket: how many steps it had (`n`) and kept (`kept`), how many held a non-finite value
   (never averaged away) and which signals (`nonfinite`, a JSON list), how many updates were
   skipped, and `signals` = JSON {signal: [min, max, last, NaN count, inf count]} (min/max over
   finite values; `last` with NaN/inf as strings).
-- `param_blobs` / `param_stats`: the per-parameter values of the last step, of the first
-  non-finite step and of the step with the largest grad norm.
-- `activations`, `batches`: those of the kept steps. `rng`: those of the kept steps and step 0.
+- `activations`: those of the kept steps. `param_blobs` / `param_stats` and `batches`: those of
+  the last and the first non-finite step. `rng`: step 0's only (what `nanguard replay` needs;
+  an alarm's RNG state is in its window, which is never compacted).
 - `alarms`, `actions`, `findings`, `meta`, `params`: never compacted.
 
 The number of steps a run recorded is `step_count(db)` (`count(*)` of `steps` plus what the
@@ -122,10 +125,7 @@ class Compactor:
         nonfinite: set[str] = set()
         for r in bad:
             nonfinite.update(json.loads(r[-2]))
-        if bad:
-            kept.add(bad[0][0])
         signals: dict[str, list[Any]] = {}
-        largest_grad = None
         for j, name in enumerate(SIGNALS, start=1):
             finite = [(r[j], r[0]) for r in run
                       if isinstance(r[j], int | float) and math.isfinite(r[j])]
@@ -136,26 +136,26 @@ class Compactor:
             lo = hi = None
             if finite:
                 lo, hi = min(finite), max(finite)
-                kept.update((lo[1], hi[1]))
-                if name == "grad_norm":
-                    largest_grad = hi[1]
+                if not lo[0] == hi[0] == run[-1][j]:  # a constant is in the last row already
+                    kept.update((lo[1], hi[1]))
             signals[name] = [lo[0] if lo else None, hi[0] if hi else None,
                              _text(run[-1][j]), n_nan, n_inf]
+        first_bad = {r[0] for r in bad[:1]}
         self.db.execute(
             "INSERT OR REPLACE INTO step_buckets VALUES (?,?,?,?,?,?,?,?)",
-            (first, last, len(run), len(kept), len(bad), sum(int(r[-1] or 0) for r in run),
-             json.dumps(sorted(nonfinite)), json.dumps(signals)))
-        keep = sorted(kept)
+            (first, last, len(run), len(kept | first_bad), len(bad),
+             sum(int(r[-1] or 0) for r in run), json.dumps(sorted(nonfinite)),
+             json.dumps(signals)))
+        # Rows kept: `steps` and `activations` at the kept steps and the first non-finite one;
+        # per-parameter values and the batch only at the last and the first non-finite step
+        # (the steps around alarms keep theirs: they are never compacted); RNG states at step 0.
+        self._delete(("steps", "activations"), first, last, kept | first_bad)
+        self._delete(("param_blobs", "param_stats_rows", "batches"), first, last,
+                     {last} | first_bad)
+        self._delete(("rng",), first, last, {0})
+
+    def _delete(self, tables: tuple[str, ...], first: int, last: int, keep: set[int]) -> None:
         marks = ",".join("?" * len(keep))
-        for table in ("steps", "activations", "batches"):
+        for table in tables:
             self.db.execute(f"DELETE FROM {table} WHERE step BETWEEN ? AND ? "
-                            f"AND step NOT IN ({marks})", (first, last, *keep))
-        keep_rng = [*keep, 0]
-        self.db.execute(f"DELETE FROM rng WHERE step BETWEEN ? AND ? AND step NOT IN "
-                        f"({','.join('?' * len(keep_rng))})", (first, last, *keep_rng))
-        per_param = sorted({last, *([bad[0][0]] if bad else []),
-                            *([largest_grad] if largest_grad is not None else [])})
-        marks = ",".join("?" * len(per_param))
-        for table in ("param_blobs", "param_stats_rows"):
-            self.db.execute(f"DELETE FROM {table} WHERE step BETWEEN ? AND ? "
-                            f"AND step NOT IN ({marks})", (first, last, *per_param))
+                            f"AND step NOT IN ({marks})", (first, last, *sorted(keep)))

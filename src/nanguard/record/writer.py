@@ -64,7 +64,20 @@ def enc(x: float | None) -> float | str | None:
 
 def batch_hash(samples: list[int]) -> str:
     """Fingerprint of a whole batch from its per-sample fingerprints."""
-    return hashlib.blake2b(repr(samples).encode(), digest_size=8).hexdigest()
+    return _hash(repr(samples))
+
+
+def _hash(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def _json_list(values: list[Any] | None) -> str:
+    """A list of ints or strings as JSON (for ints, `repr` is that JSON, and cheaper)."""
+    if not values:
+        return "[]"
+    if all(type(v) is int for v in values):
+        return repr(values)
+    return json.dumps(values)
 
 
 @lru_cache(maxsize=64)
@@ -135,18 +148,20 @@ def encode(items: list[tuple[Any, ...]]) -> dict[str, list[tuple[Any, ...]]]:
         if kind == "step":
             row, when, per_param, acts, batch, alarms = a
             step = row["step"]
+            get = row.get
             out["steps"].append((
-                step, when, *(enc(row.get(c)) for c in STEP_ROW[2:9]),
-                json.dumps(row.get("nonfinite", [])), int(row.get("skipped", False)),
-                enc(row.get("amp_scale")), enc(row.get("act_limit"))))
+                step, when, enc(get("loss")), enc(get("grad_norm")), enc(get("param_norm")),
+                enc(get("update_ratio")), enc(get("momentum_norm")), enc(get("act_max")),
+                enc(get("lr")), _json_list(get("nonfinite")), int(get("skipped", False)),
+                enc(get("amp_scale")), enc(get("act_limit"))))
             if per_param is not None:
                 out["param_blobs"].append((step, param_blob(per_param)))
             if acts:
                 out["activations"].extend((step, m, enc(v)) for m, v in acts.items())
             if batch is not None:
                 fp, samples, bad = batch
-                out["batches"].append((step, fp or batch_hash(samples), json.dumps(samples),
-                                       json.dumps(bad)))
+                text = _json_list(samples)
+                out["batches"].append((step, fp or _hash(text), text, _json_list(bad)))
             out["alarms"].extend(_alarm(x) for x in alarms)
         elif kind == "alarm":
             out["alarms"].append(_alarm(a[0]))
@@ -203,20 +218,24 @@ class Writer:
         q = self._queue
         q.append(item)
         if len(q) >= self._flush_steps:
-            if len(q) >= self._limit:
-                self.write_now()
+            if len(q) >= self._limit:  # the writer thread lags: write here, compaction too
+                self.write_now(maintain=True)
             else:
                 self._wake.set()
 
-    def write_now(self, item: tuple[Any, ...] | None = None) -> None:
-        """Write the queue, then `item`, and commit, on the calling thread, before returning.
-        Raises StoreError if it (or the writer earlier) failed."""
+    def write_now(self, item: tuple[Any, ...] | None = None, *, maintain: bool = False
+                  ) -> None:
+        """Write the queue, then `item`, and commit, on the calling thread, before returning
+        (then run `after_commit` if `maintain`). Raises StoreError if it (or the writer
+        earlier) failed."""
         if self._stop:
             self._raise()
         with self.lock:
             if item is not None:
                 self._queue.append(item)
             self._drain()
+            if maintain:
+                self._maintain()
         if self.error is not None:
             self._raise()
 
@@ -259,8 +278,11 @@ class Writer:
                 return
             with self.lock:
                 self._drain()
-                if self._after_commit is not None and self.error is None:
-                    try:
-                        self._after_commit()
-                    except Exception as exc:  # noqa: BLE001 - kept, re-raised on the caller
-                        self.error = exc
+                self._maintain()
+
+    def _maintain(self) -> None:
+        if self._after_commit is not None and self.error is None:
+            try:
+                self._after_commit()
+            except Exception as exc:  # noqa: BLE001 - kept, re-raised on the calling thread
+                self.error = exc
