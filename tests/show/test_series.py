@@ -212,3 +212,16 @@ def test_demo_ends_with_the_html_report_command(tmp_path: Path, capsys) -> None:
     assert cmd[0] == "nanguard" and cmd[-1] == "--html"
     assert main(cmd[1:]) == 1  # the seed failed: report's exit code
     assert (tmp_path / "demo" / "seed-0" / "report.html").is_file()
+
+
+def test_infinite_values_are_gaps_and_markers() -> None:
+    """+-Inf in a series is a gap in its line (an infinite value would stretch the figure's
+    automatic y range to infinity and hide every finite point) and a non-finite marker."""
+    from nanguard.show.plots import Lines
+
+    lines = Lines()
+    lines.add(bucketize(range(6), [1.0, 2.0, np.inf, 3.0, 4.0, -np.inf]), "loss", "#000")
+    ys = lines.line["ys"][0]
+    assert np.isnan(ys[2]) and np.isnan(ys[5]) and ys[3] == 3.0
+    assert np.isfinite(np.nan_to_num(ys, nan=0.0)).all()
+    assert lines.mark["x"] == [2, 5] and "inf at step 2" in lines.mark["text"][0]

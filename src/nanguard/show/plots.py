@@ -133,7 +133,10 @@ class Lines:
         """A bucketed series: its min..max band (when downsampled), last value and non-finite
         markers (`bad_level`: the height of the markers, e.g. 0 decades of headroom)."""
         x = b.step.astype(np.float64)
-        for key, v in zip(self.line, (x, b.last, name, color, dash), strict=True):
+        # +-Inf becomes a gap like NaN (it is drawn as a marker): an infinite value would
+        # stretch the figure's automatic y range to infinity and hide every finite point.
+        last = np.where(np.isfinite(b.last), b.last, np.nan)
+        for key, v in zip(self.line, (x, last, name, color, dash), strict=True):
             self.line[key].append(v)
         if len(b) and bool(np.any(np.nan_to_num(b.hi - b.lo) > 0)):
             # One polygon per stretch of buckets with finite values (NaN splits it).
