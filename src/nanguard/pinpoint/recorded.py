@@ -16,14 +16,18 @@ non-finite step, before the update (pinpoint/inprocess.py). What is kept per ste
 * which of them the `backward()` of the step took.
 
 Everything is held by reference (no copies, no device reads): the arguments until the step's
-update, the outputs and loss values only until the backward. A step is replayable only when it
-is that simple: one call of the model, one backward, of a recognised loss of that call's output,
-no closure (LBFGS), no torch.distributed, no batch changed in place since. Anything else gets a
-one-line reason and the runner falls back to re-running the script.
+update (one call per module and step: a module called again in the same step is not
+replayable, and its first call is let go), the outputs only weakly (a grad-enabled forward the
+script throws away keeps no activations alive here), and the loss values weakly too.
+A step is replayable only when it is that simple: one call of the model, one backward, of a
+recognised loss of that call's output, no closure (LBFGS), no torch.distributed, no batch
+changed in place since. Anything else gets a one-line reason and the runner falls back to
+re-running the script.
 
-While a replay runs, `replaying()` is true for its forward and for the `backward()` of the loss
-it returned, so that the step-boundary hooks of the runner (`Discovery`, `ManualBoundaries`)
-do not take nanguard's own forward and backward for the script's.
+While a replay runs, `replaying()` (integrations/manual.py) is true for its forward and for the
+`backward()` of the loss it returned, so that the step-boundary hooks of the runner
+(`Discovery`, `ManualBoundaries`) do not take nanguard's own forward and backward for the
+script's.
 """
 
 from __future__ import annotations
@@ -77,6 +81,31 @@ def _flat_versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[
     return out
 
 
+def _weak(obj: Any, depth: int = 0) -> Any:
+    """`obj` (a module's output) with weak references in place of its tensors, to the depth
+    `_find` looks (tuples and lists become tuples, mappings dicts: the same paths select)."""
+    if isinstance(obj, torch.Tensor):
+        return weakref.ref(obj)
+    if depth >= 2:
+        return None
+    if isinstance(obj, (tuple, list)):
+        return tuple(_weak(v, depth + 1) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _weak(v, depth + 1) for k, v in obj.items()}
+    return None
+
+
+def _live(obj: Any) -> Any:
+    """The tensors of a `_weak` structure that are still alive (None for the others)."""
+    if isinstance(obj, weakref.ref):
+        return obj()
+    if isinstance(obj, tuple):
+        return tuple(_live(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: _live(v) for k, v in obj.items()}
+    return None
+
+
 def _batch_of(args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
     """The tensors `Discovery` hands the guard as the batch of a root call."""
     return tuple(a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0)
@@ -93,7 +122,8 @@ class RootCall:
     rng: dict[str, Any]
     amp: tuple[tuple[str, torch.dtype], ...]
     output: Any = None
-    """Kept until the step's backward only (the loss input is looked up in it)."""
+    """The output as weak references (`_weak`), until the step's backward: the loss input is
+    looked up in it."""
 
 
 @dataclass(eq=False)
@@ -108,8 +138,8 @@ class LossCall:
     kwargs: dict[str, Any]
     versions: list[tuple[torch.Tensor, int]]
     amp: tuple[tuple[str, torch.dtype], ...]
-    result: Any = None
-    """The loss value, kept until the step's backward only (compared by identity)."""
+    result: weakref.ref[torch.Tensor] | None = None
+    """The loss value, weakly, until the step's backward (compared by identity)."""
 
 
 @dataclass(eq=False)
@@ -156,7 +186,7 @@ class _Window:
     """What the script did since the last step boundary (a plain class: one is made per
     step)."""
 
-    __slots__ = ("backwards", "calls", "dropped", "losses", "target")
+    __slots__ = ("backwards", "calls", "dropped", "losses", "repeated", "target")
 
     def __init__(self) -> None:
         self.calls: list[RootCall] = []
@@ -165,6 +195,8 @@ class _Window:
         self.target: LossCall | tuple[RootCall, tuple[Any, ...]] | None = None
         """What the (last) backward took: a recorded loss, or (call, path) of an output."""
         self.dropped = False
+        self.repeated: set[int] = set()
+        """Modules called more than once (their calls are let go)."""
 
 
 class StepRecorder:
@@ -216,6 +248,12 @@ class StepRecorder:
     def saw_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A grad-enabled root call starts (a per-root `with_kwargs` forward pre-hook)."""
         w = self._window
+        if id(module) in w.repeated:
+            return
+        if any(c.module is module for c in w.calls):
+            w.repeated.add(id(module))
+            w.calls = [c for c in w.calls if c.module is not module]
+            return
         if len(w.calls) >= _MAX_CALLS:
             w.dropped = True
             return
@@ -226,7 +264,7 @@ class StepRecorder:
         """A root call returned (the global forward hook, at depth 0)."""
         for call in reversed(self._window.calls):
             if call.module is module and call.output is None:
-                call.output = output
+                call.output = _weak(output)
                 return
 
     def _saw_loss(self, name: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -241,16 +279,19 @@ class StepRecorder:
             if not isinstance(x, torch.Tensor) or x.grad_fn is None:
                 return
             for call in reversed(w.calls):
-                found = _find(call.output, x) if call.output is not None else None
+                output = _live(call.output)
+                found = _find(output, x) if output is not None else None
                 if found is None:
                     continue
                 path, shape = found
                 if shape is not None and not (x.is_contiguous()
-                                              and _select(call.output, path).is_contiguous()):
+                                              and _select(output, path).is_contiguous()):
                     return  # a transpose or permute: not what a reshape gives back
                 rest = tuple(args[1:])
                 w.losses.append(LossCall(fn, call, path, shape, rest, kwargs,
-                                         _flat_versions(rest, kwargs), _amp_state(), out))
+                                         _flat_versions(rest, kwargs), _amp_state(),
+                                         weakref.ref(out) if isinstance(out, torch.Tensor)
+                                         else None))
                 return
         except Exception:  # noqa: BLE001, S110 - never in the script's way
             pass
@@ -260,10 +301,12 @@ class StepRecorder:
         outputs and loss values are let go afterwards."""
         w = self._window
         w.backwards += 1
-        w.target = next((c for c in reversed(w.losses) if c.result is tensor), None)
+        w.target = next((c for c in reversed(w.losses)
+                         if c.result is not None and c.result() is tensor), None)
         if w.target is None:
             for call in reversed(w.calls):
-                found = _find(call.output, tensor) if call.output is not None else None
+                output = _live(call.output)
+                found = _find(output, tensor) if output is not None else None
                 if found is not None and found[1] is None:
                     w.target = (call, found[0])
                     break
@@ -283,8 +326,10 @@ class StepRecorder:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return "torch.distributed: a replayed backward would wait for the other ranks"
         calls = [c for c in w.calls if any(c.module is r for r in roots)]
-        if w.dropped or len(calls) > 1:
+        if len(calls) > 1 or any(id(r) in w.repeated for r in roots):
             return "the model is called several times in a step"
+        if w.dropped:
+            return f"more than {_MAX_CALLS} module calls in a step"
         if not calls:
             return ("no call of the trained model was recorded in that step (its first call, "
                     "or parameters outside any module)")

@@ -1,0 +1,120 @@
+"""The step recording of `nanguard run` (pinpoint/recorded.py), in process on real PyTorch: what
+it keeps alive (nothing of a forward the script throws away), what it leaves behind (nothing),
+and the one-line reason it gives for steps it cannot replay (the runner then re-runs the
+script: here with `--replay-budget 0`, so the reason is all there is to see)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanguard.integrations.discovery import Discovery
+from nanguard.integrations.runner import RunOptions, run
+
+
+def test_thrown_away_forwards_and_losses_are_not_kept_alive(tmp_path: Path) -> None:
+    """A grad-enabled forward (and a loss of it) the script drops between steps is freed at
+    once: the recorder holds outputs and loss values weakly; the loss functions are the
+    originals again after `remove()`."""
+    original = F.mse_loss
+    disc = Discovery(lambda i: tmp_path / f"optimizer-{i}").install()
+    try:
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            x, y = torch.randn(16, 4), torch.randn(16, 1)
+            loss = F.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        hidden: list[weakref.ref[torch.Tensor]] = []  # an activation the graph saves
+        model[1].register_forward_hook(lambda m, i, o: hidden.append(weakref.ref(o)))
+        out = model(torch.randn(16, 4))
+        val = F.mse_loss(out, torch.randn(16, 1))
+        refs = [weakref.ref(out), weakref.ref(val), hidden[0]]
+        assert refs[2]() is not None
+        del out, val
+        gc.collect()
+        assert [r() for r in refs] == [None, None, None]
+        assert F.mse_loss is not original  # wrapped while installed
+    finally:
+        disc.remove()
+    assert F.mse_loss is original
+
+
+TWICE = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.Adam(model.parameters(), lr=0.01)
+for step in range(6):
+    a, b = torch.randn(8, 4), torch.randn(8, 4)
+    gate = 0.0 if step == 4 else 1.0
+    loss = torch.nn.functional.mse_loss(model(a), torch.zeros(8, 1)) \\
+        + torch.nn.functional.mse_loss(model(b) * gate, torch.zeros(8, 1)).log()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+CLOSURE = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.LBFGS(model.parameters(), max_iter=2)
+for step in range(5):
+    x = torch.randn(8, 4)
+    scale = torch.tensor(0.0 if step == 3 else 1.0)
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x) / scale, torch.zeros(8, 1))
+        loss.backward()
+        return loss
+    opt.step(closure)
+"""
+
+GRAD_ACCUMULATION = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(5):
+    opt.zero_grad()
+    for micro in range(2):
+        x = torch.randn(8, 4)
+        out = model(x)
+        if step == 3 and micro == 1:
+            out = out.log()
+        torch.nn.functional.mse_loss(out, torch.zeros(8, 1)).backward()
+    opt.step()
+"""
+
+
+@pytest.mark.parametrize(("source", "step", "reason"), [
+    (TWICE, 4, "the model is called several times in a step"),
+    (CLOSURE, 3, "the optimizer takes a closure"),
+    (GRAD_ACCUMULATION, 3, "the model is called several times in a step"),
+])
+def test_steps_not_replayable_in_process_say_why(tmp_path: Path, source: str, step: int,
+                                                 reason: str) -> None:
+    """Two calls of the model in a step, a closure optimizer, gradient accumulation: not
+    replayed in process; the finding is the watched signals' (the re-run is off here) and
+    `run.replay.in_process` says why."""
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    out = tmp_path / "run"
+    rc = run(RunOptions(script=str(script), out=str(out), replay_budget=0, summary=False))
+    report = json.loads((out / "report.json").read_text())
+    assert rc == 1, report
+    assert report["first_nonfinite"]["step"] == step, report["first_nonfinite"]
+    assert report["first_nonfinite"]["op"] is None  # not pinpointed: only the signals
+    replay = report["run"]["replay"]
+    assert replay["status"] == "skipped", replay
+    assert replay["in_process"].startswith(reason), replay
