@@ -49,6 +49,28 @@ window.T = {
 };
 """
 
+# Screen position of a line's point (`[figure name, step]`) in the page.
+POINT = """([name, step]) => {
+  const v = T.figViews().find(v => v.model.name === name);
+  const src = v.model.renderers.find(r => r.name === 'series').data_source;
+  const xs = Array.from(src.get_column('xs')[0]), ys = src.get_column('ys')[0];
+  const box = v.el.getBoundingClientRect();
+  return {x: box.left + v.frame.x_scale.compute(step),
+          y: box.top + v.frame.y_scale.compute(ys[xs.indexOf(step)]),
+          value: ys[xs.indexOf(step)]};
+}"""
+
+TOOLTIPS = """() => {
+  const out = [];
+  const walk = n => {
+    const c = n.shadowRoot && n.shadowRoot.querySelector('.bk-tooltip-content');
+    if (c && c.innerText.trim()) out.push(c.innerText);
+    for (const k of n.shadowRoot ? [...n.children, ...n.shadowRoot.children] : n.children) walk(k);
+  };
+  walk(document.body);
+  return out;
+}"""
+
 PLOTS = """() => T.figViews().map(v => ({name: v.model.name, w: v.frame.bbox.width,
   h: v.frame.bbox.height, colored: T.colored(v), x: v.model.x_range.id}))"""
 
@@ -105,6 +127,14 @@ def test_failing_run_report(failing_run: Path, page: Page, tmp_path: Path) -> No
     head = pg.evaluate("""() => T.doc().get_model_by_name('row:act_headroom').renderers
       .filter(r => (r.tags || []).includes('nonfinite')).map(r => T.xs([r]))""")
     assert head == [[20]], head
+    # Hovering a point of the loss shows its run, step and value.
+    pt = pg.evaluate(POINT, ["row:loss", 5])
+    pg.mouse.move(pt["x"], pt["y"] + 40)
+    pg.mouse.move(pt["x"], pt["y"])
+    pg.wait_for_function(f"({TOOLTIPS})().length > 0", timeout=10_000)
+    tip = " ".join(pg.evaluate(TOOLTIPS)).split()
+    assert tip[:3] == ["failing", "step:", "5"], tip
+    assert float(tip[-1]) == float(f"{pt['value']:.4g}"), tip
     # A zoom of one figure is the zoom of all: they share the x range.
     pg.evaluate("() => T.doc().get_model_by_name('x').setv({start: 10, end: 30})")
     pg.wait_for_function("() => T.figViews().every(v => v.frame.x_scale.source_range.start === 10)")

@@ -89,7 +89,6 @@ class Rows:
     def legend(self, fig: Any) -> None:
         if fig.legend:
             fig.legend.location = "top_left"
-            fig.legend.click_policy = "hide"
             fig.legend.label_text_font_size = "10px"
             fig.legend.background_fill_alpha = 0.6
             fig.legend.spacing = 0
