@@ -444,7 +444,8 @@ class Discovery:
         elif not isinstance(recipe, Recipe):
             reason = recipe or "no step recorded"
         elif not recipe.matches(batch):
-            reason = "not the batch of the recorded step"
+            reason = ("not the batch of the recorded step (whole recorded steps are replayed, "
+                      "not single samples)")
         else:
             with replay_forward(), torch.enable_grad():
                 loss = recipe.run()
