@@ -87,7 +87,7 @@ def browser() -> Iterator[Any]:
 
 
 class Page:
-    """A browser page that records console errors and page errors."""
+    """A browser page that records console errors, page errors and the URLs it requested."""
 
     def __init__(self, browser: Any) -> None:
         self.context = browser.new_context(viewport={"width": 1300, "height": 900})
@@ -96,6 +96,8 @@ class Page:
         self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error"
                      else None)
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.requests: list[str] = []
+        self.page.on("request", lambda r: self.requests.append(r.url))
 
     def open(self, url: str) -> Any:
         self.page.goto(url)

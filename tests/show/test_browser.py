@@ -112,6 +112,8 @@ def test_failing_run_report(failing_run: Path, page: Page, tmp_path: Path) -> No
     out = write_html([str(failing_run)], tmp_path / "failing.html")
     pg = _open(page, out.as_uri())
     assert page.errors == []
+    # Self-contained: the page itself is the only thing loaded (no script, font or data fetched).
+    assert {u for u in page.requests if not u.startswith("data:")} == {out.as_uri()}, page.requests
     finding = pg.locator(".finding")
     assert finding.is_visible() and "first non-finite at step 20" in finding.inner_text()
     assert pg.locator(".diagnosis .cause").first.is_visible()
