@@ -193,7 +193,12 @@ def test_every_ordinary_ending_writes_an_honest_report(tmp_path: Path, mode: str
 
 
 def test_sigkill_leaves_a_died_run(tmp_path: Path) -> None:
+    import time
+
+    from nanguard.record.store import RunStore
+
     proc, out = _start(tmp_path, "sigkill")
+    time.sleep(2 * RunStore.FLUSH_SECONDS)  # it trains on; steps are committed in batches
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     assert not (out / "report.json").exists()
