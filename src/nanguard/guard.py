@@ -29,7 +29,6 @@ import sys
 import time
 import traceback
 import weakref
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +50,7 @@ from nanguard.record.report import Report, build_report
 from nanguard.record.rows import write_step
 from nanguard.record.store import DB_NAME, NullStore, RunStore
 from nanguard.recover.policy import Recovery
+from nanguard.recover.verdict import LossWatch
 from nanguard.watch import loads, rng, saturation
 from nanguard.watch.activations import ActivationProbe, dtype_max
 from nanguard.watch.batch import BatchProbe
@@ -193,8 +193,8 @@ class Guard:
         self._load_site: str | None = None
         self._watch_calls = 0  # watch(loss=...) calls since the last optimizer step
         self._skips_in_row = 0  # consecutive updates the `skip` policy discarded
-        self._recent_losses: deque[float] = deque(maxlen=20)  # finite losses, newest last
-        self._loss_before: float | None = None  # their median when the first NaN came
+        self._losses = LossWatch()  # the loss level before any trouble, and since
+        self._recovered_from = False  # a skip or rollback was recorded
         self.report: Report | None = None
         self._resumed: dict[str, Any] = {}  # run log from before a resume (`load_state_dict`)
         self.recovery = Recovery(self, scheduler=scheduler, scaler=scaler)
@@ -479,6 +479,7 @@ class Guard:
             d.load_state_dict(s)
         self.alarms = [Alarm(**a) for a in state["alarms"]]
         self.actions = list(state["actions"])
+        self._recovered_from = any(a["action"] in ("skip", "rollback") for a in self.actions)
         self.first_nonfinite = state["first_nonfinite"]
         if "recovery" in state:
             self.recovery.load_state_dict(state["recovery"])
@@ -957,6 +958,7 @@ class Guard:
     def record_action(self, step: int, action: str, detail: str) -> None:
         """Record what was done at `step` (report.json `actions`; written to run.db at once)."""
         self.actions.append({"step": step, "action": action, "detail": detail})
+        self._recovered_from |= action in ("skip", "rollback")
         self.store.write_action(step, action, detail)
 
     _action = record_action
@@ -1010,13 +1012,8 @@ class Guard:
 
     def _record(self, stats: StepStats, p: _Pending) -> None:
         self._last_stats = stats
-        acted = any(a["action"] in ("skip", "rollback") for a in self.actions)
-        if ((self.first_nonfinite is not None or acted) and self._loss_before is None
-                and self._recent_losses):
-            self._loss_before = statistics.median(self._recent_losses)
-            self._recent_losses.clear()  # from here on: the losses after the failure
-        if stats.loss is not None and math.isfinite(stats.loss) and not stats.skipped:
-            self._recent_losses.append(stats.loss)
+        self._losses.observe(stats.loss, stats.skipped,
+                             troubled=self.first_nonfinite is not None or self._recovered_from)
         if not stats.alarms and not stats.nonfinite_signals():
             # Each parameter's typical grad norm on healthy steps: the baseline of a spike.
             for i, v in stats.grad_norms.items():
@@ -1066,23 +1063,9 @@ class Guard:
         )
 
     def _recovery_verdict(self) -> dict[str, Any] | None:
-        """After a skip or rollback: is the model back? The median loss of the last 20 steps
-        must be finite and within `2x` of the median of the 20 steps before the first
-        non-finite value or the first action, whichever came first (`recovered` means the loss
-        came back, not only that it is finite).
-        None when nothing was recovered from; `back` None when there is no loss to compare."""
-        if not any(a["action"] in ("skip", "rollback") for a in self.actions):
-            return None
-        before = self._loss_before
-        after = statistics.median(self._recent_losses) if self._recent_losses else None
-        if before is None or after is None:
-            back = None if before is None and after is not None else (False if after is None
-                                                                      else None)
-        else:
-            back = after <= before + max(abs(before), 1e-8)  # 2x for positive losses
-        return {"loss_before": before, "loss_end": after, "back": back,
-                "rule": "median loss of the last 20 steps <= 2x the median of the 20 steps "
-                        "before the first non-finite value"}
+        """After a skip or rollback: is the model back (`recover.verdict.LossWatch`)? None when
+        nothing was recovered from."""
+        return self._losses.verdict() if self._recovered_from else None
 
     @staticmethod
     def _open_store(out: str | None, if_exists: str = "refuse") -> NullStore:
