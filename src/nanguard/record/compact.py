@@ -2,11 +2,10 @@
 
 Full resolution is kept for the last `keep_recent` steps and for `window` steps on each side of
 every alarm, action and finding. Older steps are compacted after the writer's commits (on the
-writer thread, or on the calling thread when the writer lags 16 batches behind; two buckets at a
-time, each in its own transaction, so a SIGKILL leaves a bucket either whole or untouched) into
-buckets of `bucket`
-consecutive steps (aligned at multiples of `bucket`; a bucket that contains kept steps is split
-around them). What a compacted bucket leaves:
+writer thread, or on the calling thread when the writer lags 16 batches behind; up to eight
+buckets at a time, each in its own transaction, so a SIGKILL leaves a bucket either whole or
+untouched) into buckets of `bucket` consecutive steps (aligned at multiples of `bucket`; a
+bucket that contains kept steps is split around them). What a compacted bucket leaves:
 
 - `steps`: the rows of REAL steps only, never made-up values: the bucket's last step, its first
   step with a non-finite value, and for every signal (loss, grad_norm, param_norm, ...) that
@@ -62,11 +61,12 @@ class Compactor:
         keep_recent: steps at the end of the run kept at full resolution.
         bucket: steps per bucket.
         window: steps kept on each side of an alarm, action or finding.
-        per_call: buckets compacted per call at most (bounds how long the lock is held).
+        per_call: buckets compacted per call at most (bounds how long the lock is held; more
+            than a full queue of steps, so compaction never falls behind for good).
     """
 
     def __init__(self, db: sqlite3.Connection, *, keep_recent: int, bucket: int, window: int,
-                 per_call: int = 2) -> None:
+                 per_call: int = 8) -> None:
         self.db = db
         self.keep_recent = keep_recent
         self.bucket = max(2, bucket)

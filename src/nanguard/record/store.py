@@ -180,7 +180,7 @@ class RunStore(NullStore):
     """The defaults of `flush_steps` / `flush_seconds` (the crash-safety promise's bounds)."""
 
     def __init__(self, folder: str | os.PathLike[str], *, flush_steps: int = FLUSH_STEPS,
-                 flush_seconds: float = FLUSH_SECONDS, keep_recent: int = 10_000,
+                 flush_seconds: float = FLUSH_SECONDS, keep_recent: int = 2000,
                  bucket: int = 1000, window: int = 50) -> None:
         self.folder = Path(folder)
         try:
