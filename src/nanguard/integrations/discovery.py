@@ -168,8 +168,9 @@ class Discovery:
         read only at the end of the run (the outputs themselves are not kept)."""
         self._manual = ManualBoundaries(roots=lambda: list(self._roots.values()))
         self.recorder = StepRecorder()
-        self._root_hooks: weakref.WeakKeyDictionary[nn.Module, RemovableHandle | None] = \
+        self._has_params: weakref.WeakKeyDictionary[nn.Module, bool] = \
             weakref.WeakKeyDictionary()
+        """Per root module seen: whether it holds parameters (a loss module does not)."""
         self._start: Any = None
         self.processes_started = 0
 
@@ -179,7 +180,8 @@ class Discovery:
         self._handles = [
             register_optimizer_step_pre_hook(self._optimizer_pre),
             register_module_forward_pre_hook(self._forward_pre),
-            register_module_forward_hook(self._forward_post, always_call=True),
+            # with_kwargs: the in-process replay calls a root again with its keywords too.
+            register_module_forward_hook(self._forward_post, with_kwargs=True, always_call=True),
             register_optimizer_step_post_hook(self._optimizer_post),
         ]
         self.recorder.install()  # before the preflight's loss wrappers (removed after them)
@@ -263,10 +265,6 @@ class Discovery:
         if self.preflight is not None:
             self.preflight.remove()
         self.recorder.remove()
-        for hook in list(self._root_hooks.values()):
-            if hook is not None:
-                hook.remove()
-        self._root_hooks = weakref.WeakKeyDictionary()
         loads.untrack()
         if self._clip is not None:
             torch.nn.utils.clip_grad_norm_ = self._clip
@@ -333,15 +331,13 @@ class Discovery:
         if self._depth != 1:
             return
         self._roots[id(module)] = module
-        if module not in self._root_hooks:
-            # Global pre-hooks are not given keyword arguments: a root's own hook is (from its
-            # next call on) what the in-process replay calls it with again. Only a root with
-            # parameters can be a trained model (not a loss module): only it is hooked.
-            hook = (module.register_forward_pre_hook(self._root_call, with_kwargs=True)
-                    if next(module.parameters(), None) is not None else None)
-            self._root_hooks[module] = hook
         if not torch.is_grad_enabled():
             return  # evaluation (`no_grad`): not a training batch
+        params = self._has_params.get(module)
+        if params is None:
+            params = self._has_params[module] = next(module.parameters(), None) is not None
+        if params:  # a model, not a loss module: recorded for the in-process replay
+            self.recorder.saw_call(module, args)
         if self.preflight is not None and not self.preflight.done:
             self.preflight.saw_root_forward(module, args)
         tensors = tuple(a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0)
@@ -353,13 +349,14 @@ class Discovery:
         elif rec.other is None:
             rec.other = tensors
 
-    def _forward_post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    def _forward_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      output: Any) -> None:
         if forked() or self._quiet or replaying():
             return
         self._depth = max(0, self._depth - 1)
         if self._depth:
             return
-        self.recorder.saw_output(module, output)
+        self.recorder.saw_output(module, kwargs, output)
         if self.preflight is not None and not self.preflight.done and torch.is_grad_enabled():
             self.preflight.saw_root_output(module, output)
         if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
@@ -372,13 +369,6 @@ class Discovery:
             self._train_outputs = [*self._train_outputs[-3:], (type(module).__name__, flags)]
         self._outputs = [r for r in self._outputs if r() is not None][-_MAX_OUTPUTS:]
         self._outputs.append(weakref.ref(output))
-
-    def _root_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-                   ) -> None:
-        """A root module's own forward pre-hook (after the global one): record the call."""
-        if (self._depth == 1 and torch.is_grad_enabled() and not self._quiet
-                and not replaying() and not forked()):
-            self.recorder.saw_call(module, args, kwargs)
 
     def _produced(self, t: torch.Tensor) -> bool:
         """`t` shares storage with a live output of a root module (e.g. `G(z).detach()`)."""

@@ -485,7 +485,8 @@ def _settle_in_process(w: Watched) -> None:
             return
         info["reason"] = ("the in-process replay did not give the step's loss bit for bit "
                           "(state changed between the forward and the update?)")
-    info.setdefault("reason", "the in-process replay ran clean at that step")
+    info.setdefault("reason", "the in-process replay found no op that made the value in that "
+                    "step (it came with the step's inputs?)")
     if first != info["before"]:
         guard.first_nonfinite = dict(info["before"])
         guard.store.write_finding(guard.first_nonfinite)

@@ -6,9 +6,10 @@ zero-code runner used to find an origin by re-running the whole script up to the
 loss needs, and `Recipe.run()` is then the `replay` function the `Guard` calls at the first
 non-finite step, before the update (pinpoint/inprocess.py). What is kept per step:
 
-* the trained model's root call: the module, its positional and keyword arguments (a per-root
-  `with_kwargs` forward pre-hook: global hooks are not given the keywords), the version counters
-  of the tensors among them, the torch RNG states and the autocast state when it started;
+* the trained model's root call: the module, its positional and keyword arguments (the global
+  forward pre-hook gives the positional ones, the global forward hook, `with_kwargs`, the
+  keywords), the version counters of the tensors among them, the torch RNG states and the
+  autocast state when it started;
 * the loss: the `torch.nn.functional` loss call (loss modules call these too) caught by the
   wrappers of audit/preflight_live.py (`LOSS_FUNCTIONS`, `_find`: the same mechanism), with its
   other arguments and how its input came from the output (the output itself, or a contiguous
@@ -245,8 +246,9 @@ class StepRecorder:
 
     # ------------------------------------------------------------------ what the script does
 
-    def saw_call(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A grad-enabled root call starts (a per-root `with_kwargs` forward pre-hook)."""
+    def saw_call(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """A grad-enabled call of a root module with parameters starts (the global forward
+        pre-hook): its positional arguments, RNG and autocast states."""
         w = self._window
         if id(module) in w.repeated:
             return
@@ -257,14 +259,18 @@ class StepRecorder:
         if len(w.calls) >= _MAX_CALLS:
             w.dropped = True
             return
-        w.calls.append(RootCall(module, args, dict(kwargs), _flat_versions(args, kwargs),
+        w.calls.append(RootCall(module, args, {}, _flat_versions(args, {}),
                                 rng.capture_step(), _amp_state()))
 
-    def saw_output(self, module: nn.Module, output: Any) -> None:
-        """A root call returned (the global forward hook, at depth 0)."""
+    def saw_output(self, module: nn.Module, kwargs: dict[str, Any], output: Any) -> None:
+        """A root call returned (the global forward hook, at depth 0, `with_kwargs`: global
+        pre-hooks are not given the keyword arguments, this hook is)."""
         for call in reversed(self._window.calls):
             if call.module is module and call.output is None:
                 call.output = _weak(output)
+                if kwargs:
+                    call.kwargs = dict(kwargs)
+                    call.versions += _flat_versions((), kwargs)
                 return
 
     def _saw_loss(self, name: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -331,8 +337,8 @@ class StepRecorder:
         if w.dropped:
             return f"more than {_MAX_CALLS} module calls in a step"
         if not calls:
-            return ("no call of the trained model was recorded in that step (its first call, "
-                    "or parameters outside any module)")
+            return ("no grad-enabled call of a module holding the trained parameters in that "
+                    "step (raw tensors outside any module?)")
         if w.backwards != 1:
             return f"{w.backwards} backward() calls in a step"
         target = w.target
