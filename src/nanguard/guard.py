@@ -44,6 +44,7 @@ from nanguard.detect.detectors import Detector
 from nanguard.detect.locate import locate
 from nanguard.errors import NanguardError
 from nanguard.integrations import distributed
+from nanguard.pinpoint.step_replay import activations_paused, carried_by, replay_batches
 from nanguard.policy import device_skip, make_policy, wants_to_act
 from nanguard.record import ending
 from nanguard.record.report import Report, build_report
@@ -648,35 +649,11 @@ class Guard:
 
     def _replay_batches(self, batches: list[Any], stats: StepStats,
                         step_rng: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Replay the step's micro-batches one by one (forward and backward, before the update,
-        under the op checker) until one produces a non-finite value. Its `samples` are numbered
-        across the micro-batches, as the guard numbers them. Raises what the replay raised."""
-        from nanguard.pinpoint.inprocess import replay_forward_backward
-        from nanguard.watch.batch import batch_tensors
-
+        """`pinpoint.step_replay.replay_batches` with this guard's model and replay."""
         assert self.replay is not None
-        was_enabled = self.act_probe.enabled if self.act_probe else False
-        if self.act_probe:
-            self.act_probe.enabled = False
-        offset = 0
-        try:
-            for k, batch in enumerate(batches):
-                found = replay_forward_backward(
-                    self.replay, model=self.model, params=self.params, batch=batch,
-                    step=stats.step, step_rng=step_rng if k == 0 else None,
-                    original_loss=stats.loss if len(batches) == 1 else None,
-                )
-                if found is not None:
-                    found["samples"] = [offset + i for i in found.get("samples") or []]
-                    if len(batches) > 1:
-                        found["micro_batch"] = k
-                    return found
-                sized = [t for t in batch_tensors(batch) if t.dim() > 0]
-                offset += sized[0].shape[0] if sized else 0
-        finally:
-            if self.act_probe:
-                self.act_probe.enabled = was_enabled
-        return None
+        return replay_batches(self.replay, model=self.model, params=self.params,
+                              batches=batches, step=stats.step, loss=stats.loss,
+                              step_rng=step_rng, act_probe=self.act_probe)
 
     def _check_scaler_skip(self, stats: StepStats) -> None:
         """The GradScaler skipped the step before this one: an fp16 overflow, or a real fault
@@ -984,31 +961,20 @@ class Guard:
 
         before_update = self._current is not None and self._current.stats is stats
         compute = self.replay if before_update else None
-        was_enabled = self.act_probe.enabled if self.act_probe else False
-        if self.act_probe:  # the per-sample forwards are not the step's activations
-            self.act_probe.enabled = False
         try:
-            found = spike_sources(
-                compute or (lambda _batch: torch.zeros(())), model=self.model, params=self.params,
-                param_names=self.param_names, batch=self.batch_probe.last,
-                grad_norms=stats.grad_norms, baseline=self._grad_baseline,
-                batch_size=len(stats.sample_hashes) if compute else 0,
-                step_rng=self._current.rng if before_update and self._current else None,
-            )
+            with activations_paused(self.act_probe):  # per-sample forwards: not the step's
+                found = spike_sources(
+                    compute or (lambda _batch: torch.zeros(())), model=self.model,
+                    params=self.params, param_names=self.param_names,
+                    batch=self.batch_probe.last, grad_norms=stats.grad_norms,
+                    baseline=self._grad_baseline,
+                    batch_size=len(stats.sample_hashes) if compute else 0,
+                    step_rng=self._current.rng if before_update and self._current else None,
+                )
         except Exception as exc:  # noqa: BLE001 - an explanation must never stop training
             found = {"layers": [], "samples": [], "error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            if self.act_probe:
-                self.act_probe.enabled = was_enabled
         self.spikes.append({"step": stats.step, **found})
-        parts = []
-        if found["layers"]:
-            parts.append("layers " + ", ".join(f"{d['param']} ({d['ratio']:.3g}x)"
-                                               for d in found["layers"][:3]))
-        if found["samples"]:
-            parts.append("samples " + ", ".join(str(d["index"]) for d in found["samples"][:5]))
-        if parts:
-            alarm.message += "; carried by " + "; ".join(parts)
+        alarm.message += carried_by(found)
 
     def _record(self, stats: StepStats, p: _Pending) -> None:
         self._last_stats = stats
