@@ -89,16 +89,18 @@ def make_run(folder: Path, steps: int, layers: int, param_every: int) -> float:
 
 
 ZOOM = """() => new Promise(done => {
-  // Zoom the shared x axis, then wait until the browser painted: Bokeh repaints in an
-  // animation frame (throttled to 60/s), so three frames later every canvas is redrawn.
+  // Zoom the shared x axis, then wait two animation frames, the same for both libraries:
+  // Bokeh repaints in the next frame (its paint was requested before our callback, and the
+  // last paint is long past, so its 60/s throttle does not delay it), Plotly redraws before
+  // its promise resolves; the second frame starts once the first was produced.
   const frames = n => n ? requestAnimationFrame(() => frames(n - 1)) : done();
   if (window.Bokeh && Bokeh.documents.length) {
     Bokeh.documents[0].get_model_by_name('x').setv({start: 100, end: 5000});
-    frames(3);
+    frames(2);
   } else if (window.Plotly && (document.getElementById('plots') || {}).data) {
-    Plotly.relayout('plots', {'xaxis.range': [100, 5000]}).then(() => frames(1));
+    Plotly.relayout('plots', {'xaxis.range': [100, 5000]}).then(() => frames(2));
   } else {
-    frames(1);
+    frames(2);
   }
 })"""
 
