@@ -55,9 +55,24 @@ class NotReplayable(Exception):  # noqa: N818 - the word users read in `replay.i
     """This step cannot be replayed in process; the message says why in one line."""
 
 
+_ANY_AMP = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
 def _amp_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The autocast devices on and their dtypes (one C call when none is: the usual case)."""
+    if _ANY_AMP is not None and not _ANY_AMP():
+        return ()
     return tuple((d, torch.get_autocast_dtype(d)) for d in _AMP_DEVICES
                  if torch.is_autocast_enabled(d))
+
+
+def _rng_state() -> dict[str, Any]:
+    """`rng.capture_step()` without its `torch.cuda.is_available()` (on the hot path: once per
+    step); the same dict, for `rng.restore`."""
+    state: dict[str, Any] = {"torch": torch.default_generator.get_state()}
+    if torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 @contextlib.contextmanager
@@ -259,8 +274,8 @@ class StepRecorder:
         if len(w.calls) >= _MAX_CALLS:
             w.dropped = True
             return
-        w.calls.append(RootCall(module, args, {}, _flat_versions(args, {}),
-                                rng.capture_step(), _amp_state()))
+        w.calls.append(RootCall(module, args, {}, _flat_versions(args, {}), _rng_state(),
+                                _amp_state()))
 
     def saw_output(self, module: nn.Module, kwargs: dict[str, Any], output: Any) -> None:
         """A root call returned (the global forward hook, at depth 0, `with_kwargs`: global
@@ -282,8 +297,8 @@ class StepRecorder:
                 return
             kwargs = dict(kwargs)
             x = args[0] if args else kwargs.pop("input", None)
-            if not isinstance(x, torch.Tensor) or x.grad_fn is None:
-                return
+            if not isinstance(x, torch.Tensor) or not x.requires_grad:
+                return  # (`requires_grad`, not `grad_fn`: no autograd node object made here)
             for call in reversed(w.calls):
                 output = _live(call.output)
                 found = _find(output, x) if output is not None else None
