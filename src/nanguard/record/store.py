@@ -3,16 +3,18 @@ goes, off the training thread.
 
 What the training thread pays: `write_step` queues the step's values (plain Python data, no
 JSON, no SQL); a writer thread (`record/writer.py`) encodes and writes them in batched
-transactions, committed at least every `flush_seconds` (0.5 s) or every `flush_steps` (256)
-queued items, whichever comes first. Alarms, actions and findings are written AND committed on
-the calling thread before the call returns, after everything queued before them; so is a step
-that carries an alarm, a non-finite value or a skip, and the next step recorded after any
-alarm, action or finding.
+transactions of at most `flush_steps` (256) items. It wakes every `flush_seconds` (0.5 s), or as
+soon as 256 items (or 32768 per-parameter values) wait. The queue is bounded: past 16 times
+that, the calling thread writes it itself. Alarms, actions and findings are written AND
+committed on the calling thread before the call returns, after everything queued before them;
+so is a step that carries an alarm, a non-finite value or a skip, and the next step recorded
+after any alarm, action or finding.
 
 Crash-safety promise (tested by SIGKILL at random points, tests/test_crash_safe.py): a process
 killed at any point leaves a store that opens (`open_run`) and holds
-  - every step up to the last commit: at most the steps of the last `flush_seconds` (or the
-    last `flush_steps` items) before the kill are lost, never a step in the middle;
+  - every step up to the last commit, with no gap: what is lost is the steps queued since, at
+    most those of the last `flush_seconds` before the kill while the writer thread gets the
+    CPU, and never more than 16 x `flush_steps` items;
   - every alarm, action and finding whose `write_*` call returned, and every step that
     triggered one (a step recorded with an alarm or a non-finite value is committed before
     `write_step` returns; an action or finding written before its step is recorded is
@@ -24,11 +26,12 @@ transactions, and the database still opens.
 
 Schema notes: NaN is stored as the text 'nan' (SQLite turns a NaN REAL into NULL), infinities
 as REAL. A step's per-parameter values are ONE row of `param_blobs` (`writer.param_blob`: one
-JSON array per parameter, 9 significant digits); `param_stats(step, param_id, grad_norm, param_norm,
-state)` is a VIEW that reads them one row per parameter (SQLite's json_each), unioned with the
-table older stores wrote (`param_stats_rows`; reopening an old store renames its table to it),
-so readers run the same SQL on old and new stores. Long runs are compacted (`record/compact.py`):
-see there for what a reader of `steps` sees, and `step_count` for the number of steps recorded.
+JSON array per parameter, 9 significant digits). `param_stats(step, param_id, grad_norm,
+param_norm, state)` is a VIEW that reads them one row per parameter (SQLite's json_each), with
+the same values and types as the table of one row per parameter that older versions wrote; a
+store that holds such rows (reopening an old store renames its table `param_stats_rows`) reads
+both through it. Long runs are compacted (`record/compact.py`): see there for what a reader of
+`steps` sees, and `step_count` for the number of steps recorded.
 """
 
 from __future__ import annotations
@@ -180,7 +183,7 @@ class RunStore(NullStore):
     """The defaults of `flush_steps` / `flush_seconds` (the crash-safety promise's bounds)."""
 
     def __init__(self, folder: str | os.PathLike[str], *, flush_steps: int = FLUSH_STEPS,
-                 flush_seconds: float = FLUSH_SECONDS, keep_recent: int = 2000,
+                 flush_seconds: float = FLUSH_SECONDS, keep_recent: int = 1000,
                  bucket: int = 1000, window: int = 50) -> None:
         self.folder = Path(folder)
         try:
@@ -262,7 +265,7 @@ class RunStore(NullStore):
             self._sync_next = False
             self._writer.write_now(item)
         else:
-            self._writer.put(item)
+            self._writer.put(item, 1 + (per_param[0] if per_param is not None else len(params)))
 
     def write_alarm(self, alarm: dict[str, Any]) -> None:
         """Write an alarm and commit (after everything queued) before returning."""

@@ -49,6 +49,10 @@ _INSERT = {
 }
 
 
+WAKE_WEIGHT = 32_768
+"""Per-parameter values queued that wake the writer (about 80 steps of a 400-tensor model)."""
+
+
 class StoreError(RuntimeError):
     """The run store could not write; the first error is its `__cause__`."""
 
@@ -200,8 +204,11 @@ class Writer:
         self.lock = threading.Lock()
         self.error: BaseException | None = None
         self._queue: deque[tuple[Any, ...]] = deque()
+        # Weight of an item: 1 + its per-parameter values (a step of a 400-tensor model weighs
+        # 401). Wake the writer at `flush_steps` items or WAKE_WEIGHT; past 16x that the
+        # writer lags behind and the caller writes (bounds the queue's memory).
         self._flush_steps = flush_steps
-        self._limit = 16 * flush_steps  # past this the caller writes (the writer lags behind)
+        self._weight = 0
         self._flush_seconds = flush_seconds
         self._after_commit = after_commit
         self._wake = threading.Event()
@@ -210,16 +217,18 @@ class Writer:
                                         daemon=True)
         self._thread.start()
 
-    def put(self, item: tuple[Any, ...]) -> None:
-        """Queue one item (the hot path: no encoding, no SQL). Raises StoreError once the
-        writer has failed."""
+    def put(self, item: tuple[Any, ...], weight: int = 1) -> None:
+        """Queue one item (the hot path: no encoding, no SQL). `weight`: 1 + the number of
+        per-parameter values it holds. Raises StoreError once the writer has failed or the
+        store is closed."""
         if self.error is not None or self._stop:
             self._raise()
         q = self._queue
         q.append(item)
-        if len(q) >= self._flush_steps:
-            if len(q) >= self._limit:  # the writer thread lags: write here, compaction too
-                self.write_now(maintain=True)
+        self._weight += weight  # read and reset by the writer: an estimate is enough
+        if len(q) >= self._flush_steps or self._weight >= WAKE_WEIGHT:
+            if len(q) >= 16 * self._flush_steps or self._weight >= 16 * WAKE_WEIGHT:
+                self.write_now(maintain=True)  # the writer lags: write here, compaction too
             else:
                 self._wake.set()
 
@@ -254,21 +263,23 @@ class Writer:
                          f"{self.error})") from self.error
 
     def _drain(self) -> None:
-        """Encode and write every queued item in one transaction (caller holds `lock`)."""
-        items = []
+        """Encode and write every queued item, `flush_steps` per transaction (the caller holds
+        `lock`). Items queued before an item are committed before it, or with it."""
         q = self._queue
-        while q:
-            items.append(q.popleft())
-        if not items or self.error is not None:
-            return
-        try:
-            rows = encode(items)
-            with self.db:
-                for table, values in rows.items():
-                    if values:
-                        self.db.executemany(_INSERT[table], values)
-        except Exception as exc:  # noqa: BLE001 - kept, re-raised on the calling thread
-            self.error = exc
+        self._weight = 0
+        while q and self.error is None:
+            # At most `flush_steps` items per transaction: the WAL (which cannot be
+            # checkpointed during a transaction) stays small when the writer catches up.
+            items = [q.popleft() for _ in range(min(len(q), self._flush_steps))]
+            try:
+                rows = encode(items)
+                with self.db:
+                    for table, values in rows.items():
+                        if values:
+                            self.db.executemany(_INSERT[table], values)
+            except Exception as exc:  # noqa: BLE001 - kept, re-raised on the calling thread
+                self.error = exc
+        q.clear()  # after a failure nothing more is written
 
     def _loop(self) -> None:
         while not self._stop:
