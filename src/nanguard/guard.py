@@ -334,6 +334,7 @@ class Guard:
             try:
                 self._flush()
                 self._check_leftover()
+                self.store.flush()  # a writer failure in the last batch: degraded, not lost
             except Exception as exc:  # noqa: BLE001 - still write the report below
                 self._stand_down(exc, "close")
         report = self._build_report()
