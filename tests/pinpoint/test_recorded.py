@@ -97,16 +97,41 @@ for step in range(5):
 """
 
 
+IN_PLACE = """
+import torch
+torch.manual_seed(0)
+class Log(torch.nn.Module):
+    def forward(self, x):
+        return x.log()
+model = torch.nn.Sequential(torch.nn.Linear(4, 1), Log())
+with torch.no_grad():
+    model[0].bias.fill_(10.0)
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+x = torch.empty(8, 4)
+for step in range(5):
+    if step == 3:  # every output negative: log gives NaN
+        x.copy_(-1e3 * model[0].weight.detach().sign().expand(8, 4))
+    else:
+        x.uniform_()
+    loss = torch.nn.functional.mse_loss(model(x), torch.zeros(8, 1))
+    opt.zero_grad()
+    loss.backward()
+    x.zero_()  # the input buffer is cleared for the next batch, before the update
+    opt.step()
+"""
+
+
 @pytest.mark.parametrize(("source", "step", "reason"), [
+    (IN_PLACE, 3, "the script changed the batch in place after the forward"),
     (TWICE, 4, "the model is called several times in a step"),
     (CLOSURE, 3, "the optimizer takes a closure"),
     (GRAD_ACCUMULATION, 3, "the model is called several times in a step"),
 ])
 def test_steps_not_replayable_in_process_say_why(tmp_path: Path, source: str, step: int,
                                                  reason: str) -> None:
-    """Two calls of the model in a step, a closure optimizer, gradient accumulation: not
-    replayed in process; the finding is the watched signals' (the re-run is off here) and
-    `run.replay.in_process` says why."""
+    """A batch changed in place before the update, two calls of the model in a step, a closure
+    optimizer, gradient accumulation: not replayed in process; the finding is the watched
+    signals' (the re-run is off here) and `run.replay.in_process` says why."""
     script = tmp_path / "train.py"
     script.write_text(source)
     out = tmp_path / "run"

@@ -437,10 +437,14 @@ class Discovery:
             reason = ("not the batch of the recorded step (whole recorded steps are replayed, "
                       "not single samples)")
         else:
-            with replay_forward(), torch.enable_grad():
-                loss = recipe.run()
-            mark_replayed_loss(loss)
-            return loss
+            try:
+                with replay_forward(), torch.enable_grad():
+                    loss = recipe.run()
+            except NotReplayable as exc:
+                reason = str(exc)
+            else:
+                mark_replayed_loss(loss)
+                return loss
         if first is not None and w.in_process is not None:
             w.in_process.setdefault("reason", reason)
         raise NotReplayable(reason)

@@ -477,9 +477,11 @@ def _settle_in_process(w: Watched) -> None:
         return
     first = guard.first_nonfinite
     error = first.pop("replay_error", None)
-    if error is not None and not str(error).startswith(NotReplayable.__name__):
+    if error is not None and str(error).startswith(NotReplayable.__name__):
+        info.setdefault("reason", str(error).partition(": ")[2])
+    elif error is not None:
         info.setdefault("reason", f"the in-process replay failed: {error}")
-    elif error is None and first.get("op") and first.get("phase") in _REPLAYED_PHASES:
+    elif first.get("op") and first.get("phase") in _REPLAYED_PHASES:
         if first.get("reproduced") is not False:
             info["found"] = True
             return

@@ -180,8 +180,13 @@ class Recipe:
         """The step's forward and loss again, from the RNG states its forward started with.
 
         Raises:
-            NotReplayable: a tensor of the batch or the targets changed in place since.
+            NotReplayable: a tensor of the batch or the targets changed in place since, or
+                torch.distributed is initialized.
         """
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Asked here, not at every step boundary: only a replay needs to know.
+            raise NotReplayable("torch.distributed: a replayed backward would wait for the "
+                                "other ranks")
         loss = self.loss
         versions = [*self.call.versions, *(loss.versions if loss is not None else [])]
         if any(t._version != v for t, v in versions):
@@ -344,8 +349,6 @@ class StepRecorder:
         w, self._window = self._window, _Window()
         if closure:
             return "the optimizer takes a closure (its forward runs inside step())"
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return "torch.distributed: a replayed backward would wait for the other ranks"
         calls = [c for c in w.calls if any(c.module is r for r in roots)]
         if len(calls) > 1 or any(id(r) in w.repeated for r in roots):
             return "the model is called several times in a step"
