@@ -679,6 +679,8 @@ class Guard:
     def _pinpoint(self, stats: StepStats, cur: _Pending) -> None:
         """Refine the first non-finite finding by replaying this step before its update."""
         assert self.replay is not None and self.first_nonfinite is not None
+        if self.first_nonfinite.get("phase") == "checkpoint":
+            return  # loaded non-finite: no op of this step made it, nothing to replay
         # NaN rows of a batch the GradScaler skipped: that batch is the one to replay.
         batches = (self.batch_probe.skipped if stats.dropped_samples and self.batch_probe.skipped
                    else self.batch_probe.step_batches or [self.batch_probe.last])

@@ -107,8 +107,10 @@ def _checkpoint(path: Path) -> None:
     torch.save({"model": model.state_dict(), "optimizer": state}, path)
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("when", ["before", "after", "replay"])
 def test_nan_loaded_from_a_checkpoint_is_named(tmp_path: Path, when: str) -> None:
+    """`replay`: loaded before, with `replay=` given; a loaded value is not replayed (no op of
+    the step made it) and the finding keeps phase `checkpoint`."""
     _checkpoint(tmp_path / "ckpt.pt")
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -118,9 +120,10 @@ def test_nan_loaded_from_a_checkpoint_is_named(tmp_path: Path, when: str) -> Non
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])  # LOAD LINE
 
-    if when == "before":
+    if when in ("before", "replay"):
         load()
-    guard = nanguard.Guard(model, opt, out=tmp_path / "r")
+    replay = (lambda x: model(x).pow(2).mean()) if when == "replay" else None
+    guard = nanguard.Guard(model, opt, out=tmp_path / "r", replay=replay)
     if when == "after":
         load()
     _steps(model, opt, guard, 4)
@@ -129,7 +132,7 @@ def test_nan_loaded_from_a_checkpoint_is_named(tmp_path: Path, when: str) -> Non
     assert first is not None and report.status == "failed"
     assert first["step"] == 0 and first["phase"] == "checkpoint"
     assert first["tensors"] == ["optimizer.exp_avg_sq[2.weight]"]
-    assert first["samples"] == []
+    assert first["samples"] == [] and first["op"] is None
     if when == "after":  # seen by the guard's own load_state_dict hook
         line = next(i for i, t in enumerate(Path(__file__).read_text().splitlines(), 1)
                     if "# LOAD LINE" in t)
