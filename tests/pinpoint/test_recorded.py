@@ -143,3 +143,15 @@ def test_steps_not_replayable_in_process_say_why(tmp_path: Path, source: str, st
     replay = report["run"]["replay"]
     assert replay["status"] == "skipped", replay
     assert replay["in_process"].startswith(reason), replay
+
+
+def test_removed_discovery_leaves_no_global_hook(tmp_path: Path) -> None:
+    """torch keeps a `with_kwargs` global hook's id after its handle is removed; Discovery
+    clears it, so a later `torch.compile(module)` in the process sees no global hook."""
+    from torch.nn.modules import module as torch_module
+
+    assert not torch_module._has_any_global_hook()
+    disc = Discovery(lambda i: tmp_path / f"optimizer-{i}").install()
+    assert torch_module._has_any_global_hook()
+    disc.remove()
+    assert not torch_module._has_any_global_hook()

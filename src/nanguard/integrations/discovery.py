@@ -259,8 +259,13 @@ class Discovery:
 
     def remove(self) -> None:
         """Remove every global hook and the `backward` patch (idempotent)."""
+        from torch.nn.modules import module as _module
+
         for h in self._handles:
             h.remove()
+            # torch keeps a `with_kwargs` hook's id after its handle is removed: every later
+            # `torch.compile(module)` of the process would then warn of a global hook.
+            _module._global_forward_hooks_with_kwargs.pop(h.id, None)
         self._handles = []
         if self.preflight is not None:
             self.preflight.remove()
