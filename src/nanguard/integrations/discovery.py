@@ -60,6 +60,7 @@ from torch.utils.hooks import RemovableHandle
 from nanguard.config import GuardConfig, RecordConfig
 from nanguard.guard import Guard
 from nanguard.integrations.manual import ManualBoundaries, ManualStep, forked, replaying
+from nanguard.integrations.script_flags import clip_from_argv
 from nanguard.pinpoint.recorded import (
     NotReplayable,
     Recipe,
@@ -501,7 +502,10 @@ class Discovery:
             w.guard = Guard(model, optimizer, policy=policy, out=str(folder), config=config,
                             replay=replay)
             w.guard.run_entry = "run"  # fixes are phrased as `nanguard run` flags
-            w.guard.script_clip = self.script_clip  # type: ignore[attr-defined]
+            # Clipping turned off by the script's own flag never calls clip_grad_norm_.
+            off = 0.0 if clip_from_argv(sys.argv[1:]) == 0 else None
+            w.guard.script_clip = (  # type: ignore[attr-defined]
+                self.script_clip if self.script_clip is not None else off)
             # A script's optimizers train coupled models (a GAN): they roll back together.
             w.guard.recovery.couple(self._coupling)
             if self.preflight is not None and self.preflight.result is not None:
