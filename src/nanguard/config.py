@@ -213,10 +213,17 @@ class RecoverConfig:
     cascade)."""
 
     backoff_factor: float = 0.5
-    """After a rollback, the LR is multiplied by this..."""
+    """After a rollback, the LR is backed off only as far as the evidence calls for
+    (`nanguard.recover.backoff`): kept after a spike or a NaN batch with no growth; x this
+    after a NaN with no growth before it; x min(this, 1/g) after measured growth of g x per
+    step; a repeat within `window` compounds. 1.0: never backed off..."""
 
     backoff_steps: int = 100
     """...for this many steps, then the scheduler's LR is used again."""
+
+    backoff_min: float = 0.1
+    """The deepest cut one rollback makes for measured growth (a cascade's last steps grow
+    1e3x per step and more: the runaway's own rate, not the LR's)."""
 
     max_consecutive_skips: int = 10
     """`skip` never loops: after this many updates discarded in a row it escalates (see
@@ -346,6 +353,8 @@ class GuardConfig:
                 "recover: snapshot_every and max_rollbacks must be >= 1 and "
                 "backoff_factor in (0, 1]"
             )
+        if not 0 < r.backoff_min <= 1:
+            raise ValueError(f"recover.backoff_min must be in (0, 1], got {r.backoff_min}")
         if self.detect.saturation_every < 0:
             raise ValueError("detect.saturation_every must be >= 0 (0 disables the probe), "
                              f"got {self.detect.saturation_every}")

@@ -154,9 +154,12 @@ def test_rollback_backs_off_the_lr_and_gives_up():
 
     # After every step, the LR is the scheduler's own (the backoff never leaks into it).
     assert all(lr == expected for lr, expected in after)
-    # The updates used the scheduler's LR x 0.5 for n steps after the first rollback and
-    # x 0.25 (compounded) for n steps after the second; the rolled-back steps made no update.
-    factor = {i: 0.5 for i in range(13, 13 + n)} | {i: 0.25 for i in range(28, 28 + n)}
+    # The first rollback kept the LR (its batch held the NaN: the data, not the LR); the
+    # second, within the window, compounded: the scheduler's LR x 0.5 for n steps after it.
+    # The rolled-back steps made no update.
+    assert "LR kept: the batch itself held" in guard.actions[0]["detail"]
+    assert "LR x0.5 for 4 steps" in guard.actions[1]["detail"]
+    factor = {i: 0.5 for i in range(28, 28 + n)}
     scheduled = [base * _lam(0)] + [e for _, e in after]  # the scheduler's LR before each step
     for i, lr in enumerate(used[:33]):
         if i in bad:

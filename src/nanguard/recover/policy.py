@@ -28,6 +28,7 @@ from nanguard.config import GuardConfig
 from nanguard.detect.alarm import Alarm
 from nanguard.integrations import distributed
 from nanguard.recover.amp import ScalerWatch
+from nanguard.recover.backoff import Backoff, decide
 from nanguard.recover.clip import AdaptiveClipper
 from nanguard.recover.ring import SnapshotRing
 from nanguard.recover.rollback import GiveUp, Rollback, trouble_start
@@ -127,7 +128,8 @@ class Recovery:
         cfg = link.config
         self.rollbacker: Rollback | None = None
         self._discard_next = False  # a peer rolled back this step before our update ran
-        self._follow_at: tuple[int, str] | None = None  # ...and our restore waits for our step
+        # ...and our restore waits for our step: (its step, the other optimizer, its LR factor)
+        self._follow_at: tuple[int, str, float] | None = None
         self._stall_calls = 0  # check_stall calls since the last scale read or step
         # With rolling-back peers: the next step after this optimizer's last update in the
         # current training step, and whether all its steps since the last capture were healthy.
@@ -248,6 +250,7 @@ class Recovery:
         of the model is still to find that step bad, could not undo this update."""
         if self.rollbacker is None:
             return
+        self.rollbacker.trail.observe(stats)
         healthy = not stats.alarms and not stats.nonfinite_signals() and not stats.skipped
         if distributed.active() and (stats.step + 1) % self.rollbacker.config.snapshot_every == 0:
             # Every rank must keep the same last good step, or a rollback would desync them.
@@ -284,33 +287,40 @@ class Recovery:
             # A coupled guard rolled this one back already in this step.
             self._take_discard(stats)
             return
-        early = not [s for s in stats.nonfinite_signals() if s != "data"]
+        rb = self.rollbacker
+        rb.trail.observe(stats)  # this step's own magnitudes (before the update: grad norm)
+        backoff = decide(stats, rb.trail, self.link.config.recover, self.link.config.detect)
         try:
-            restored = self.rollbacker.rollback(stats.step, early=early,
-                                                trouble_from=self._trouble(stats))
+            restored = rb.rollback(stats.step, backoff=backoff,
+                                   trouble_from=self._trouble(stats))
             self.steps_rolled_back += stats.step + 1 - restored
         except GiveUp as exc:
             self.link.record_action(stats.step, "give_up", f"{exc} ({why})")
             self.link.stop(stats, f"{exc} ({why})")
             return
+        rb.trail.clear(stats.step)
         if not post:
             self.link.discard_update(stats)
         stats.skipped = True
-        cfg = self.rollbacker.config
-        factor = self.rollbacker.factor
-        lr = (f"LR kept (an early warning, the first in {cfg.window} steps: the batch that "
-              "started it is left out)" if factor == 1.0 else
-              f"LR x{factor:g} for {cfg.backoff_steps} steps ("
-              + ("a non-finite value" if not early else "a repeated warning")
-              + f"; rollback {len(self.rollbacker.history)} in {cfg.window} steps)")
         self.link.record_action(
             stats.step,
             "rollback",
             f"restored the state of step {restored}, discarding steps {restored}..{stats.step} "
-            f"({why}); {lr}",
+            f"({why}); {self._lr_text(backoff)}",
         )
         for peer in self._peers():
-            peer._follow(stats.step, type(self.link.optimizer).__name__)
+            peer._follow(stats.step, type(self.link.optimizer).__name__, rb.factor)
+
+    def _lr_text(self, backoff: Backoff) -> str:
+        """What the last rollback did to the LR, and why (`actions[].detail`)."""
+        assert self.rollbacker is not None
+        rb, cfg = self.rollbacker, self.rollbacker.config
+        text = (f"LR kept: {backoff.why}" if rb.factor == 1.0 else
+                f"LR x{rb.factor:.3g} for {cfg.backoff_steps} steps: {backoff.why}")
+        if rb.repeat:
+            text += (f"; rollback {len(rb.history)} within {cfg.window} steps (the last at step "
+                     f"{rb.history[-2]}): compounded with its x{rb.compounded:.3g}")
+        return text
 
     def escalate(self, stats: StepStats, why: str, post: bool) -> bool:
         """`skip` cannot heal (too many skips in a row, or a bad update already applied): roll
@@ -328,7 +338,7 @@ class Recovery:
         return [r for r in list(peers)
                 if r is not self and r.rollbacker is not None and r.link.active]
 
-    def _follow(self, step: int, other: str) -> None:
+    def _follow(self, step: int, other: str, factor: float) -> None:
         """Roll back with another optimizer of the same model that rolled back at `step` (its
         training step). This guard's update of that step, if still to come, is discarded."""
         assert self.rollbacker is not None
@@ -339,19 +349,22 @@ class Recovery:
             # be in a graph the script has yet to backpropagate (a GAN's `fake`), and an
             # in-place restore now would break that backward.
             self._discard_next = True
-            self._follow_at = (step, other)
+            self._follow_at = (step, other, factor)
             return
-        self._restore_with(self.link.step - 1, step, other)
+        self._restore_with(self.link.step - 1, step, other, factor)
 
-    def _restore_with(self, mine: int, step: int, other: str) -> None:
+    def _restore_with(self, mine: int, step: int, other: str, factor: float) -> None:
         assert self.rollbacker is not None
-        restored = self.rollbacker.rollback(mine, forced=True)
+        restored = self.rollbacker.rollback(
+            mine, forced=True, backoff=Backoff(factor=factor, why=f"as the {other} optimizer"))
+        self.rollbacker.trail.clear(mine)
         self.link.record_action(
             mine,
             "rollback",
             f"restored the state of step {restored} with the {other} optimizer it is coupled "
-            f"to (it rolled back at its step {step}); LR x{self.rollbacker.factor:g} for "
-            f"{self.rollbacker.config.backoff_steps} steps",
+            f"to (it rolled back at its step {step}); "
+            + (f"LR x{factor:.3g} for {self.rollbacker.config.backoff_steps} steps"
+               if factor != 1.0 else "LR kept") + f", as the {other} optimizer's",
         )
 
     def _take_discard(self, stats: StepStats) -> None:
@@ -359,9 +372,9 @@ class Recovery:
         last good state now (after this optimizer's backward), then make the update a no-op."""
         self._discard_next = False
         if self._follow_at is not None:
-            step, other = self._follow_at
+            step, other, factor = self._follow_at
             self._follow_at = None
-            self._restore_with(self.link.step, step, other)
+            self._restore_with(self.link.step, step, other, factor)
         self.link.discard_update(stats)
         stats.skipped = True
 

@@ -4,7 +4,7 @@ LR backoff, giving up.
 The guard calls, per step: `backoff_on` in its pre-hook (scales this step's LR; first settles a
 rollback to the initial snapshot), `backoff_off` in its post-hook (puts the scheduler's LR back,
 so schedulers keep working), `maybe_capture` once the step is read, and `rollback` on an alarm
-that the policy acts on.
+that the policy acts on. How far the LR is backed off is `nanguard.recover.backoff`'s call.
 
 Which state a rollback returns to: the newest snapshot taken before the trouble began. An
 episode is a run of alarmed steps with fewer than `quiet_steps` quiet steps between them; it
@@ -21,6 +21,7 @@ import torch
 
 from nanguard.config import DetectConfig, RecoverConfig
 from nanguard.detect.alarm import Alarm
+from nanguard.recover.backoff import Backoff, GrowthTrail
 from nanguard.recover.ring import SnapshotRing
 
 
@@ -57,6 +58,9 @@ class Rollback:
         self.history: deque[int] = deque()  # steps at which we rolled back
         self.backoff_until = -1
         self.factor = 1.0
+        self.repeat = False  # the last rollback compounded with an earlier one...
+        self.compounded = 1.0  # ...whose factor was this
+        self.trail = GrowthTrail()  # the recent magnitudes: the evidence for the backoff
         self._saved_lrs: list[Any] | None = None
         self.last_unhealthy = -(10**9)
         self.episode_from = -(10**9)  # where the trouble of the current episode began
@@ -85,32 +89,36 @@ class Rollback:
         self.snapshot.capture(next_step)
         return True
 
-    def rollback(self, step: int, *, forced: bool = False, early: bool = False,
+    def rollback(self, step: int, *, forced: bool = False, backoff: Backoff | None = None,
                  trouble_from: int | None = None) -> int:
         """Restore the newest snapshot from before the episode's trouble began (`trouble_from`:
         where the evidence of this step's alarms began; None: the newest snapshot); back the
         LR off as far as the evidence calls for. Raises GiveUp past `max_rollbacks`, unless
         `forced` (following another optimizer's rollback: that one decides giving up).
 
-        `early`: acting on an early warning (a spike, a cascade), nothing non-finite yet. The
-        first such rollback in the window keeps the LR: the batch that started it is left out
-        (training goes on with the next batches), and one outlier batch is no evidence that
-        the LR is too high. A non-finite value, or a second rollback within the window, is:
-        x`backoff_factor`, compounding."""
+        `backoff`: this event's own factor and its evidence (`nanguard.recover.backoff.decide`;
+        None: the configured `backoff_factor`). A rollback within `window` steps of an
+        earlier one compounds: the factor is the earlier one's times the smaller of this
+        event's and `backoff_factor` (training keeps failing, whatever the cause). `forced`
+        rollbacks take the factor given as it is (the other optimizer compounded already)."""
         while self.history and step - self.history[0] > self.config.window:
             self.history.popleft()
         if len(self.history) >= self.config.max_rollbacks and not forced:
             raise GiveUp(
                 f"{len(self.history)} rollbacks within {self.config.window} steps; giving up"
             )
+        own = self.config.backoff_factor if backoff is None else backoff.factor
+        self.repeat = bool(self.history) and not forced and self.config.backoff_factor < 1.0
+        if self.repeat:
+            self.compounded = self.factor
+            own = self.factor * min(own, self.config.backoff_factor)
         self.history.append(step)
         before = None if trouble_from is None else self._bound(step, trouble_from)
         restored = self.snapshot.restore(before)
         self._reapply = not self.snapshot.in_step
         # Step `step` makes no update: the next `backoff_steps` steps are backed off.
         self.backoff_until = step + 1 + self.config.backoff_steps
-        # Compounding: a second failure within the window backs off further (x0.25, ...).
-        self.factor = self.config.backoff_factor ** (len(self.history) - (1 if early else 0))
+        self.factor = own
         if before is not None:
             self.episode_from = before
         self.last_unhealthy = step
@@ -146,6 +154,7 @@ class Rollback:
             "last_unhealthy": self.last_unhealthy,
             "episode_from": self.episode_from,
             "factor": self.factor,
+            "trail": self.trail.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -154,3 +163,4 @@ class Rollback:
         self.last_unhealthy = int(state["last_unhealthy"])
         self.episode_from = int(state.get("episode_from", self.last_unhealthy))
         self.factor = float(state["factor"])
+        self.trail.load_state_dict(state.get("trail", {}))
