@@ -108,3 +108,90 @@ def test_explain_cites_the_saturation_warning() -> None:
     warned = saturated_loss(Evidence(first_nonfinite=finding, alarms=[warning]))
     assert warned is not None and warned.confidence == 0.9
     assert "warned from step 700" in warned.evidence and "16 ulps" in warned.evidence
+
+
+def _train_probed(model: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor,
+                  steps: int = 4) -> Guard:
+    """A few real SGD steps (tiny LR: the logits stay where they were set) with the probe armed
+    every step; returns the closed guard."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    cfg = GuardConfig(record=RecordConfig(out="", summary=False),
+                      detect=DetectConfig(saturation_every=1))
+    guard = Guard(model, opt, config=cfg)
+    for _ in range(steps):
+        loss = loss_fn(model(x), y)
+        guard.watch(loss=loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    guard.close()
+    return guard
+
+
+def _linear(gap: float, classes: int) -> tuple[nn.Module, torch.Tensor]:
+    """A Linear whose logits for input row 0 are (gap, 0, ..., 0) exactly."""
+    model = nn.Linear(1, classes, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+        model.weight[0, 0] = gap
+    return model, torch.ones(4, 1)
+
+
+def _saturation(guard: Guard) -> list[dict]:
+    assert guard.report is not None
+    return [a for a in guard.report.alarms if a["kind"] == "saturation"]
+
+
+@pytest.mark.parametrize(("gap", "alarm"), [(95.0, True), (80.0, False)])
+def test_hand_written_log_softmax(gap: float, alarm: bool) -> None:
+    """`torch.log(torch.softmax(z, 1))` by hand: a logit gap of 95 puts the other classes at
+    e^-95 = 5.5e-42, below float32's smallest normal (1.18e-38): the next rounding is 0 and
+    log(0) = -inf. A gap of 80 (e^-80 = 1.8e-35) is close but still normal: no alarm."""
+    model, x = _linear(gap, 3)
+
+    def loss_fn(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return -(torch.log(torch.softmax(z, dim=1)) * y).sum(1).mean()
+
+    # The confident class is the target: its loss is 0 and nothing is non-finite yet (a target
+    # on a saturated class would make the log's gradient 1/p overflow at once).
+    y = torch.tensor([[1.0, 0.0, 0.0]]).expand(4, 3)
+    sat = _saturation(_train_probed(model, loss_fn, x, y))
+    assert bool(sat) is alarm, sat
+    if alarm:
+        assert sat[0]["signal"] == "softmax" and "log(p)" in sat[0]["message"]
+        assert "below the smallest normal" in sat[0]["message"]
+        assert "torch.log(torch.softmax(z, dim=1))" in sat[0]["message"]
+
+
+@pytest.mark.parametrize(("logit", "target", "alarm"),
+                         [(20.0, 0.0, True), (10.0, 0.0, False), (20.0, 1.0, False)])
+def test_bce_on_a_saturated_sigmoid(logit: float, target: float, alarm: bool) -> None:
+    """`F.binary_cross_entropy(torch.sigmoid(z), y)`: sigmoid(20) rounds to exactly 1.0 in
+    float32; with target 0 the loss is clamped at 100 (finite) and the gradient through the
+    sigmoid is exactly 0, which the test checks itself. sigmoid(10) = 1 - 4.5e-5 (about 380
+    ulps of 1.0 away) is close but learns: no alarm. A confident right answer (target 1): none."""
+    model, x = _linear(logit, 1)
+    y = torch.full((4, 1), target)
+
+    def loss_fn(z: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return nn.functional.binary_cross_entropy(torch.sigmoid(z), t)
+
+    # The bug's signature, measured here: a finite loss and a dead gradient.
+    probe_model, _ = _linear(logit, 1)
+    loss = loss_fn(probe_model(x), y)
+    loss.backward()
+    assert probe_model.weight.grad is not None
+    dead = math.isfinite(loss.item()) and probe_model.weight.grad.abs().max().item() == 0.0
+    if target == 0.0:
+        assert dead is alarm
+    else:  # right and certain: nothing left to learn, a zero gradient is no harm
+        assert loss.item() == 0.0
+
+    guard = _train_probed(model, loss_fn, x, y)
+    sat = _saturation(guard)
+    assert bool(sat) is alarm, sat
+    if alarm:
+        msg = sat[0]["message"]
+        assert sat[0]["signal"] == "sigmoid" and "binary_cross_entropy" in msg
+        assert "stop learning" in msg and "binary_cross_entropy_with_logits" in msg
+    assert guard.report is not None and guard.report.first_nonfinite is None

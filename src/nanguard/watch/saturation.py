@@ -15,8 +15,11 @@ through `1 - p` and view/copy ops, and when a `log` consumes one it checks the s
 makes dangerous: `log(p)` needs `p` away from 0 (below the dtype's smallest normal number, the
 next roundings reach 0), `log(1 - p)` needs `p` away from 1 (within `NEAR_ULPS` units in the last
 place of 1.0). A hit raises a `saturation` alarm (a warning: recorded, never acted on), said
-again only when it gets far worse (exact 0/1 entries, or 10x as many). Unarmed steps cost
-nothing; an armed step runs every op through Python (about one extra step's time per
+again only when it gets far worse (exact 0/1 entries, or 10x as many). `log(softmax(x))` written
+by hand is the `log(p)` side. `F.binary_cross_entropy` fed a sigmoid output never NaNs (it
+clamps its logs at -100) but kills the gradient where `p` rounds to 0 or 1: entries saturated
+on the wrong side of their target are warned of too (`SaturationProbe.check_bce`). Unarmed
+steps cost nothing; an armed step runs every op through Python (about one extra step's time per
 `saturation_every` steps). An error of the probe's own disarms it for good: a monitor never
 breaks training.
 """
@@ -96,6 +99,8 @@ class _Mode(TorchDispatchMode):
             self.marks[id(out)] = (weakref.ref(out), p, "1-p" if side == "p" else "p", name)
         elif func in _LOGS:
             self.probe.check(p, side, name, func.__name__.split(".")[0])
+        elif func is _aten.binary_cross_entropy.default and side == "p" and len(args) > 1:
+            self.probe.check_bce(p, args[1], name)
 
 
 class SaturationProbe:
@@ -175,6 +180,24 @@ class SaturationProbe:
         if n_near:
             self._hits.append((source, side, log, n_near, n_exact, _user_line()))
 
+    def check_bce(self, p: torch.Tensor, target: Any, source: str) -> None:
+        """`binary_cross_entropy` consumed `p`: note entries saturated on the wrong side (at
+        or near 1 where the target is 0, at or near 0 where it is 1). BCE clamps its logs at
+        -100, so the loss never goes NaN there; but the sigmoid's gradient `p * (1 - p)` is
+        exactly 0 once `p` rounds to 0 or 1, so those samples stop learning (their loss stuck
+        at 100) with nothing non-finite to see. Confident right answers are not counted."""
+        if not isinstance(target, torch.Tensor) or target.shape != p.shape:
+            return
+        info = torch.finfo(p.dtype)
+        with torch.no_grad():
+            neg = target < 0.5
+            near = torch.where(neg, (1 - p) <= NEAR_ULPS * info.eps / 2, p < info.tiny)
+            exact = torch.where(neg, p == 1, p == 0)
+            n_near, n_exact = int(near.sum()), int(exact.sum())
+        if n_near:
+            self._hits.append((source, "wrong", "binary_cross_entropy", n_near, n_exact,
+                               _user_line()))
+
     def _alarm(self, guard: Guard, hits: list[tuple[str, str, str, int, int, str]]) -> None:
         source, side, log, n_near, n_exact, line = max(hits, key=lambda h: (h[4], h[3]))
         # A sustained condition: said once, again only when it got far worse (exact 0/1 now,
@@ -184,6 +207,17 @@ class SaturationProbe:
             return
         self._last_fired = (n_near, n_exact)
         step = self.step
+        if side == "wrong":
+            guard.record_alarm(Alarm(
+                step=step, kind="saturation", signal=source, value=float(n_near),
+                message=(f"{source} output saturated on the wrong side of its target: "
+                         f"{n_near} entries within rounding of 0 or 1 ({n_exact} exactly), "
+                         f"consumed by binary_cross_entropy{f' at {line}' if line else ''}; "
+                         "BCE clamps its log at -100, so the loss stays finite, but the "
+                         f"{source} gradient p*(1-p) is 0 there: those samples stop learning "
+                         "(compute the loss from the logits: "
+                         "F.binary_cross_entropy_with_logits)")))
+            return
         where = "1.0" if side == "1-p" else "0"
         what = (f"{n_exact} exactly at {where}" if n_exact else
                 f"{n_near} within {NEAR_ULPS} ulps of 1.0" if side == "1-p"
