@@ -62,6 +62,7 @@ from nanguard.guard import Guard
 from nanguard.integrations.manual import ManualBoundaries, ManualStep, forked, replaying
 from nanguard.integrations.script_flags import clip_from_argv
 from nanguard.pinpoint.recorded import (
+    ClosureRecipe,
     NotReplayable,
     Recipe,
     StepRecorder,
@@ -90,7 +91,7 @@ class Watched:
     error: str | None = None
     note: str | None = None
     """A one-line remark printed with the summary (e.g. a policy that could not apply)."""
-    recipe: Recipe | str | None = None
+    recipe: Recipe | ClosureRecipe | str | None = None
     """How to replay the step in progress in process (pinpoint/recorded.py), or why it cannot
     be; set at the step's start, dropped after its update."""
     in_process: dict[str, Any] | None = None
@@ -403,13 +404,18 @@ class Discovery:
             w = self._attach(optimizer)
         w.starts.append(self._steps)
         self._steps += 1
-        w.recipe = self.recorder.boundary(w.roots, closure=_closure_of(args, kwargs) is not None)
+        closure = _closure_of(args, kwargs)
+        w.recipe = self.recorder.boundary(
+            w.roots, closure=closure is not None,
+            first_call=closure if _calls_closure_first(optimizer) else None)
         if w.guard is None or w.guard._closed:
             return None
         result = _run_closure_first(optimizer, args, kwargs)
         loss = self._loss if self._loss_seq > w.loss_seq else None
         w.loss_seq = self._loss_seq
         batch = self._take_batch(w)
+        if isinstance(w.recipe, ClosureRecipe):
+            w.recipe.batch = batch
         w.guard.watch(loss=loss, batch=batch)
         return result
 
@@ -418,6 +424,10 @@ class Discovery:
         (its batch is let go)."""
         w = self._by_opt.get(id(optimizer))
         if w is not None and w.optimizer is optimizer:
+            if isinstance(w.recipe, ClosureRecipe):
+                # The closure's forwards and backwards ran after the boundary: they belong to
+                # this step, not to the next one's recording.
+                self.recorder.reset()
             w.recipe = None
 
     def _replay(self, w: Watched, batch: Any) -> torch.Tensor:
@@ -437,7 +447,7 @@ class Discovery:
         recipe = w.recipe
         if first is not None and first.get("phase") in ("data", "checkpoint"):
             reason = f"phase {first['phase']}: the re-run looks for it before the step"
-        elif not isinstance(recipe, Recipe):
+        elif not isinstance(recipe, (Recipe, ClosureRecipe)):
             reason = recipe or "no step recorded"
         elif not recipe.matches(batch):
             reason = ("not the batch of the recorded step (whole recorded steps are replayed, "
@@ -572,6 +582,12 @@ def _closure_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return closure if callable(closure) else None
 
 
+def _calls_closure_first(optimizer: torch.optim.Optimizer) -> bool:
+    """A torch.optim optimizer (they all call their closure first thing in `step()`)."""
+    return not isinstance(optimizer, ManualStep) and type(optimizer).__module__.startswith(
+        "torch.optim")
+
+
 def _run_closure_first(
     optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -579,8 +595,7 @@ def _run_closure_first(
     guard must check) and give the optimizer one whose first call returns that result, later
     calls (LBFGS line search) the real closure. Only for torch.optim's own optimizers, which
     all call the closure first thing; a custom optimizer might not call it at all."""
-    if isinstance(optimizer, ManualStep) or not type(optimizer).__module__.startswith(
-            "torch.optim"):
+    if not _calls_closure_first(optimizer):
         return None
     in_args = len(args) > 1 and callable(args[1])
     closure = args[1] if in_args else kwargs.get("closure")

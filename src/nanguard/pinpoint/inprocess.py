@@ -20,6 +20,22 @@ from torch import nn
 from nanguard.pinpoint.replay import find_origin
 from nanguard.watch import rng
 
+_BACKPROPAGATED: list[Any] = [None]
+"""A weak reference to the loss a replay function returned after running its own backward
+(an `optimizer.step(closure)` closure does forward, loss and backward itself)."""
+
+
+def mark_backpropagated(loss: torch.Tensor) -> None:
+    """The replay function already ran `loss.backward()` (a closure): the replay must not."""
+    import weakref
+
+    _BACKPROPAGATED[0] = weakref.ref(loss)
+
+
+def _backpropagated(loss: torch.Tensor) -> bool:
+    ref = _BACKPROPAGATED[0]
+    return ref is not None and ref() is loss
+
 
 class _KeepBuffers:
     """Put the model's buffers back after a replay: a train-mode forward updates BatchNorm
@@ -65,7 +81,10 @@ def replay_forward_backward(
     def run_step() -> None:
         loss = compute_loss(batch)
         losses.append(loss.detach())
-        loss.backward()
+        if _backpropagated(loss):  # a closure: its backward ran inside it, checked too
+            _BACKPROPAGATED[0] = None
+        else:
+            loss.backward()
 
     for p in params:
         p.grad = None
