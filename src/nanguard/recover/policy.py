@@ -63,6 +63,10 @@ class GuardLink(Protocol):
         """Make the coming `optimizer.step()` a no-op for every parameter."""
         ...
 
+    def spikes(self) -> list[dict[str, Any]]:
+        """Where each spike sat (the guard's `spikes`: step, layers, samples)."""
+        ...
+
     def stop(self, stats: StepStats, why: str) -> None:
         """Close the run and raise NanguardError (does not return)."""
         ...
@@ -108,6 +112,9 @@ class _Link:
     def stop(self, stats: StepStats, why: str) -> None:
         self._guard.stop(stats, why)
 
+    def spikes(self) -> list[dict[str, Any]]:
+        return list(getattr(self._guard, "spikes", []))
+
 
 # Rolling-back recoveries per model: one rollback takes the other optimizers of the model along.
 _PEERS: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Recovery]] = (
@@ -149,6 +156,11 @@ class Recovery:
             self._group: Any = link.model
             _PEERS.setdefault(self._group, weakref.WeakSet()).add(self)
         self.steps_rolled_back = 0  # updates undone by rollbacks (the cost, for the report)
+        # Fingerprints of samples a rollback named -> the step of that rollback; a batch holding
+        # one is left out (`_leave_out`). Filled only where a rollback found culprit samples.
+        self.left_out: dict[int, int] = {}
+        self.updates_left_out = 0
+        self._spike_samples: dict[int, list[int]] = {}  # step -> fingerprints attribution named
         self.clipper = AdaptiveClipper(cfg.clip) if cfg.clip is not None else None
         self.amp = ScalerWatch(scaler, cfg.amp) if scaler is not None else None
 
@@ -212,6 +224,8 @@ class Recovery:
         if self._discard_next:
             self._take_discard(stats)
             return
+        if self.left_out and self._leave_out(stats):
+            return
         if self.clipper is not None:
             action, scale = self.clipper.decide(
                 stats.grad_norm if not stats.nonfinite_grads else math.nan
@@ -237,6 +251,49 @@ class Recovery:
         if self.rollbacker is not None:
             self.rollbacker.backoff_on(stats.step)
 
+    def _leave_out(self, stats: StepStats) -> bool:
+        """A batch holding a sample that an earlier rollback named (a NaN row of the batch it
+        rolled back, a sample per-sample attribution blamed for a spike of the episode): its
+        update is discarded before it lands, so the sample cannot start the trouble again
+        (the next epoch). True when it was."""
+        hit = [h for h in stats.sample_hashes if h in self.left_out]
+        if not hit:
+            return False
+        self.link.discard_update(stats)
+        self.updates_left_out += 1
+        self.link.record_action(
+            stats.step, "skip",
+            f"update discarded: the batch holds {len(hit)} sample(s) left out after the "
+            f"rollback at step {self.left_out[hit[0]]} (fingerprint(s) "
+            f"{', '.join(f'{h:#x}' for h in hit[:4])})")
+        return True
+
+    def _remember_culprits(self, stats: StepStats, since: int) -> list[int]:
+        """The fingerprints of the samples to leave out after a rollback at `stats.step`: the
+        batch's NaN / Inf rows, and the samples that per-sample attribution named for the
+        spikes of the episode (steps `since`..now; the guard's `spikes`, with `replay`)."""
+        hashes = stats.sample_hashes
+        rows = [i for i in stats.nonfinite_samples if i < len(hashes)]
+        found = [hashes[i] for i in rows]
+        self._note_spike_samples(stats)
+        found += [h for step, hs in self._spike_samples.items() if since <= step <= stats.step
+                  for h in hs]
+        for h in found:
+            self.left_out.setdefault(h, stats.step)
+        return found
+
+    def _note_spike_samples(self, stats: StepStats) -> None:
+        """The fingerprints of the samples per-sample attribution named for a spike of this
+        step (`Guard.spikes`, with `replay`), while the step's fingerprints are at hand."""
+        if stats.step in self._spike_samples or not any(a.kind == "spike" for a in stats.alarms):
+            return
+        hashes = stats.sample_hashes
+        named = [int(d["index"]) for sp in self.link.spikes() if sp.get("step") == stats.step
+                 for d in sp.get("samples", [])]
+        self._spike_samples[stats.step] = [hashes[i] for i in named if 0 <= i < len(hashes)]
+        for old in [k for k in self._spike_samples if k < stats.step - 1000]:
+            del self._spike_samples[old]
+
     def after_update(self) -> None:
         if self.rollbacker is not None:
             self.rollbacker.backoff_off()
@@ -251,6 +308,8 @@ class Recovery:
         if self.rollbacker is None:
             return
         self.rollbacker.trail.observe(stats)
+        if stats.alarms:
+            self._note_spike_samples(stats)
         healthy = not stats.alarms and not stats.nonfinite_signals() and not stats.skipped
         if distributed.active() and (stats.step + 1) % self.rollbacker.config.snapshot_every == 0:
             # Every rank must keep the same last good step, or a rollback would desync them.
@@ -287,6 +346,11 @@ class Recovery:
             # A coupled guard rolled this one back already in this step.
             self._take_discard(stats)
             return
+        if not post and self.left_out and self._leave_out(stats):
+            # A sample an earlier rollback named is back (the next epoch): the state before
+            # this update is good, discarding the update is all it takes; no rollback, no
+            # progress lost, no compounded backoff.
+            return
         rb = self.rollbacker
         rb.trail.observe(stats)  # this step's own magnitudes (before the update: grad norm)
         backoff = decide(stats, rb.trail, self.link.config.recover, self.link.config.detect)
@@ -299,6 +363,7 @@ class Recovery:
             self.link.stop(stats, f"{exc} ({why})")
             return
         rb.trail.clear(stats.step)
+        culprits = self._remember_culprits(stats, restored)
         if not post:
             self.link.discard_update(stats)
         stats.skipped = True
@@ -306,7 +371,9 @@ class Recovery:
             stats.step,
             "rollback",
             f"restored the state of step {restored}, discarding steps {restored}..{stats.step} "
-            f"({why}); {self._lr_text(backoff)}",
+            f"({why}); {self._lr_text(backoff)}"
+            + (f"; {len(culprits)} sample(s) left out from now on (fingerprint(s) "
+               f"{', '.join(f'{h:#x}' for h in culprits[:4])})" if culprits else ""),
         )
         for peer in self._peers():
             peer._follow(stats.step, type(self.link.optimizer).__name__, rb.factor)
@@ -401,6 +468,8 @@ class Recovery:
         return {"rollbacks": len(self.rollbacker.history),
                 "updates_rolled_back": self.steps_rolled_back,
                 "lr_factor": self.rollbacker.factor,
+                "samples_left_out": len(self.left_out),
+                "updates_left_out": self.updates_left_out,
                 "snapshot_bytes": ring.nbytes,
                 "snapshots": len(ring.slots),
                 "snapshot_budget_bytes": None if budget is None else int(budget * 2**20),
@@ -413,12 +482,14 @@ class Recovery:
             "rollback": self.rollbacker.state_dict() if self.rollbacker else None,
             "clip": self.clipper.state_dict() if self.clipper else None,
             "amp": self.amp.state_dict() if self.amp else None,
+            "left_out": {str(h): s for h, s in self.left_out.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for part, obj in (("rollback", self.rollbacker), ("clip", self.clipper), ("amp", self.amp)):
             if obj is not None and state.get(part) is not None:
                 obj.load_state_dict(state[part])
+        self.left_out = {int(h): int(s) for h, s in state.get("left_out", {}).items()}
         if self.rollbacker is not None and not self.rollbacker.snapshot.in_step:
             # The snapshot taken when this guard was built is the state at the step resumed
             # from (the guard's step counter, already loaded), not at step 0.
