@@ -1,7 +1,7 @@
 """Recovery acts on what it sees: `skip` and `rollback` act on the early warnings by default
-(a spike's update is discarded before it lands; a cascade is rolled back), the first early
-rollback keeps the LR (the batch that started it is left out), a non-finite value backs it
-off, `skip` never loops (it escalates to a stop), and the report says what recovery cost."""
+(a spike's update is discarded before it lands; a cascade is rolled back), the LR is backed
+off only as far as the evidence calls for (tests/recover/test_recover_backoff.py), `skip` never
+loops (it escalates to a stop), and the report says what recovery cost."""
 
 from __future__ import annotations
 
