@@ -20,20 +20,23 @@ from torch import nn
 from nanguard.pinpoint.replay import find_origin
 from nanguard.watch import rng
 
-_BACKPROPAGATED: list[Any] = [None]
+_BACKPROPAGATED: dict[str, Any] = {"ref": None, "comparable": True}
 """A weak reference to the loss a replay function returned after running its own backward
-(an `optimizer.step(closure)` closure does forward, loss and backward itself)."""
+(an `optimizer.step(closure)` closure does forward, loss and backward itself), and whether it
+is the step's loss (compared with the original for `reproduced`)."""
 
 
-def mark_backpropagated(loss: torch.Tensor) -> None:
-    """The replay function already ran `loss.backward()` (a closure): the replay must not."""
+def mark_backpropagated(loss: torch.Tensor, *, comparable: bool = True) -> None:
+    """The replay function already ran `loss.backward()` (a closure), or has no loss to run it
+    on (`comparable=False`: a forward replayed alone returns the model's output, which is not
+    the step's loss and is not compared with it): the replay must not."""
     import weakref
 
-    _BACKPROPAGATED[0] = weakref.ref(loss)
+    _BACKPROPAGATED.update(ref=weakref.ref(loss), comparable=comparable)
 
 
 def _backpropagated(loss: torch.Tensor) -> bool:
-    ref = _BACKPROPAGATED[0]
+    ref = _BACKPROPAGATED["ref"]
     return ref is not None and ref() is loss
 
 
@@ -80,11 +83,14 @@ def replay_forward_backward(
 
     def run_step() -> None:
         loss = compute_loss(batch)
-        losses.append(loss.detach())
-        if _backpropagated(loss):  # a closure: its backward ran inside it, checked too
-            _BACKPROPAGATED[0] = None
-        else:
+        if not _backpropagated(loss):
+            losses.append(loss.detach())
             loss.backward()
+            return
+        # A closure (its backward ran inside it, checked too), or a forward replayed alone.
+        if _BACKPROPAGATED["comparable"]:
+            losses.append(loss.detach())
+        _BACKPROPAGATED["ref"] = None
 
     for p in params:
         p.grad = None

@@ -169,6 +169,9 @@ class Recipe:
     loss: LossCall | None
     path: tuple[Any, ...] = ()
     """Without `loss`: where the loss sits in the output (a model that returns its loss)."""
+    forward_only: str | None = None
+    """The loss is the script's own arithmetic (not recognised): only the forward is replayed,
+    and only an origin whose value reached the model's output counts; this says why."""
 
     def matches(self, batch: Any) -> bool:
         """`batch` is the one the guard was handed for this step (the same tensors)."""
@@ -197,6 +200,8 @@ class Recipe:
         rng.restore(self.call.rng)
         with _amp(self.call.amp):
             out = self.call.module(*self.call.args, **self.call.kwargs)
+        if self.forward_only is not None:
+            return _forward_result(out, self.forward_only)
         if loss is None:
             return cast(torch.Tensor, _select(out, self.path))
         x = _select(out, loss.path)
@@ -304,6 +309,40 @@ class ClosureRecipe:
             raise NotReplayable("the closure returned no loss tensor")
         mark_backpropagated(out)
         return out
+
+
+def _forward_result(out: Any, why: str) -> torch.Tensor:
+    """The model's output of a forward replayed alone, marked so that no backward runs on it.
+    Only a non-finite output is taken: then the first non-finite value of the step was made in
+    the forward (nothing of the step runs before it) and reached the loss, so the checker's
+    origin is exact. A finite output (nothing non-finite, or a value the forward itself cut
+    off, such as a -inf that a gather skipped) says nothing of the loss: refused.
+
+    Raises:
+        NotReplayable: the replayed forward's output is finite.
+    """
+    from nanguard.pinpoint.inprocess import mark_backpropagated
+
+    tensors = [t for t in _flat(out) if t.is_floating_point() and t.numel()]
+    with torch.no_grad():
+        bad = next((t for t in tensors if not bool(torch.isfinite(t).all())), None)
+    if bad is None:
+        raise NotReplayable(f"{why}; its forward alone, replayed, gives a finite output (the "
+                            "value is made in the loss or the backward)")
+    mark_backpropagated(bad, comparable=False)
+    return bad
+
+
+def _flat(obj: Any, depth: int = 0) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth >= 2:
+        return []
+    if isinstance(obj, (tuple, list)):
+        return [t for v in obj for t in _flat(v, depth + 1)]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _flat(v, depth + 1)]
+    return []
 
 
 class _Window:
@@ -476,6 +515,10 @@ class StepRecorder:
             return Recipe(calls[0], target)
         if isinstance(target, tuple) and target[0] is calls[0]:
             return Recipe(calls[0], None, target[1])
+        if target is None and w.backwards == 1:
+            return Recipe(calls[0], None, forward_only=(
+                "the loss backpropagated is not a torch.nn.functional loss (or loss module) of "
+                "the model's output, nor an element of that output"))
         return ("the loss backpropagated is not a torch.nn.functional loss (or loss module) of "
                 "the model's output, nor an element of that output")
 
