@@ -25,8 +25,11 @@ recognised loss of that call's output, no torch.distributed, no batch changed in
 A step of `optimizer.step(closure)` (LBFGS, or any torch.optim optimizer given a closure) is
 replayed by calling the closure again (`ClosureRecipe`): it runs forward, loss and backward
 itself, so the checker labels its ops by what they are; the closure's variables are put back
-afterwards. Anything else gets a one-line reason and the runner falls back to
-re-running the script.
+afterwards. A step whose loss is the script's own arithmetic (`-(y * log(h) + ...).mean()`)
+gets its forward replayed alone: an origin is taken only when the forward's output is
+non-finite (the step's first non-finite value was then made in the forward). A closure's later
+calls inside one LBFGS `step()` are not replayed here (the parameters have moved by then).
+Anything else gets a one-line reason and the runner falls back to re-running the script.
 
 While a replay runs, `replaying()` (integrations/manual.py) is true for its forward and for the
 `backward()` of the loss it returned, so that the step-boundary hooks of the runner
