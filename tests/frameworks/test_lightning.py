@@ -98,10 +98,11 @@ def test_skip_discards_exactly_that_update_and_goes_on(tmp_path):
     assert report["steps"] == steps
 
 
-def test_rollback_restores_the_snapshot_and_backs_off_the_lr(tmp_path):
+def test_rollback_restores_the_snapshot_and_keeps_the_lr_for_a_nan_batch(tmp_path):
     """`rollback` through the callback: at the NaN step the module and Adam go back to the last
     snapshot (the initial state: refreshed every 50 quiet steps here), training goes on
-    from there with the next batches, and the LR the optimizer used is halved afterwards."""
+    from there with the next batches, and the LR is kept: the NaN came in the batch's own rows
+    (the data, not the LR; the evidence-sized backoff of recover/backoff.py)."""
     steps, bad_step = 60, 30
     init = [p.detach().clone() for p in Regressor().parameters()]
     rec = ParamRecorder()
@@ -126,7 +127,8 @@ def test_rollback_restores_the_snapshot_and_backs_off_the_lr(tmp_path):
     db = open_run(tmp_path / "run")
     lrs = dict(db.execute("SELECT step, lr FROM steps").fetchall())
     db.close()
-    assert dec(lrs[bad_step - 1]) == 0.05 and dec(lrs[bad_step + 1]) == 0.025
+    assert dec(lrs[bad_step - 1]) == 0.05 and dec(lrs[bad_step + 1]) == 0.05
+    assert "the data, not the LR" in report["actions"][0]["detail"]
 
 
 def test_skip_with_step_scheduler_and_clipping(tmp_path):
