@@ -404,9 +404,25 @@ def test_lr_fix_after_a_healthy_stretch_follows_the_spike() -> None:
     assert small is not None and "lr=0.1 -> lr=0.01" in small.fix  # never under 10x
 
 
+def test_lr_fix_under_a_warm_up_cuts_the_lr_the_growth_began_at() -> None:
+    # A warm-up raised the LR from 10 (step 0, where the growth began) to 100 (the failure):
+    # both diverged, so the cut is from the smaller, and the note says so for every step.
+    ev = _diverging()
+    warm = [{**h, "lr": 10.0 * (1 + 4.5 * h["step"])} for h in ev.history]
+    cause = R.optimizer_divergence(Evidence(first_nonfinite=ev.first_nonfinite, lr=100.0,
+                                            optimizer="SGD", history=warm))
+    assert cause is not None
+    assert "lr=100 -> lr=0.001" in cause.fix, cause.fix  # 10 / 1e4, not 100 / 1e4
+    assert "from 10 at step 0" in cause.fix and "at or below 0.001" in cause.fix
+    # The other side: a constant LR gives the plain cut and no schedule note.
+    flat = R.optimizer_divergence(_diverging())
+    assert flat is not None and "schedule" not in flat.fix
+
+
 def test_clip_fix_names_the_scripts_own_clip() -> None:
     off = R.optimizer_divergence(_diverging(clip=0.0))
     assert off is not None and "clip is 0" in off.fix and "2.91" in off.fix
+    assert off.fix.index("clip") < off.fix.index("lower the LR")  # clipping back on comes first
     loose = R.optimizer_divergence(_diverging(clip=1000.0))
     assert loose is not None and "max_norm 1000" in loose.fix
     unknown = R.optimizer_divergence(_diverging())

@@ -13,6 +13,8 @@ from `nanguard run` and non-zero from `nanguard report`.
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,15 @@ def test_gpt_lr_typo_diverges(tmp_path: Path) -> None:
     assert expected is not None and expected["phase"] == "forward", expected
     assert_failed(g, {"step": expected["step"], "phase": "forward",
                       "cause": "optimizer_divergence"})
+    # The fix must be one: the script itself, run with the LR the fix proposes (warm-up and
+    # cosine still scaling it), trains without a non-finite value and lowers its loss.
+    fix = g.report["diagnosis"][0]["fix"]
+    found = re.search(r"-> lr=([0-9.e+-]+)", fix)
+    assert found is not None, fix
+    fixed = plain(tmp_path, GPT, *GPT_ARGS, "--lr", found.group(1))
+    losses = [float(m) for m in re.findall(r"^iter \d+: loss (\S+),", fixed.stdout, re.M)]
+    assert fixed.returncode == 0 and len(losses) >= 3, fixed.stderr[-2000:]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.8 * losses[0], losses
 
 
 @pytest.fixture(scope="module")

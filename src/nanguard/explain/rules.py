@@ -635,6 +635,36 @@ def _lr_cut(ev: Evidence, jump: dict[str, Any] | None,
     return factor, f"from the {ratio:.3g}x spike the optimizer fed back (at least 10x)"
 
 
+def _lr_at(ev: Evidence, step: int | None) -> float | None:
+    """The LR the history records for `step` (finite, > 0), else None."""
+    if step is None:
+        return None
+    for h in ev.history:
+        if h.get("step") == step:
+            lr = _num(h.get("lr"), math.nan)
+            return lr if math.isfinite(lr) and lr > 0 else None
+    return None
+
+
+def _lr_target(ev: Evidence, factor: float, onset: int | None) -> tuple[float, str]:
+    """The LR to propose: `factor` below the smaller of the LR at the onset of the growth and
+    the LR at the failure. The two differ when a schedule moved the LR in between: under a
+    warm-up the failing LR is the schedule's own scaled-down value, and both diverged, so a cut
+    of the larger one would still diverge. Returns (new LR, a note on the schedule, empty when
+    it did not move)."""
+    assert ev.lr is not None
+    at = _lr_at(ev, onset)
+    if at is None or onset is None or math.isclose(at, ev.lr, rel_tol=1e-6):
+        return ev.lr / factor, ""
+    target = min(at, ev.lr) / factor
+    # The schedule's later steps (a warm-up still rising) are not in the history: the bound
+    # is stated for every step, the peak included, so the user sets the peak to it.
+    note = (f"; your schedule moved the LR from {at:.3g} at step {onset}, where the growth "
+            f"began, to {ev.lr:.3g}: keep every step's LR at or below {target:.3g} (set your "
+            "schedule's peak LR to it)")
+    return target, note
+
+
 def _ordinary_before(ev: Evidence) -> str | None:
     """The step before the failure had ordinary magnitudes (grad norm / activation abs-max
     measured, finite and below `HUGE`): what it measured, else None."""
@@ -742,16 +772,25 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
             basis = f"a tenth of the preflight's divergence point {div:.2g}"
     mom = f" with momentum {ev.momentum:g}" if ev.momentum else ""
     lr = f"lr={ev.lr:g}" if ev.lr is not None else "its LR"
-    new_lr = f"lr={ev.lr / factor:.3g}" if ev.lr is not None else f"your LR / {factor:.3g}"
+    sched = ""
+    if ev.lr is not None:
+        onset = jump["from"] if jump is not None else (warn[0]["step"] if warn else None)
+        target, sched = _lr_target(ev, factor, onset)
+        factor = ev.lr / target
+        new_lr = f"lr={target:.3g}"
+    else:
+        new_lr = f"your LR / {factor:.3g}"
+    lower = f"lower the LR ({lr} -> {new_lr}: {factor:.3g}x smaller, {basis}{sched})"
     clip = _clip_fix(ev, healthy)
+    # A script that turned its own clipping off: turning it back on is the first fix.
+    fixes = [clip, lower] if ev.clip == 0 else [lower, clip]
     return Cause(
         cause="optimizer_divergence",
         confidence=conf,
         evidence=f"{ev.optimizer or 'the optimizer'}{mom} at {lr} amplified the error step "
         "after step: " + "; ".join(why)
         + ("" if strong else " (no alarm or loss history shows the growth)"),
-        fix=f"lower the LR ({lr} -> {new_lr}: {factor:.3g}x smaller, {basis}); "
-        f"{clip}; add a warm-up; or let nanguard recover: {_rollback(ev)}",
+        fix=f"{fixes[0]}; {fixes[1]}; add a warm-up; or let nanguard recover: {_rollback(ev)}",
     )
 
 
