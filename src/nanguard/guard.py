@@ -54,8 +54,8 @@ from nanguard.recover.policy import Recovery
 from nanguard.recover.verdict import LossWatch
 from nanguard.watch import loads, rng, saturation
 from nanguard.watch.activations import ActivationProbe, dtype_max
-from nanguard.watch.batch import BatchProbe
-from nanguard.watch.packet import Packet
+from nanguard.watch.batch import BatchProbe, Taken
+from nanguard.watch.packet import Packet, read_packets
 from nanguard.watch.stats import StepProbe, StepStats, local
 
 
@@ -66,12 +66,15 @@ class _Pending:
     step: int
     lr: float | None
     pre: Packet
-    """Before the update: slots `loss`, `grad`, `act`, `loaded`, `batch`, `scale`."""
+    """Before the update: slots `loss`, `grad`, `act`, `loaded`, `batch`, `batch_sums`,
+    `scale`."""
     grad_layout: list[int]
     act_names: list[str]
-    batch_size: int
+    batch: Taken
+    """The step's batch as `BatchProbe.take` gave it (slots `batch`, `batch_sums`)."""
     post: Packet | None = None
-    """After the update: slot `post` (see `StepProbe.post_step`)."""
+    """After the update: slots `param`, `state.<key>`, `buffer`, `update` (see
+    `StepProbe.post_step`)."""
     post_layout: list[tuple[str, list[int]]] = field(default_factory=list)
     stats: StepStats | None = None
     rng: dict[str, Any] | None = None
@@ -252,7 +255,8 @@ class Guard:
         accumulate = self.recovery.amp is None
         if loss is not None:
             t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
-            t = t.reshape(-1)[:1].double()
+            if t.dim():  # a 0-dim value, as the packet stacks them (its float64 read is exact)
+                t = t.reshape(-1)[0]
             if self._loss is not None and self._loss.device == t.device and accumulate:
                 # Several micro-batches per step (gradient accumulation): a non-finite loss of
                 # an earlier one must not be hidden by the last one (kept on the device).
@@ -609,15 +613,17 @@ class Guard:
         if loaded:
             assert flags is not None
             pre.add("loaded", flags)
-        batch_size, batch_vec = self.batch_probe.collect()
-        if batch_vec is not None:
-            pre.add("batch", batch_vec)
+        batch = self.batch_probe.take()
+        if batch.hashes is not None:
+            pre.add("batch", batch.hashes)
+            if batch.sums:
+                pre.add("batch_sums", batch.sums)
         scale = self.recovery.scale_tensor()
         if scale is not None:
             pre.add("scale", scale)
         self._current = _Pending(
             step=self.step, lr=_lr(optimizer), pre=pre, grad_layout=layout,
-            act_names=act_names, batch_size=batch_size, rng=self._step_rng, loaded=loaded,
+            act_names=act_names, batch=batch, rng=self._step_rng, loaded=loaded,
         )
         self._loss = None
         self._watch_calls = 0
@@ -708,9 +714,8 @@ class Guard:
             for p, g in zip(self.params, self._stashed_grads, strict=True):
                 p.grad = g
             self._stashed_grads = None
-        post, cur.post_layout = self.probe.post_step()
         cur.post = Packet(self._device)
-        cur.post.add("post", post)
+        cur.post_layout = self.probe.post_step(cur.post)
         self.step += 1
         self._pending.append(cur)
         if cur.stats is None and self._device.type == "cuda":
@@ -754,9 +759,7 @@ class Guard:
         for p in pending:
             assert p.post is not None
             packets += [p.pre, p.post] if p.stats is None else [p.post]
-        tensors = [k.host_tensor() for k in packets]
-        values = self._read(tensors[0] if len(tensors) == 1 else torch.cat(tensors))
-        pos = 0
+        per_packet = iter(read_packets(packets, self._read))
         decoded: list[tuple[_Pending, StepStats, bool]] = []
         for p in pending:
             # Only the newest step's gradients and parameters are still live: the extra read
@@ -765,14 +768,11 @@ class Guard:
             stats = p.stats
             fresh = stats is None
             if stats is None:
-                stats = self._decode_pre(p, values[pos : pos + len(p.pre)], live=live)
-                pos += len(p.pre)
+                stats = self._decode_pre(p, next(per_packet), live=live)
             assert p.post is not None
-            n = len(p.post)
-            self.probe.decode_post(values[pos : pos + n], p.post_layout, stats)
+            self.probe.decode_post(p.post.decode(next(per_packet)), p.post_layout, stats)
             if live:
                 self.probe.resolve_post_overflow(stats)  # an extra read only on an inf norm
-            pos += n
             decoded.append((p, stats, fresh))
         newest = decoded[-1][1]
         params_finite_now = not any(
@@ -813,7 +813,8 @@ class Guard:
             stats.amp_scale = slots["scale"][0]
         if "found_inf" in slots:
             p.found_inf = bool(slots["found_inf"][0])
-        self.batch_probe.decode(slots.get("batch", []), p.batch_size, stats)
+        self.batch_probe.decode_taken(slots.get("batch", []), slots.get("batch_sums", []),
+                                      p.batch, stats)
         if self.batch_probe.dropped is not None:
             stats.dropped_samples, self.batch_probe.dropped = self.batch_probe.dropped, None
         if live and any(math.isinf(stats.grad_norms[i]) for i in stats.nonfinite_grads):
@@ -985,9 +986,9 @@ class Guard:
                              troubled=self.first_nonfinite is not None or self._recovered_from)
         if not stats.alarms and not stats.nonfinite_signals():
             # Each parameter's typical grad norm on healthy steps: the baseline of a spike.
-            for i, v in stats.grad_norms.items():
-                prev = self._grad_baseline.get(i)
-                self._grad_baseline[i] = v if prev is None else 0.9 * prev + 0.1 * v
+            base = self._grad_baseline
+            base.update({i: v if (prev := base.get(i)) is None else 0.9 * prev + 0.1 * v
+                         for i, v in stats.grad_norms.items()})
         # Keep the steps up to the first non-finite value: what led into it is the story.
         if self.first_nonfinite is None or stats.step <= self.first_nonfinite["step"] + 1:
             self.history.append(stats)

@@ -86,3 +86,30 @@ def test_micro_batches_and_dropped_rows() -> None:
     probe.observe(a, accumulate=False)
     probe.observe(b, accumulate=False)  # a step the GradScaler skipped: a's NaN rows kept
     assert probe.dropped == [3, 7] and probe.skipped == [a]
+
+
+def test_packet_path_decodes_to_the_reference() -> None:
+    """The step's packet carries fingerprints and one float sum per tensor; a flagged batch is
+    checked element by element. Both give what the per-tensor definition gives: the same
+    NaN rows and tensors, and none for a finite batch whose sum overflows (`big`)."""
+    batches = _batches()
+    cases = [[b] for b in batches] + [[batches[0], (batches[0][0][:5], batches[0][1][:5])]]
+    for micro in cases:
+        probe = BatchProbe()
+        for b in micro:
+            probe.observe(b)
+        taken = probe.take()
+        exact_probe = BatchProbe()
+        for b in micro:
+            exact_probe.observe(b)
+        size, packet = exact_probe.collect()
+        assert packet is not None and taken.size == size and taken.hashes is not None
+        want = StepStats(step=0)
+        BatchProbe.decode(packet.tolist(), size, want)
+        got = StepStats(step=0)
+        sums = [float(s) for s in taken.sums or []]
+        BatchProbe.decode_taken(taken.hashes.tolist(), sums, taken, got)
+        assert got.sample_hashes == want.sample_hashes
+        assert got.nonfinite_samples == want.nonfinite_samples, micro
+        assert got.nonfinite_tensors == want.nonfinite_tensors
+        assert got.batch_tensors == want.batch_tensors

@@ -163,9 +163,13 @@ class NonFiniteDetector(Detector):
         self._active: set[str] = set()
 
     def check(self, stats: StepStats) -> list[Alarm]:
+        # As sealed by the guard (no copy), else scanned now.
+        signals = stats._signals if stats._signals is not None else stats.nonfinite_signals()
+        if not signals and not self._active and not stats.overflowed:
+            return []  # the quiet step: nothing non-finite now, no episode to end
         wanted = (("data", "loss", "grad", "activation") if self.phase == "pre"
                   else ("param", "optimizer", "buffer"))
-        now = {s for s in stats.nonfinite_signals() if s.split(".")[0] in wanted}
+        now = {s for s in signals if s.split(".")[0] in wanted}
         alarms = []
         for signal in sorted(now - self._active):
             what = {"grad": f"{len(stats.nonfinite_grads)} gradient tensor(s)"}.get(signal, signal)
@@ -262,10 +266,10 @@ class SpikeDetector(_SeriesDetector):
         lx = math.log10(x)
         alarms: list[Alarm] = []
         is_spike = False
+        med = hist.median() if hist else math.nan
         if hist:
-            self._note_level("grad_norm", 10 ** hist.median())
+            self._note_level("grad_norm", 10 ** med)
         if len(hist) >= self.config.warmup_steps:
-            med = hist.median()
             ratio = 10 ** (lx - med)
             # The z-score adapts to noisy histories; a jump of `spike_hard_ratio` x the median
             # is a spike however noisy the history was (unless it stays far below the run's scale).
@@ -286,19 +290,19 @@ class SpikeDetector(_SeriesDetector):
                     f"grad norm {x:.3g} is {ratio:.3g}x its recent median {10**med:.3g} "
                     f"(robust z {z:.1f})",
                 )
-        elif (hist and 10 ** (lx - hist.median()) >= self.config.early_spike_ratio
+        elif (hist and 10 ** (lx - med) >= self.config.early_spike_ratio
               and 10 ** (lx - hist.largest()) >= _EARLY_OVER_LARGEST):
             # Too little history for statistics: only the unmistakable case, a jump far above
             # the typical healthy step so far and well above every one of them (the cascade's
             # opening spike at the end of warm-up). The median, not the largest, is the
             # reference: after a first spike the unstable steps that follow (10x, then 70x,
             # then 10x...) must not become the yardstick the next spike is measured by.
-            ratio = 10 ** (lx - hist.median())
+            ratio = 10 ** (lx - med)
             is_spike = True
             alarms = self._fire(
                 stats, "spike", "grad_norm", x,
                 f"grad norm {x:.3g} is {ratio:.3g}x the median of the {len(hist)} healthy "
-                f"step(s) so far ({10 ** hist.median():.3g}; largest "
+                f"step(s) so far ({10 ** med:.3g}; largest "
                 f"{10 ** hist.largest():.3g})",
             )
         if not is_spike:
@@ -386,6 +390,7 @@ class ForecastDetector(_SeriesDetector):
         self.recent: dict[str, deque[float]] = {
             s: deque(maxlen=config.cascade_steps + 1) for s in self.signals
         }
+        self._log_growth = math.log10(config.cascade_growth)
         # The step of each value in `recent` (a sampled signal skips steps).
         self.at: dict[str, deque[int]] = {
             s: deque(maxlen=config.cascade_steps + 1) for s in self.signals
@@ -405,10 +410,12 @@ class ForecastDetector(_SeriesDetector):
             recent.append(math.log10(x))
             self.at[signal].append(stats.step)
             hist = self.history[signal]
-            growing = len(recent) == recent.maxlen and all(
-                b - a >= math.log10(self.config.cascade_growth)
-                for a, b in zip(recent, list(recent)[1:], strict=False)
-            )
+            step_growth = self._log_growth
+            # The newest step first: on a quiet step it did not grow, and that settles it.
+            growing = (len(recent) == recent.maxlen
+                       and (len(recent) < 2 or recent[-1] - recent[-2] >= step_growth)
+                       and all(b - a >= step_growth
+                               for a, b in zip(recent, list(recent)[1:], strict=False)))
             if not growing:
                 hist.append(x)
                 continue

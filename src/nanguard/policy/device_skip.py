@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nanguard.integrations import distributed
+from nanguard.watch.norms import Norms
 
 if TYPE_CHECKING:
     from nanguard.guard import Guard
@@ -33,7 +34,7 @@ def supports(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, _FUSED) and bool(optimizer.defaults.get("fused"))
 
 
-def applies(guard: Guard, grads: torch.Tensor | None) -> bool:
+def applies(guard: Guard, grads: Norms | None) -> bool:
     """Whether this step's `skip` can be decided on the device (see the module docstring)."""
     cfg = guard.config
     return (cfg.policy == "skip" and set(cfg.acting_on) == {"nonfinite"} and grads is not None
@@ -41,10 +42,12 @@ def applies(guard: Guard, grads: torch.Tensor | None) -> bool:
             and supports(guard.optimizer))
 
 
-def arm(optimizer: torch.optim.Optimizer, loss: torch.Tensor | None, grads: torch.Tensor
+def arm(optimizer: torch.optim.Optimizer, loss: torch.Tensor | None, grads: Norms
         ) -> torch.Tensor:
     """Set the optimizer's `found_inf` from the step's loss and gradient norms (device ops
     only) and return it, for the packet."""
+    if not isinstance(grads, torch.Tensor):  # `_foreach_norm`'s 0-dim norms
+        grads = torch.stack(list(grads))
     checked = grads if loss is None else torch.cat([loss.reshape(-1).to(grads), grads])
     # 0-dim float32, as the GradScaler hands it (the step counters subtract it).
     found = torch.logical_not(torch.isfinite(checked).all()).to(torch.float32)

@@ -2,10 +2,23 @@
 
 Everything stays on the device until the step's single host read. The batch itself is kept by
 reference (no copy) as `last`, for an in-process replay of the step.
+
+The per-step cost is a few small tensor ops per batch tensor (on a small model each op's
+dispatch, a few microseconds, is what costs, not the arithmetic): the fingerprint (an integer
+view, one multiply, one row sum) and, for floating-point tensors, ONE float64 sum of the whole
+tensor. That sum is finite whenever every element is (a float64 sum of float32 / float16 data
+cannot overflow; one of huge float64 values may, and then merely costs the exact check below),
+so it flags a batch that may hold a NaN or Inf. Only a flagged batch is checked exactly, element
+by element (`exact`, one extra host read, on a step that holds a NaN row: a handful per run):
+which rows, which tensors. A finite sum proves every row finite, an overflowing sum of finite
+values is never called NaN.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +41,37 @@ def batch_tensors(batch: Any) -> list[torch.Tensor]:
     return []
 
 
+@dataclass
+class _Micro:
+    """One observed micro-batch, on the device."""
+
+    size: int
+    n: int
+    """Number of its tensors (those sharing the leading dimension)."""
+    hashes: torch.Tensor
+    """Unmasked int64 fingerprints (see `sample_sums`), [size]."""
+    checked: list[tuple[int, torch.Tensor]]
+    """(index, detached tensor) of its floating-point / complex tensors: kept by reference
+    for the exact check of a flagged step."""
+    sums: list[torch.Tensor]
+    """One 0-dim float64 sum per checked tensor: non-finite when it may hold a NaN / Inf."""
+
+
+@dataclass
+class Taken:
+    """A step's batch, taken by `BatchProbe.take` for the packet (slots `batch`,
+    `batch_sums`) and decoded by `BatchProbe.decode_taken`."""
+
+    size: int = 0
+    """Samples of the step (micro-batches one after the other)."""
+    n: int = 0
+    """Tensors per sample."""
+    hashes: torch.Tensor | None = None
+    """Masked int64 fingerprints, [size]."""
+    sums: list[torch.Tensor] | None = None
+    micro: list[_Micro] | None = None
+
+
 class BatchProbe:
     """Fingerprints and non-finite sample flags of the batch handed to `Guard.watch`."""
 
@@ -42,9 +86,8 @@ class BatchProbe:
         self.skipped: list[Any] = []
         """The micro-batches of a step whose optimizer step never came (a GradScaler skipped
         it): replayed in float32 to tell a real fault from an fp16 overflow."""
-        self._parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        """(fingerprints as int64, NaN-row flags, per-tensor flags as bool) of each micro-batch
-        of this step; made float64 once, in `collect`."""
+        self._parts: list[_Micro] = []
+        """The micro-batches of this step, as observed."""
         self.dropped: list[int] | None = None
         """NaN rows of a batch whose optimizer step never came (a GradScaler skipped it on
         the fp16 overflow its NaN caused): the data fault is real and is reported with the
@@ -53,8 +96,7 @@ class BatchProbe:
     def _keep_dropped(self) -> None:
         """A batch is replaced with no optimizer step in between: keep its NaN rows. One host
         read, only on steps the GradScaler skipped (a handful per run)."""
-        bad = torch.cat([p[1] for p in self._parts])
-        rows: list[int] = bad.nonzero().flatten().tolist()
+        rows, _ = exact(self._parts)
         if rows:
             self.dropped = rows
 
@@ -75,58 +117,73 @@ class BatchProbe:
             return
         size = tensors[0].shape[0]
         tensors = [t for t in tensors if t.shape[0] == size]
-        # A handful of small tensor ops per batch tensor: on a small model each op's dispatch
-        # (a few microseconds) is what costs, not the arithmetic. The fingerprints combine in
-        # int64 and are masked once (see `sample_sums`). The finite check is the row sum of
-        # t * 0: every product is +-0 unless the element is NaN or +-inf (inf * 0 is NaN), so
-        # the sum is NaN exactly for the rows holding one, and it cannot overflow (two kernels;
-        # `torch.isfinite` is four). The rows' NaNs are reduced across tensors once.
         device = tensors[0].device
         h: torch.Tensor | None = None
-        finite: list[torch.Tensor | None] = []  # per tensor: NaN on a bad row (None: ints)
-        for t in tensors:
+        checked: list[tuple[int, torch.Tensor]] = []
+        sums: list[torch.Tensor] = []
+        for k, t in enumerate(tensors):
             t = t.detach()
             f = sample_sums(t)
             if f.device != device:
                 f = f.to(device)
-            # h * 1000003 + f, as `_combine` did, masked below.
+            # h * 1000003 + f, as `_combine` defines it, masked once in `take`.
             h = f if h is None else torch.add(f, h, alpha=1000003)
             if t.is_floating_point() or t.is_complex():
-                z = (t.reshape(size, -1) * 0).sum(dim=1)
-                finite.append(z if z.device == device else z.to(device))
-            else:
-                finite.append(None)
+                checked.append((k, t))
+                s = (torch.view_as_real(t) if t.is_complex() else t).sum(dtype=torch.float64)
+                sums.append(s if s.device == device else s.to(device))
         assert h is not None
-        h = h & _MASK
-        bad, flags = _nonfinite(finite, size, device)
-        if accumulate and self._parts and self._parts[-1][2].shape == flags.shape:
+        micro = _Micro(size, len(tensors), h, checked, sums)
+        if accumulate and self._parts and self._parts[-1].n == micro.n:
             # Another micro-batch of the same step (gradient accumulation, the last one
             # possibly smaller): the step's samples are the micro-batches one after the other,
             # so a NaN row of any of them keeps its place (index = offset + row).
-            self._parts.append((h, bad, flags))
+            self._parts.append(micro)
         else:
-            self._parts = [(h, bad, flags)]
+            self._parts = [micro]
 
-    def collect(self) -> tuple[int, torch.Tensor | None]:
-        """Take what was observed since the last step: (number of samples, one vector of
-        fingerprints, NaN-row flags and per-tensor flags) or (0, None)."""
+    def take(self) -> Taken:
+        """Take what was observed since the last step, for the step's packet."""
         parts, self._parts = self._parts, []
         self.step_batches, self.batches = self.batches, []
         if not parts:
+            return Taken()
+        h = parts[0].hashes if len(parts) == 1 else torch.cat(
+            [p.hashes.to(parts[0].hashes.device) for p in parts])
+        sums = [s for p in parts for s in p.sums]
+        return Taken(size=h.numel(), n=parts[0].n, hashes=h & _MASK, sums=sums or None,
+                     micro=parts)
+
+    def collect(self) -> tuple[int, torch.Tensor | None]:
+        """`take`, with the NaN rows and per-tensor flags computed exactly on the device: (number
+        of samples, one float64 vector of fingerprints, NaN-row flags and per-tensor flags) or
+        (0, None). For a read outside the step's packet (`Guard.close`)."""
+        taken = self.take()
+        if taken.hashes is None:
             return 0, None
-        if len(parts) == 1:
-            h, bad, flags = parts[0]
-        else:
-            device = parts[0][0].device
-            h = torch.cat([p[0].to(device) for p in parts])
-            bad = torch.cat([p[1].to(device) for p in parts])
-            flags = torch.stack([p[2].to(device) for p in parts]).any(dim=0)
-        # One cat (int64 with bools promotes to int64) and one conversion: every value is an
-        # integer below 2**52, exact in float64.
-        return h.numel(), torch.cat([h, bad, flags.to(h.device)]).to(torch.float64)
+        assert taken.micro is not None
+        bad, flags = _exact_flags(taken.micro)
+        h = taken.hashes
+        return taken.size, torch.cat([h, bad.to(h.device), flags.to(h.device)]).to(torch.float64)
+
+    @staticmethod
+    def decode_taken(hashes: list[float], sums: list[float], taken: Taken, stats: StepStats,
+                     ) -> None:
+        """Fill `stats` from the host copy of the `take` slots. A batch whose sums are all finite
+        holds no NaN / Inf (the quiet step); else `exact` reads which rows and tensors do."""
+        if not taken.size:
+            return
+        stats.sample_hashes = list(map(int, hashes))
+        stats.batch_tensors = taken.n
+        if math.isfinite(sum(sums)):
+            stats.nonfinite_samples, stats.nonfinite_tensors = [], []
+            return
+        assert taken.micro is not None
+        stats.nonfinite_samples, stats.nonfinite_tensors = exact(taken.micro)
 
     @staticmethod
     def decode(values: list[float], size: int, stats: StepStats) -> None:
+        """Fill `stats` from the host copy of `collect`'s vector."""
         if not size:
             return
         stats.sample_hashes = list(map(int, values[:size]))
@@ -138,24 +195,31 @@ class BatchProbe:
         stats.nonfinite_tensors = [i for i, v in enumerate(flags) if v]
 
 
-def _nonfinite(
-    finite: list[torch.Tensor | None], size: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(NaN-row flags [size], per-tensor flags [len(finite)]) from each tensor's row sums of
-    t * 0 (NaN on a row holding a NaN or Inf; None for integer tensors)."""
-    checked = [z for z in finite if z is not None]
-    if not checked:
-        return (torch.zeros(size, dtype=torch.bool, device=device),
-                torch.zeros(len(finite), dtype=torch.bool, device=device))
-    # stack promotes mixed float / complex dtypes; a NaN stays a NaN.
-    nan = torch.isnan(torch.stack(checked))
-    bad = nan.any(dim=0)
-    per_checked = nan.any(dim=1)
-    if len(checked) == len(finite):
-        return bad, per_checked
-    flags = torch.zeros(len(finite), dtype=torch.bool, device=device)
-    flags[[i for i, ok in enumerate(finite) if ok is not None]] = per_checked
-    return bad, flags
+def _exact_flags(parts: list[_Micro]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(NaN-row flags [samples], per-tensor flags [n]) of `parts`, element by element (device
+    ops; no read)."""
+    device = parts[0].hashes.device
+    rows: list[torch.Tensor] = []
+    flags = torch.zeros(parts[0].n, dtype=torch.bool, device=device)
+    for p in parts:
+        bad = torch.zeros(p.size, dtype=torch.bool, device=device)
+        for k, t in p.checked:
+            r = torch.logical_not(torch.isfinite(t)).reshape(p.size, -1).any(dim=1).to(device)
+            bad |= r
+            flags[k] |= r.any()
+        rows.append(bad)
+    return (rows[0] if len(rows) == 1 else torch.cat(rows)), flags
+
+
+def exact(parts: list[_Micro], read: Callable[[torch.Tensor], Any] = torch.Tensor.tolist
+          ) -> tuple[list[int], list[int]]:
+    """(indices of the samples holding a NaN / Inf, indices of the tensors holding one), checked
+    element by element: one host read. Runs only for a flagged batch (or a dropped one)."""
+    bad, flags = _exact_flags(parts)
+    values: list[float] = read(torch.cat([bad, flags.to(bad.device)]))
+    size = bad.numel()
+    return ([i for i, v in enumerate(values[:size]) if v],
+            [i for i, v in enumerate(values[size:]) if v])
 
 
 def _combine(h: torch.Tensor, f: torch.Tensor) -> torch.Tensor:

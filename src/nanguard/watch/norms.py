@@ -72,6 +72,22 @@ def _plain_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
+Norms = torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]
+"""Per-tensor norms on the device: one float64 tensor, or a list of 0-dim norms (a `Packet`
+slot takes either)."""
+
+
+def norm_values(tensors: list[torch.Tensor], like: list[torch.Tensor] | None = None) -> Norms:
+    """`foreach_norms`, with the common case (dense float16 / bfloat16 / float32 local
+    tensors) left as `_foreach_norm`'s own 0-dim float32 norms: no stack and no float64
+    conversion of their own (the step's packet stacks all its 0-dim values at once)."""
+    if (all(t.layout == torch.strided and t.dtype in _F32_NORM for t in tensors)
+            and (_DTENSOR is None or not any(isinstance(t, _DTENSOR)
+                                             for t in (like or tensors)))):
+        return torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    return foreach_norms(tensors, like=like)
+
+
 def foreach_norms(tensors: list[torch.Tensor], like: list[torch.Tensor] | None = None
                   ) -> torch.Tensor:
     """Stacked L2 norms of `tensors` (fused), on their device, as float64.

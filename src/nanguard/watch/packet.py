@@ -1,19 +1,26 @@
 """One step's device-side values in named slots, read on the host in one go.
 
 Every probe of a step (loss, gradient norms, activation abs-max, loaded-state flags, batch
-fingerprints, the GradScaler's scale; after the update: parameter, optimizer-state and buffer
-norms) adds its small device tensor under a name. `tensor()` concatenates them with one
-`torch.cat` (type promotion makes the result float64 when any slot is: float64 holds every
-fingerprint, below 2**52, exactly) and the host decodes the read list back by name with
-`decode`, so no reader depends on where another probe's values sit.
+fingerprints and sums, the GradScaler's scale; after the update: parameter, optimizer-state and
+buffer norms) adds its small device values under a name: a tensor, or a list of 0-dim tensors
+(what `_foreach_norm` returns, one per tensor measured). `read_packets` reads one or more
+packets (a step's pre- and post-update packets, or the steps buffered by `read_every`) with
+one host read and as few ops as it can, because on a small model each tiny op's dispatch (a
+few microseconds) is what a step pays: every 0-dim value of the packets goes into ONE
+`torch.stack`, and that stack and the packets' vectors are concatenated by ONE `torch.cat`
+into a float64 tensor (`out=`: float64 holds every fingerprint, below 2**52, and every float32
+norm exactly; no conversion of its own). The host decodes the read list back by
+name with `decode`, so no reader depends on where another probe's values sit.
 
 On CUDA, `start_copy()` copies the packet into pinned host memory with `non_blocking=True` and
-records an event; `values()` reads it once the event says the copy is complete. Under the
+records an event; `host_tensor()` reads it once the event says the copy is complete. Under the
 `observe` policy the guard starts the copy at the end of step t and reads it at step t+1, so
 `optimizer.step()` never waits for the device. On the CPU the copy is the read itself.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -21,50 +28,68 @@ import torch
 class Packet:
     """Named slots of one step's device statistics.
 
+    Layout (what `decode` undoes): the 0-dim values of every slot first, in slot order, then the
+    vector slots, in slot order.
+
     Args:
         device: where the slots are gathered (the first parameter's device).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._parts: list[torch.Tensor] = []
-        self._slots: dict[str, tuple[int, int]] = {}
-        self._size = 0
+        self._scalars: list[torch.Tensor] = []
+        self._vectors: list[torch.Tensor] = []
+        self._slots: dict[str, tuple[bool, int, int, int]] = {}
+        """name -> (held in `_scalars`, start within its kind's values, count, index of its
+        first tensor in `_scalars` or `_vectors`)."""
+        self._n_vector = 0
         self._host: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
 
-    def add(self, name: str, values: torch.Tensor) -> None:
-        """Append `values` (any shape, any real dtype) as the slot `name`.
+    def add(self, name: str, values: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Add `values` as the slot `name`: a tensor of any shape (a 0-dim one is one value), or
+        a list of 0-dim tensors; any real dtype.
 
         Raises:
             AssertionError: `name` is already a slot of this packet (an internal error).
         """
         assert name not in self._slots, f"slot {name!r} added twice"
-        flat = values if values.dim() == 1 else values.reshape(-1)  # probes hand detached values
-        if flat.device != self.device:
-            flat = flat.to(self.device)
-        self._slots[name] = (self._size, flat.numel())
-        self._size += flat.numel()
-        self._parts.append(flat)
+        if isinstance(values, torch.Tensor) and values.dim():
+            flat = values if values.dim() == 1 else values.reshape(-1)  # probes hand detached
+            if flat.device != self.device:
+                flat = flat.to(self.device)
+            self._slots[name] = (False, self._n_vector, flat.numel(), len(self._vectors))
+            self._n_vector += flat.numel()
+            self._vectors.append(flat)
+            return
+        scalars = [values] if isinstance(values, torch.Tensor) else list(values)
+        if any(s.device != self.device for s in scalars):
+            scalars = [s.to(self.device) for s in scalars]
+        self._slots[name] = (True, len(self._scalars), len(scalars), len(self._scalars))
+        self._scalars += scalars
 
     def slot(self, name: str) -> torch.Tensor | None:
-        """The device values of slot `name` (None when the packet has no such slot)."""
+        """The device values of slot `name` as a 1-D tensor (None when there is no such slot)."""
         if name not in self._slots:
             return None
-        return self._parts[list(self._slots).index(name)]
+        scalar, start, n, k = self._slots[name]
+        return torch.stack(self._scalars[k : k + n]) if scalar else self._vectors[k]
 
     def __contains__(self, name: str) -> bool:
         return name in self._slots
 
     def __len__(self) -> int:
-        return self._size
+        return len(self._scalars) + self._n_vector
+
+    def parts(self) -> list[torch.Tensor]:
+        """The 1-D tensors whose concatenation is the packet (one stack of the 0-dim values)."""
+        if not self._scalars:
+            return list(self._vectors)
+        return [torch.stack(self._scalars), *self._vectors]
 
     def tensor(self) -> torch.Tensor:
-        """Every slot in one float64 device tensor (one cat, at most one conversion)."""
-        if not self._parts:
-            return torch.zeros(0, dtype=torch.float64, device=self.device)
-        out = self._parts[0] if len(self._parts) == 1 else torch.cat(self._parts)
-        return out if out.dtype == torch.float64 else out.to(torch.float64)
+        """Every slot in one float64 device tensor (one stack, one cat)."""
+        return _assemble([self])
 
     def start_copy(self) -> None:
         """CUDA: start the copy to pinned host memory without waiting for it. No-op on the
@@ -88,5 +113,52 @@ class Packet:
 
     def decode(self, values: list[float]) -> dict[str, list[float]]:
         """Split the host list of `tensor()` back into its slots, by name."""
-        assert len(values) == self._size, (len(values), self._size)
-        return {name: values[start : start + n] for name, (start, n) in self._slots.items()}
+        assert len(values) == len(self), (len(values), len(self))
+        base = len(self._scalars)
+        return {name: values[start if scalar else base + start :
+                             (start if scalar else base + start) + n]
+                for name, (scalar, start, n, _) in self._slots.items()}
+
+
+def _assemble(packets: Sequence[Packet]) -> torch.Tensor:
+    """The device values of `packets` in one float64 tensor: every 0-dim value of every packet
+    in one stack, then every vector, in one cat (`out=`: the float64 conversion comes free)."""
+    scalars = [t for p in packets for t in p._scalars]
+    parts = [torch.stack(scalars)] if scalars else []
+    parts += [t for p in packets for t in p._vectors]
+    if not parts:
+        device = packets[0].device if packets else torch.device("cpu")
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    if len(parts) == 1 and parts[0].dtype == torch.float64:
+        return parts[0]
+    out = torch.empty(sum(t.numel() for t in parts), dtype=torch.float64,
+                      device=parts[0].device)
+    return torch.cat(parts, out=out)
+
+
+def read_packets(packets: Sequence[Packet], read: Callable[[torch.Tensor], list[float]]
+                 ) -> list[list[float]]:
+    """Read `packets` with ONE call of `read` (the host read) and return each packet's values
+    in its own layout (what its `decode` takes).
+
+    On the CPU (and for acting policies on a GPU) the packets are assembled together: one
+    stack of all their 0-dim values and one cat. Packets already copied to pinned memory
+    (`start_copy`, `observe` on a GPU) are read from their copies."""
+    if any(p._host is not None for p in packets):
+        tensors = [p.host_tensor() for p in packets]
+        device = tensors[0].device
+        if any(t.device != device for t in tensors):
+            tensors = [t.cpu() for t in tensors]
+        values = read(tensors[0] if len(tensors) == 1 else torch.cat(tensors))
+        out, pos = [], 0
+        for p in packets:
+            out.append(values[pos : pos + len(p)])
+            pos += len(p)
+        return out
+    values = read(_assemble(packets))
+    out, si, vi = [], 0, sum(len(p._scalars) for p in packets)
+    for p in packets:
+        ns, nv = len(p._scalars), p._n_vector
+        out.append(values[si : si + ns] + values[vi : vi + nv])
+        si, vi = si + ns, vi + nv
+    return out

@@ -1,8 +1,10 @@
 """Fused, device-side statistics of parameters, gradients and optimizer state.
 
-The probe never reads a value on the host by itself: `pre_step` and `post_step` return small
-float tensors that stay on the device; the guard concatenates them and reads them once
-(`decode` turns the host list back into a `StepStats`). Norms are float32 `_foreach_norm`s
+The probe never reads a value on the host by itself: `pre_step` returns the gradient norms and
+`post_step` adds the parameter, state and buffer norms to the step's packet, on the device (as
+`_foreach_norm` gives them: 0-dim float32 norms, stacked once with the rest of the packet); the
+guard reads the packet once (`decode_pre` / `decode_post` turn the host values back into a
+`StepStats`). Norms are float32 `_foreach_norm`s
 (float64 and complex tensors in their own precision, sparse gradients by their values):
 a NaN norm means some element is NaN; an infinite norm means an element is infinite OR the sum of
 squares overflowed while every element is finite (seen one step before the first NaN in the
@@ -13,12 +15,15 @@ rare case.
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from nanguard.watch.norms import NormPlan, _is_dtensor, _values, foreach_norms, local
+from nanguard.watch.norms import NormPlan, Norms, _is_dtensor, _values, local, norm_values
+from nanguard.watch.packet import Packet
 
 
 def _any_nonfinite(norms: dict[int, float], key: str, overflowed: set[tuple[str, int]]) -> bool:
@@ -88,42 +93,53 @@ class StepStats:
     """`nonfinite_signals()` as of the last `seal()`: the guard seals a step once its values are
     decoded, and the detectors, the policy and the record then read it without rescanning."""
 
-    _grad_norm: float | None = field(default=None, repr=False, compare=False)
-    _param_norm: float | None = field(default=None, repr=False, compare=False)
+    _derived: dict[str, float | None] = field(default_factory=dict, repr=False, compare=False)
+    """The global norms computed since the last `seal()` (each asked for by several
+    detectors, the policy and the record)."""
 
     def seal(self) -> list[str]:
         """Compute `nonfinite_signals()` once and keep it, and the global norms once asked,
         until the values change again (decoding, `assume_overflow` and the overflow checks
         unseal)."""
         if self._signals is None:
-            self._grad_norm = self._param_norm = None
+            self._derived = {}
             self._signals = self.nonfinite_signals()
         return self._signals
 
     @staticmethod
     def _global(norms: dict[int, float]) -> float:
-        return math.sqrt(sum(v * v for v in norms.values())) if norms else 0.0
+        # sum(v * v for v ...) with the products made in C: the same floats in the same order.
+        vals = norms.values()
+        return math.sqrt(sum(map(operator.mul, vals, vals))) if norms else 0.0
+
+    def _once(self, name: str, compute: Callable[[], float | None]) -> float | None:
+        """`compute()`, kept until the next unseal (computed afresh while unsealed)."""
+        if self._signals is None:
+            return compute()
+        d = self._derived
+        if name not in d:
+            d[name] = compute()
+        return d[name]
 
     @property
     def grad_norm(self) -> float:
         """Global gradient L2 norm, computed in float64 on the host (no overflow). Once sealed,
         computed once (the detectors, the policy and the record all ask for it)."""
-        if self._signals is None:
-            return self._global(self.grad_norms)
-        if self._grad_norm is None:
-            self._grad_norm = self._global(self.grad_norms)
-        return self._grad_norm
+        v = self._once("grad_norm", lambda: self._global(self.grad_norms))
+        assert v is not None
+        return v
 
     @property
     def param_norm(self) -> float:
-        if self._signals is None:
-            return self._global(self.param_norms)
-        if self._param_norm is None:
-            self._param_norm = self._global(self.param_norms)
-        return self._param_norm
+        v = self._once("param_norm", lambda: self._global(self.param_norms))
+        assert v is not None
+        return v
 
     @property
     def momentum_norm(self) -> float | None:
+        return self._once("momentum_norm", self._momentum_norm)
+
+    def _momentum_norm(self) -> float | None:
         for key in FIRST_MOMENT_KEYS:
             if key in self.state_norms:
                 return self._global(self.state_norms[key])
@@ -216,8 +232,8 @@ class StepProbe:
         self._plan_for: list[torch.Tensor] | None = None
 
     def _norms(self, tensors: list[torch.Tensor], like: list[torch.Tensor] | None = None
-               ) -> torch.Tensor:
-        """`foreach_norms(tensors)`, through a `NormPlan` when the tensors are aligned with the
+               ) -> Norms:
+        """`norm_values(tensors)`, through a `NormPlan` when the tensors are aligned with the
         parameters and there are many small ones on the CPU."""
         if len(tensors) == len(self.params):
             if self._plan_for is not self.params:  # new parameters (`_sync_params`)
@@ -228,15 +244,15 @@ class StepProbe:
                 if norms is not None:
                     return norms
                 self._plan = None  # no longer fits: `_foreach_norm` from here on
-        return foreach_norms(tensors, like=like)
+        return norm_values(tensors, like=like)
 
-    def pre_step(self, snapshot_update: bool) -> tuple[torch.Tensor | None, list[int]]:
+    def pre_step(self, snapshot_update: bool) -> tuple[Norms | None, list[int]]:
         """Runs after backward (and any clipping), before `optimizer.step()` changes anything.
 
-        Returns the per-parameter gradient norms (float64, on the device; None when no
-        parameter has a gradient) and the layout: the indices of the parameters they belong
-        to. When `snapshot_update` is set, copies the parameters into a buffer allocated once,
-        so that `post_step` can measure the update.
+        Returns the per-parameter gradient norms (on the device, as `norm_values` gives them;
+        None when no parameter has a gradient) and the layout: the indices of the parameters
+        they belong to. When `snapshot_update` is set, copies the parameters into a buffer
+        allocated once, so that `post_step` can measure the update.
         """
         every = [p.grad for p in self.params]
         idx = [i for i, g in enumerate(every) if g is not None]
@@ -256,17 +272,24 @@ class StepProbe:
         grads = every if len(idx) == len(every) else [every[i] for i in idx]
         return self._norms(grads), idx  # type: ignore[arg-type]
 
-    def post_step(
-        self, second_moments: bool = True
-    ) -> tuple[torch.Tensor, list[tuple[str, list[int]]]]:
-        """Runs right after `optimizer.step()`: parameter norms, optimizer-state norms (second
-        moments only when `second_moments`), buffer norms and, on sampled steps, the update
-        norm. Returns one float64 device tensor and its layout."""
-        parts = [self._norms([p.detach() for p in self.params])]
+    def post_step(self, packet: Packet, second_moments: bool = True
+                  ) -> list[tuple[str, list[int]]]:
+        """Runs right after `optimizer.step()`: adds to `packet` the parameter norms (slot
+        `param`), optimizer-state norms (one slot per state key; second moments only when
+        `second_moments`), buffer norms (`buffer`) and, on sampled steps, the update norm
+        (`update`). Returns the layout: (slot, parameter or buffer indices) per slot."""
+        # No autograd records for the parameters' reductions (the hook runs in the user's grad
+        # mode): one context instead of a `detach()` per parameter.
+        with torch.no_grad():
+            return self._post_step(packet, second_moments)
+
+    def _post_step(self, packet: Packet, second_moments: bool) -> list[tuple[str, list[int]]]:
+        packet.add("param", self._norms(self.params))
         layout: list[tuple[str, list[int]]] = [("param", list(range(len(self.params))))]
         by_key: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
+        state_of = self.optimizer.state
         for i, p in enumerate(self.params):
-            state = self.optimizer.state.get(p)
+            state = state_of.get(p)
             if not state:
                 continue
             for key, value in state.items():
@@ -279,48 +302,46 @@ class StepProbe:
                     ids.append(i)
                     tensors.append(value)
         for key, (ids, tensors) in by_key.items():
-            parts.append(self._norms(tensors))
+            packet.add(f"state.{key}", self._norms(tensors))
             layout.append((key, ids))
         if self.buffers:
-            parts.append(foreach_norms(self.buffers))
+            packet.add("buffer", norm_values(self.buffers))
             layout.append(("buffer", list(range(len(self.buffers)))))
         if self._with_update:
             assert self._update_buf is not None
-            with torch.no_grad():  # in place: no transient parameter-sized allocation
-                torch._foreach_sub_(self._update_buf, [local(p.detach()) for p in self.params])
+            # In place: no transient parameter-sized allocation.
+            torch._foreach_sub_(self._update_buf, [local(p) for p in self.params])
             norms = self._norms(self._update_buf, like=self.params)
-            parts.append(norms.double().pow(2).sum().sqrt().reshape(1))
+            stacked = torch.stack(norms) if isinstance(norms, (list, tuple)) else norms
+            packet.add("update", stacked.double().pow(2).sum().sqrt())
             layout.append(("update", [0]))
         self._with_update = False
-        # One part (SGD without momentum, no buffers): no cat; the packet makes it float64.
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)), layout
+        return layout
 
     @staticmethod
     def decode_pre(values: list[float], layout: list[int], stats: StepStats) -> None:
-        """Fill `stats` from the host copy of `pre_step`'s tensor."""
-        for i, v in zip(layout, values, strict=True):
-            stats.grad_norms[i] = v
-            if not math.isfinite(v):
-                stats.nonfinite_grads.add(i)
+        """Fill `stats` from the host copy of `pre_step`'s norms."""
+        norms = dict(zip(layout, values, strict=True))
+        stats.grad_norms = norms
+        # Norms are >= 0: a finite float64 sum means every one is finite (the quiet step).
+        if not math.isfinite(sum(values)):
+            stats.nonfinite_grads = {i for i, v in norms.items() if not math.isfinite(v)}
 
     @staticmethod
     def decode_post(
-        values: list[float], layout: list[tuple[str, list[int]]], stats: StepStats
+        slots: dict[str, list[float]], layout: list[tuple[str, list[int]]], stats: StepStats
     ) -> None:
-        """Fill `stats` from the host copy of `post_step`'s tensor."""
+        """Fill `stats` from the host copy of the slots `post_step` added."""
         stats._signals = None
-        pos = 0
         for key, ids in layout:
-            chunk = values[pos : pos + len(ids)]
-            pos += len(ids)
             if key == "param":
-                stats.param_norms = dict(zip(ids, chunk, strict=True))
+                stats.param_norms = dict(zip(ids, slots["param"], strict=True))
             elif key == "update":
-                stats.update_norm = chunk[0]
+                stats.update_norm = slots["update"][0]
             elif key == "buffer":
-                stats.buffer_norms = dict(zip(ids, chunk, strict=True))
+                stats.buffer_norms = dict(zip(ids, slots["buffer"], strict=True))
             else:
-                stats.state_norms[key] = dict(zip(ids, chunk, strict=True))
+                stats.state_norms[key] = dict(zip(ids, slots[f"state.{key}"], strict=True))
 
     def resolve_post_overflow(self, stats: StepStats) -> None:
         """Same as `resolve_overflow`, for parameter and optimizer-state norms after the step.
