@@ -276,8 +276,8 @@ class SpikeDetector(_SeriesDetector):
             # It only matters once the ratio test passed: computed then (its MAD sorts).
             z = math.nan
             if (
-                self._reaches_level("grad_norm", x)
-                and ratio >= self.config.spike_ratio
+                ratio >= self.config.spike_ratio  # the cheap test first: no side effects
+                and self._reaches_level("grad_norm", x)
                 and ((z := _robust_z(lx, hist, floor=0.05)[0]) >= self.config.spike_z
                      or ratio >= self.config.spike_hard_ratio)
             ):

@@ -5,19 +5,19 @@ reference (no copy) as `last`, for an in-process replay of the step.
 
 The per-step cost is a few small tensor ops per batch tensor (on a small model each op's
 dispatch, a few microseconds, is what costs, not the arithmetic): the fingerprint (an integer
-view, one multiply, one row sum) and, for floating-point tensors, ONE float64 sum of the whole
-tensor. That sum is finite whenever every element is (a float64 sum of float32 / float16 data
-cannot overflow; one of huge float64 values may, and then merely costs the exact check below),
-so it flags a batch that may hold a NaN or Inf. Only a flagged batch is checked exactly, element
-by element (`exact`, one extra host read, on a step that holds a NaN row: a handful per run):
-which rows, which tensors. A finite sum proves every row finite, an overflowing sum of finite
-values is never called NaN.
+view, one multiply, one row sum) and, for floating-point tensors, ONE sum of the whole tensor
+(float32, float64 for float64 data). That sum is NaN or infinite when an element is, so it flags
+a batch that may hold a NaN or Inf; a sum of huge finite values may overflow too, and then merely
+costs the exact check below. Only a flagged batch is checked exactly, element by element
+(`exact`, one extra host read, on a step that holds a NaN row: a handful per run): which rows,
+which tensors. A finite sum proves every row finite; an overflowing sum of finite values is
+never called NaN. The exact check reads the batch tensors kept by reference at `watch` time,
+so a batch changed in place between `watch` and the step's read is checked as it is then.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +54,7 @@ class _Micro:
     """(index, detached tensor) of its floating-point / complex tensors: kept by reference
     for the exact check of a flagged step."""
     sums: list[torch.Tensor]
-    """One 0-dim float64 sum per checked tensor: non-finite when it may hold a NaN / Inf."""
+    """One 0-dim sum per checked tensor: non-finite when it may hold a NaN / Inf."""
 
 
 @dataclass
@@ -122,7 +122,8 @@ class BatchProbe:
         checked: list[tuple[int, torch.Tensor]] = []
         sums: list[torch.Tensor] = []
         for k, t in enumerate(tensors):
-            t = t.detach()
+            if t.requires_grad:
+                t = t.detach()
             f = sample_sums(t)
             if f.device != device:
                 f = f.to(device)
@@ -130,7 +131,12 @@ class BatchProbe:
             h = f if h is None else torch.add(f, h, alpha=1000003)
             if t.is_floating_point() or t.is_complex():
                 checked.append((k, t))
-                s = (torch.view_as_real(t) if t.is_complex() else t).sum(dtype=torch.float64)
+                real = torch.view_as_real(t) if t.is_complex() else t
+                # Accumulated in float32 for data of up to 32 bits (float32 like the step's
+                # norms: one stack), float64 data in float64 (its finite values may exceed
+                # float32's range). A sum that overflows only costs the exact check.
+                s = real.sum(dtype=torch.float64 if real.dtype == torch.float64
+                             else torch.float32)
                 sums.append(s if s.device == device else s.to(device))
         assert h is not None
         micro = _Micro(size, len(tensors), h, checked, sums)
@@ -211,12 +217,11 @@ def _exact_flags(parts: list[_Micro]) -> tuple[torch.Tensor, torch.Tensor]:
     return (rows[0] if len(rows) == 1 else torch.cat(rows)), flags
 
 
-def exact(parts: list[_Micro], read: Callable[[torch.Tensor], Any] = torch.Tensor.tolist
-          ) -> tuple[list[int], list[int]]:
+def exact(parts: list[_Micro]) -> tuple[list[int], list[int]]:
     """(indices of the samples holding a NaN / Inf, indices of the tensors holding one), checked
     element by element: one host read. Runs only for a flagged batch (or a dropped one)."""
     bad, flags = _exact_flags(parts)
-    values: list[float] = read(torch.cat([bad, flags.to(bad.device)]))
+    values: list[float] = torch.cat([bad, flags.to(bad.device)]).tolist()
     size = bad.numel()
     return ([i for i, v in enumerate(values[:size]) if v],
             [i for i, v in enumerate(values[size:]) if v])

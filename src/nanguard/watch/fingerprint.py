@@ -35,7 +35,9 @@ def sample_sums(tensor: torch.Tensor) -> torch.Tensor:
     respects: a caller combining several tensors can mask once at the end and get exactly
     what masking each sum and each combination gives (`BatchProbe.observe` does: fewer ops).
     """
-    t = tensor.detach()
+    # Every view below is a tensor object to allocate and free: made only where needed (a
+    # batch tensor rarely requires grad, is usually contiguous and often 2-D already).
+    t = tensor.detach() if tensor.requires_grad else tensor
     if t.dim() == 0:
         t = t.reshape(1)
     t = t.contiguous()
@@ -44,7 +46,9 @@ def sample_sums(tensor: torch.Tensor) -> torch.Tensor:
     if t.is_complex():
         t = torch.view_as_real(t)
     size = t.element_size()
-    bits = t.view(_INT_VIEW[size]).reshape(t.shape[0], -1)
+    bits = t.view(_INT_VIEW[size])
+    if bits.dim() != 2:
+        bits = bits.reshape(t.shape[0], -1)
     # Products in 32-bit integers (wrapping) for elements of up to 4 bytes: one temporary of
     # the batch's size instead of two 64-bit copies; the row sums come out as int64.
     wide = torch.int64 if size == 8 else torch.int32
