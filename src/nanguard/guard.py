@@ -66,12 +66,12 @@ class _Pending:
     step: int
     lr: float | None
     pre: Packet
-    """Before the update: slots `loss`, `grad`, `act`, `loaded`, `batch`, `batch_sums`,
+    """Before the update: slots `loss`, `grad`, `act`, `loaded`, `batch`, `batch_rows.<j>`,
     `scale`."""
     grad_layout: list[int]
     act_names: list[str]
     batch: Taken
-    """The step's batch as `BatchProbe.take` gave it (slots `batch`, `batch_sums`)."""
+    """The step's batch as `BatchProbe.take` gave it (slots `batch`, `batch_rows.<j>`)."""
     post: Packet | None = None
     """After the update: slots `param`, `state.<key>`, `buffer`, `update` (see
     `StepProbe.post_step`)."""
@@ -614,10 +614,7 @@ class Guard:
             assert flags is not None
             pre.add("loaded", flags)
         batch = self.batch_probe.take()
-        if batch.hashes is not None:
-            pre.add("batch", batch.hashes)
-            if batch.sums:
-                pre.add("batch_sums", batch.sums)
+        batch.add_to(pre)
         scale = self.recovery.scale_tensor()
         if scale is not None:
             pre.add("scale", scale)
@@ -813,8 +810,7 @@ class Guard:
             stats.amp_scale = slots["scale"][0]
         if "found_inf" in slots:
             p.found_inf = bool(slots["found_inf"][0])
-        self.batch_probe.decode_taken(slots.get("batch", []), slots.get("batch_sums", []),
-                                      p.batch, stats)
+        self.batch_probe.decode_taken(slots, p.batch, stats)
         if self.batch_probe.dropped is not None:
             stats.dropped_samples, self.batch_probe.dropped = self.batch_probe.dropped, None
         if live and any(math.isinf(stats.grad_norms[i]) for i in stats.nonfinite_grads):

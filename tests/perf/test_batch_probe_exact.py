@@ -9,6 +9,7 @@ import torch
 
 from nanguard.watch.batch import BatchProbe, _combine, batch_tensors
 from nanguard.watch.fingerprint import sample_fingerprints
+from nanguard.watch.packet import Packet
 from nanguard.watch.stats import StepStats
 
 
@@ -89,27 +90,31 @@ def test_micro_batches_and_dropped_rows() -> None:
 
 
 def test_packet_path_decodes_to_the_reference() -> None:
-    """The step's packet carries fingerprints and one float sum per tensor; a flagged batch is
-    checked element by element. Both give what the per-tensor definition gives: the same
-    NaN rows and tensors, and none for a finite batch whose sum overflows (`big`)."""
+    """The step's packet carries fingerprints and one float64 row sum per tensor: the NaN rows
+    and tensors read from it are what the per-tensor definition gives, a finite row whose sum
+    overflows (`big` as float64) is none, and float64 data is confirmed element by element."""
     batches = _batches()
+    huge = torch.full((16, 4), 1e308, dtype=torch.float64)  # finite; its row sums overflow
+    huge[2, 1] = math.nan
+    batches.append((huge, -huge))
     cases = [[b] for b in batches] + [[batches[0], (batches[0][0][:5], batches[0][1][:5])]]
     for micro in cases:
-        probe = BatchProbe()
+        probe, exact_probe = BatchProbe(), BatchProbe()
         for b in micro:
             probe.observe(b)
-        taken = probe.take()
-        exact_probe = BatchProbe()
-        for b in micro:
             exact_probe.observe(b)
-        size, packet = exact_probe.collect()
-        assert packet is not None and taken.size == size and taken.hashes is not None
+        taken = probe.take()
+        size, vector = exact_probe.collect()
+        assert vector is not None and taken.size == size
         want = StepStats(step=0)
-        BatchProbe.decode(packet.tolist(), size, want)
+        BatchProbe.decode(vector.tolist(), size, want)
+        packet = Packet(torch.device("cpu"))
+        taken.add_to(packet)
         got = StepStats(step=0)
-        sums = [float(s) for s in taken.sums or []]
-        BatchProbe.decode_taken(taken.hashes.tolist(), sums, taken, got)
+        BatchProbe.decode_taken(packet.decode(packet.tensor().tolist()), taken, got)
         assert got.sample_hashes == want.sample_hashes
         assert got.nonfinite_samples == want.nonfinite_samples, micro
         assert got.nonfinite_tensors == want.nonfinite_tensors
         assert got.batch_tensors == want.batch_tensors
+        if micro[0] is batches[-1]:  # `huge`: overflowing rows are no NaN rows; the NaN row is one
+            assert got.nonfinite_samples == [2] and got.nonfinite_tensors == [0, 1]

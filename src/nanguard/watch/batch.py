@@ -5,14 +5,13 @@ reference (no copy) as `last`, for an in-process replay of the step.
 
 The per-step cost is a few small tensor ops per batch tensor (on a small model each op's
 dispatch, a few microseconds, is what costs, not the arithmetic): the fingerprint (an integer
-view, one multiply, one row sum) and, for floating-point tensors, ONE sum of the whole tensor
-(float32, float64 for float64 data). That sum is NaN or infinite when an element is, so it flags
-a batch that may hold a NaN or Inf; a sum of huge finite values may overflow too, and then merely
-costs the exact check below. Only a flagged batch is checked exactly, element by element
-(`exact`, one extra host read, on a step that holds a NaN row: a handful per run): which rows,
-which tensors. A finite sum proves every row finite; an overflowing sum of finite values is
-never called NaN. The exact check reads the batch tensors kept by reference at `watch` time,
-so a batch changed in place between `watch` and the step's read is checked as it is then.
+view, one multiply, one row sum) and, for floating-point tensors, ONE float64 row sum. A row's
+sum is NaN or infinite when one of its elements is; for data of up to 32 bits it is finite
+otherwise (float64 cannot overflow on a sum of float32 / float16 values), so the host reads
+the NaN rows straight from the sums, as they were at `watch` time: no other op, no other
+read. A non-finite row sum of float64 data may be an overflow of huge finite values: those
+rows alone are checked element by element (`_confirm`, one extra read on such a step), so an
+overflowing finite sum is never called NaN.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from nanguard.watch.fingerprint import sample_sums
+from nanguard.watch.packet import Packet
 from nanguard.watch.stats import StepStats
 
 _MASK = (1 << 52) - 1
@@ -51,16 +51,17 @@ class _Micro:
     hashes: torch.Tensor
     """Unmasked int64 fingerprints (see `sample_sums`), [size]."""
     checked: list[tuple[int, torch.Tensor]]
-    """(index, detached tensor) of its floating-point / complex tensors: kept by reference
-    for the exact check of a flagged step."""
-    sums: list[torch.Tensor]
-    """One 0-dim sum per checked tensor: non-finite when it may hold a NaN / Inf."""
+    """(index, detached tensor) of its floating-point / complex tensors, kept by reference
+    (for `exact` and `_confirm`)."""
+    rows: list[torch.Tensor]
+    """One float64 row sum [size] per checked tensor: non-finite on a row holding a NaN / Inf
+    (or, for float64 data only, a row whose sum overflows)."""
 
 
 @dataclass
 class Taken:
-    """A step's batch, taken by `BatchProbe.take` for the packet (slots `batch`,
-    `batch_sums`) and decoded by `BatchProbe.decode_taken`."""
+    """A step's batch, taken by `BatchProbe.take` for the packet (`add_to`: slots `batch`,
+    `batch_rows.<j>`) and decoded by `BatchProbe.decode_taken`."""
 
     size: int = 0
     """Samples of the step (micro-batches one after the other)."""
@@ -68,8 +69,18 @@ class Taken:
     """Tensors per sample."""
     hashes: torch.Tensor | None = None
     """Masked int64 fingerprints, [size]."""
-    sums: list[torch.Tensor] | None = None
     micro: list[_Micro] | None = None
+
+    def add_to(self, packet: Packet) -> None:
+        """Add the fingerprints and the row sums to the step's packet (nothing if no batch)."""
+        if self.hashes is None or self.micro is None:
+            return
+        packet.add("batch", self.hashes)
+        j = 0
+        for m in self.micro:
+            for r in m.rows:
+                packet.add(f"batch_rows.{j}", r)
+                j += 1
 
 
 class BatchProbe:
@@ -120,7 +131,7 @@ class BatchProbe:
         device = tensors[0].device
         h: torch.Tensor | None = None
         checked: list[tuple[int, torch.Tensor]] = []
-        sums: list[torch.Tensor] = []
+        rows: list[torch.Tensor] = []
         for k, t in enumerate(tensors):
             if t.requires_grad:
                 t = t.detach()
@@ -131,15 +142,12 @@ class BatchProbe:
             h = f if h is None else torch.add(f, h, alpha=1000003)
             if t.is_floating_point() or t.is_complex():
                 checked.append((k, t))
-                real = torch.view_as_real(t) if t.is_complex() else t
-                # Accumulated in float32 for data of up to 32 bits (float32 like the step's
-                # norms: one stack), float64 data in float64 (its finite values may exceed
-                # float32's range). A sum that overflows only costs the exact check.
-                s = real.sum(dtype=torch.float64 if real.dtype == torch.float64
-                             else torch.float32)
-                sums.append(s if s.device == device else s.to(device))
+                flat = t if t.dim() == 2 else t.reshape(size, -1)
+                r = (torch.view_as_real(flat) if t.is_complex() else flat).sum(
+                    dim=tuple(range(1, flat.dim() + t.is_complex())), dtype=torch.float64)
+                rows.append(r if r.device == device else r.to(device))
         assert h is not None
-        micro = _Micro(size, len(tensors), h, checked, sums)
+        micro = _Micro(size, len(tensors), h, checked, rows)
         if accumulate and self._parts and self._parts[-1].n == micro.n:
             # Another micro-batch of the same step (gradient accumulation, the last one
             # possibly smaller): the step's samples are the micro-batches one after the other,
@@ -156,9 +164,7 @@ class BatchProbe:
             return Taken()
         h = parts[0].hashes if len(parts) == 1 else torch.cat(
             [p.hashes.to(parts[0].hashes.device) for p in parts])
-        sums = [s for p in parts for s in p.sums]
-        return Taken(size=h.numel(), n=parts[0].n, hashes=h & _MASK, sums=sums or None,
-                     micro=parts)
+        return Taken(size=h.numel(), n=parts[0].n, hashes=h & _MASK, micro=parts)
 
     def collect(self) -> tuple[int, torch.Tensor | None]:
         """`take`, with the NaN rows and per-tensor flags computed exactly on the device: (number
@@ -173,19 +179,31 @@ class BatchProbe:
         return taken.size, torch.cat([h, bad.to(h.device), flags.to(h.device)]).to(torch.float64)
 
     @staticmethod
-    def decode_taken(hashes: list[float], sums: list[float], taken: Taken, stats: StepStats,
-                     ) -> None:
-        """Fill `stats` from the host copy of the `take` slots. A batch whose sums are all finite
-        holds no NaN / Inf (the quiet step); else `exact` reads which rows and tensors do."""
-        if not taken.size:
+    def decode_taken(slots: dict[str, list[float]], taken: Taken, stats: StepStats) -> None:
+        """Fill `stats` from the host copy of the slots `Taken.add_to` added. The quiet step
+        costs one C-level sum per tensor: finite, no NaN row."""
+        if not taken.size or taken.micro is None:
             return
-        stats.sample_hashes = list(map(int, hashes))
+        stats.sample_hashes = list(map(int, slots["batch"]))
         stats.batch_tensors = taken.n
-        if math.isfinite(sum(sums)):
-            stats.nonfinite_samples, stats.nonfinite_tensors = [], []
-            return
-        assert taken.micro is not None
-        stats.nonfinite_samples, stats.nonfinite_tensors = exact(taken.micro)
+        bad_rows: set[int] = set()
+        bad_tensors: set[int] = set()
+        j = offset = 0
+        for m in taken.micro:
+            for k, t in m.checked:
+                sums = slots[f"batch_rows.{j}"]
+                j += 1
+                if math.isfinite(sum(sums)):
+                    continue
+                rows = [i for i, v in enumerate(sums) if not math.isfinite(v)]
+                if t.dtype in (torch.float64, torch.complex128):
+                    rows = _confirm(t, m.size, rows)  # may be an overflow of finite values
+                if rows:
+                    bad_rows.update(offset + i for i in rows)
+                    bad_tensors.add(k)
+            offset += m.size
+        stats.nonfinite_samples = sorted(bad_rows)
+        stats.nonfinite_tensors = sorted(bad_tensors)
 
     @staticmethod
     def decode(values: list[float], size: int, stats: StepStats) -> None:
@@ -219,12 +237,20 @@ def _exact_flags(parts: list[_Micro]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def exact(parts: list[_Micro]) -> tuple[list[int], list[int]]:
     """(indices of the samples holding a NaN / Inf, indices of the tensors holding one), checked
-    element by element: one host read. Runs only for a flagged batch (or a dropped one)."""
+    element by element: one host read. For a batch dropped with no step (`_keep_dropped`)."""
     bad, flags = _exact_flags(parts)
     values: list[float] = torch.cat([bad, flags.to(bad.device)]).tolist()
     size = bad.numel()
     return ([i for i, v in enumerate(values[:size]) if v],
             [i for i, v in enumerate(values[size:]) if v])
+
+
+def _confirm(t: torch.Tensor, size: int, rows: list[int]) -> list[int]:
+    """Those of `rows` of `t` (float64 data whose row sums came back non-finite) that hold a NaN
+    or Inf, element by element: one host read, on such a step only."""
+    picked = t.reshape(size, -1)[rows]
+    finite: list[bool] = torch.isfinite(picked).all(dim=1).tolist()
+    return [r for r, ok in zip(rows, finite, strict=True) if not ok]
 
 
 def _combine(h: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
