@@ -109,13 +109,14 @@ for step in range(5):
 @pytest.mark.parametrize(("source", "step", "reason"), [
     (IN_PLACE, 3, "the script changed the batch in place after the forward"),
     (TWICE, 4, "the model is called several times in a step"),
-    (GRAD_ACCUMULATION, 3, "the model is called several times in a step"),
+    (GRAD_ACCUMULATION, 3, "the loss backpropagated is not a torch.nn.functional loss"),
 ])
 def test_steps_not_replayable_in_process_say_why(tmp_path: Path, source: str, step: int,
                                                  reason: str) -> None:
-    """A batch changed in place before the update, two calls of the model in a step, gradient
-    accumulation (a closure step is replayed: tests/pinpoint/test_closure_replay.py): not
-    replayed in process; the finding is the watched
+    """A batch changed in place before the update, two calls of the model before one
+    backward, a micro-batch whose NaN is the script's own arithmetic on the output (a closure
+    step and plain accumulation are replayed: tests/pinpoint/test_closure_replay.py, below):
+    not replayed in process; the finding is the watched
     signals' (the re-run is off here) and `run.replay.in_process` says why."""
     script = tmp_path / "train.py"
     script.write_text(source)
@@ -140,3 +141,80 @@ def test_removed_discovery_leaves_no_global_hook(tmp_path: Path) -> None:
     assert torch_module._has_any_global_hook()
     disc.remove()
     assert not torch_module._has_any_global_hook()
+
+
+ACCUMULATED = """
+import torch
+import torch.nn.functional as F
+torch.manual_seed(0)
+class LogNorm(torch.nn.Module):
+    def forward(self, x):
+        return torch.log(x.abs().sum(1, keepdim=True))
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.scale = LogNorm()
+    def forward(self, x):
+        return self.lin(x) + self.scale(x)
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+ACCUM = 3
+for step in range(6):
+    for micro in range(ACCUM):
+        x, y = torch.randn(8, 4), torch.randn(8, 1)
+        if step == 4 and micro == 1:
+            x[5] = 0.0  # a row of zeros: log(0) = -inf for sample 5 of micro-batch 1
+        loss = F.mse_loss(model(x), y) / ACCUM
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+SCALED = """
+import torch
+import torch.nn.functional as F
+torch.manual_seed(0)
+class Magnitude(torch.nn.Module):
+    def forward(self, h):
+        return torch.sqrt(h * h)
+model = torch.nn.Sequential(torch.nn.Linear(4, 1, bias=False), Magnitude())
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(5):
+    x = torch.rand(8, 4) + 0.5
+    if step == 3:
+        x[2] = 0.0  # Linear(0) = 0 (no bias): sqrt at 0 in the backward, sample 2
+    loss = F.mse_loss(model(x), torch.ones(8, 1))
+    opt.zero_grad()
+    (loss * 0.5).backward()
+    opt.step()
+"""
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    (ACCUMULATED, {"step": 4, "phase": "forward", "module": "scale", "op": "aten.log",
+                   "samples": [8 + 5], "micro_batch": 1}),
+    (SCALED, {"step": 3, "phase": "backward", "module": "1", "samples": [2]}),
+], ids=["accumulated", "scaled"])
+def test_accumulated_and_scaled_losses_are_replayed_in_process(
+        tmp_path: Path, source: str, expected: dict[str, object]) -> None:
+    """Gradient accumulation (three micro-batches per update, each `F.mse_loss(...) / 3`
+    backpropagated) and a loss scaled by a constant before its backward are replayed in
+    process (the re-run is off: replay budget 0). The expected step, micro-batch, sample and
+    module are the ones the script plants: samples are numbered across the step's
+    micro-batches (8 per micro-batch), as the guard numbers them."""
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    out = tmp_path / "run"
+    rc = run(RunOptions(script=str(script), out=str(out), replay_budget=0, summary=False))
+    report = json.loads((out / "report.json").read_text())
+    first = report["first_nonfinite"]
+    assert rc == 1, report
+    assert report["run"]["replay"] == {"status": "in-process", "step": expected["step"]}, \
+        report["run"]["replay"]
+    assert {k: first.get(k) for k in expected} == expected, first
+    assert "reproduced" in first and first["reproduced"] is not False, first
+    line = next(i for i, t in enumerate(source.splitlines(), 1)
+                if "torch.log(" in t or "torch.sqrt(" in t)
+    assert first["source"] == f"{script}:{line}", first

@@ -63,6 +63,7 @@ from nanguard.integrations.manual import ManualBoundaries, ManualStep, forked, r
 from nanguard.integrations.script_flags import clip_from_argv
 from nanguard.pinpoint.recorded import (
     ClosureRecipe,
+    MicroRecipes,
     NotReplayable,
     Recipe,
     StepRecorder,
@@ -91,7 +92,7 @@ class Watched:
     error: str | None = None
     note: str | None = None
     """A one-line remark printed with the summary (e.g. a policy that could not apply)."""
-    recipe: Recipe | ClosureRecipe | str | None = None
+    recipe: Recipe | ClosureRecipe | MicroRecipes | str | None = None
     """How to replay the step in progress in process (pinpoint/recorded.py), or why it cannot
     be; set at the step's start, dropped after its update."""
     in_process: dict[str, Any] | None = None
@@ -113,8 +114,14 @@ class Watched:
 
 @dataclass
 class _Inputs:
-    data: tuple[torch.Tensor, ...] | None = None
+    data: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
+    """The batch of each backward() of the step (several: the micro-batches of gradient
+    accumulation), in order: the inputs of the first grad-enabled call before it that no
+    module produced."""
+    taken: bool = False
+    """This backward's batch is in `data` already."""
     other: tuple[torch.Tensor, ...] | None = None
+    """The first call's inputs when a module produced them (a discriminator fed a generator)."""
 
 
 def _compiled(module: nn.Module) -> bool:
@@ -327,6 +334,8 @@ class Discovery:
         if self.preflight is not None and not self.preflight.done:
             self.preflight.saw_backward(tensor)
         self.recorder.saw_backward(tensor)
+        for rec in self._inputs.values():  # the next forward is the next micro-batch's
+            rec.taken = False
         if tensor.numel() == 1 and tensor.is_floating_point():
             self._loss = tensor.detach()
             self._loss_seq += 1
@@ -351,8 +360,10 @@ class Discovery:
         if not tensors:
             return
         rec = self._inputs.setdefault(id(module), _Inputs())
-        if rec.data is None and not any(self._produced(t) for t in tensors):
-            rec.data = tensors
+        if not any(self._produced(t) for t in tensors):
+            if not rec.taken:
+                rec.data.append(tensors)
+                rec.taken = True
         elif rec.other is None:
             rec.other = tensors
 
@@ -413,10 +424,14 @@ class Discovery:
         result = _run_closure_first(optimizer, args, kwargs)
         loss = self._loss if self._loss_seq > w.loss_seq else None
         w.loss_seq = self._loss_seq
-        batch = self._take_batch(w)
+        batches = self._take_batches(w)
         if isinstance(w.recipe, ClosureRecipe):
-            w.recipe.batch = batch
-        w.guard.watch(loss=loss, batch=batch)
+            w.recipe.batch = batches[0] if batches else None
+        # Each micro-batch handed on in turn: the guard fingerprints them all, numbers their
+        # samples across them and replays them one by one.
+        w.guard.watch(loss=loss, batch=batches[0] if batches else None)
+        for batch in batches[1:]:
+            w.guard.watch(batch=batch)
         return result
 
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
@@ -445,6 +460,8 @@ class Discovery:
         if first is not None and w.in_process is None:
             w.in_process = {"before": dict(first)}
         recipe = w.recipe
+        if isinstance(recipe, MicroRecipes):
+            recipe = recipe.part(batch) or recipe.parts[0]  # (no part: refused just below)
         if first is not None and first.get("phase") in ("data", "checkpoint"):
             reason = f"phase {first['phase']}: the re-run looks for it before the step"
         elif not isinstance(recipe, (Recipe, ClosureRecipe)):
@@ -547,12 +564,14 @@ class Discovery:
         counts.sort(key=lambda c: -c[0])
         return [r for _, r in counts]
 
-    def _take_batch(self, w: Watched) -> tuple[torch.Tensor, ...] | None:
+    def _take_batches(self, w: Watched) -> list[tuple[torch.Tensor, ...]]:
+        """The step's batches (its micro-batches, in order) of the first of `w`'s roots
+        called with any."""
         for root in w.roots:
             rec = self._inputs.pop(id(root), None)
             if rec is not None:
-                return rec.data if rec.data is not None else rec.other
-        return None
+                return rec.data or ([rec.other] if rec.other is not None else [])
+        return []
 
 
 class _Leaves(nn.Module):

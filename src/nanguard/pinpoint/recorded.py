@@ -175,6 +175,8 @@ class Recipe:
     forward_only: str | None = None
     """The loss is the script's own arithmetic (not recognised): only the forward is replayed,
     and only an origin whose value reached the model's output counts; this says why."""
+    scale: Scale | None = None
+    """The loss backpropagated was the recorded loss times (or divided by) a constant."""
 
     def matches(self, batch: Any) -> bool:
         """`batch` is the one the guard was handed for this step (the same tensors)."""
@@ -211,7 +213,83 @@ class Recipe:
         if loss.shape is not None:
             x = x.reshape(loss.shape)
         with _amp(loss.amp):
-            return cast(torch.Tensor, loss.fn(x, *loss.rest, **loss.kwargs))
+            value = cast(torch.Tensor, loss.fn(x, *loss.rest, **loss.kwargs))
+        return value if self.scale is None else self.scale.apply(value)
+
+
+@dataclass(eq=False)
+class Scale:
+    """`loss / k` (gradient accumulation), `loss * w` or a GradScaler's `scaler.scale(loss)`:
+    the backpropagated tensor is a recorded loss times or divided by a constant (a tensor
+    that needs no gradient, read from the autograd node before the backward frees it)."""
+
+    op: Any
+    """`torch.mul` or `torch.div`."""
+    other: torch.Tensor
+    dtype: torch.dtype
+    """The backpropagated tensor's dtype: a Python number the script wrote is saved as a
+    float64 / int64 tensor, and it is given back as a number when the tensor would promote."""
+
+    def apply(self, value: torch.Tensor) -> torch.Tensor:
+        out = cast(torch.Tensor, self.op(value, self.other))
+        if out.dtype != self.dtype and self.other.numel() == 1:
+            out = cast(torch.Tensor, self.op(value, self.other.item()))
+        return out
+
+
+def _metadata(node: Any) -> dict[str, Any]:
+    """An autograd node's `metadata` dict (a property; torch's stubs call it a method). It
+    lives on the C++ node, as long as the graph does."""
+    return cast(dict[str, Any], node.metadata)
+
+
+_TAG = "nanguard.loss"
+"""The key of a recorded loss's tag in its autograd node's `metadata` (`id` of its LossCall)."""
+_SCALE_NODES = {"MulBackward0": torch.mul, "DivBackward0": torch.div}
+
+
+def _scaled(tensor: torch.Tensor, losses: list[LossCall]) -> tuple[LossCall, Scale] | None:
+    """`tensor` is a recorded loss value times / divided by a constant: which one, and how.
+    Asked once per `backward()` of a tensor that is not itself a recorded loss."""
+    node = tensor.grad_fn
+    if node is None:
+        return None
+    op = _SCALE_NODES.get(type(node).__name__)
+    if op is None:
+        return None
+    (a, _), (b, _) = node.next_functions
+    # The loss on one side, a constant (no gradient) on the other; a division by the loss
+    # (`k / loss`) is no scaling.
+    if b is None and a is not None:
+        loss_node, saved = a, "_saved_other"
+    elif a is None and b is not None and op is torch.mul:
+        loss_node, saved = b, "_saved_self"
+    else:
+        return None
+    tag = _metadata(loss_node).get(_TAG)
+    for c in reversed(losses):
+        if id(c) == tag:
+            other = getattr(node, saved, None)
+            if not isinstance(other, torch.Tensor):
+                return None
+            return c, Scale(op=op, other=other, dtype=tensor.dtype)
+    return None
+
+
+@dataclass(eq=False)
+class MicroRecipes:
+    """A step of gradient accumulation: one recipe per `backward()` (micro-batch), in order.
+    The guard replays its micro-batches one by one (pinpoint/step_replay.py); each is
+    computed again by the recipe whose batch it is."""
+
+    parts: list[Recipe]
+
+    def part(self, batch: Any) -> Recipe | None:
+        """The recipe of micro-batch `batch`, or None."""
+        return next((r for r in self.parts if r.matches(batch)), None)
+
+    def matches(self, batch: Any) -> bool:
+        return self.part(batch) is not None
 
 
 class _KeptCells:
@@ -348,21 +426,25 @@ def _flat(obj: Any, depth: int = 0) -> list[torch.Tensor]:
     return []
 
 
+Target = LossCall | tuple[LossCall, Scale] | tuple[RootCall, tuple[Any, ...]] | None
+"""What a backward took: a recorded loss, a scaled one, or (call, path) of an output."""
+
+
 class _Window:
-    """What the script did since the last step boundary (a plain class: one is made per
-    step)."""
+    """What the script did since the last `backward()` (a plain class: one is made per
+    backward); the finished ones of the step are kept in `micro`."""
 
-    __slots__ = ("backwards", "calls", "dropped", "losses", "repeated", "target")
+    __slots__ = ("calls", "dropped", "losses", "micro", "repeated", "target")
 
-    def __init__(self) -> None:
+    def __init__(self, micro: list[_Window] | None = None) -> None:
         self.calls: list[RootCall] = []
         self.losses: list[LossCall] = []
-        self.backwards = 0
-        self.target: LossCall | tuple[RootCall, tuple[Any, ...]] | None = None
-        """What the (last) backward took: a recorded loss, or (call, path) of an output."""
+        self.target: Target = None
         self.dropped = False
         self.repeated: set[int] = set()
-        """Modules called more than once (their calls are let go)."""
+        """Modules called more than once before one backward (their calls are let go)."""
+        self.micro: list[_Window] = micro if micro is not None else []
+        """The windows of the step's earlier backwards (gradient accumulation), in order."""
 
 
 class StepRecorder:
@@ -463,10 +545,15 @@ class StepRecorder:
                                               and _select(output, path).is_contiguous()):
                     return  # a transpose or permute: not what a reshape gives back
                 rest = tuple(args[1:])
-                w.losses.append(LossCall(fn, call, path, shape, rest, kwargs,
-                                         _flat_versions(rest, kwargs), _amp_state(),
-                                         weakref.ref(out) if isinstance(out, torch.Tensor)
-                                         else None))
+                loss = LossCall(fn, call, path, shape, rest, kwargs, _flat_versions(rest, kwargs),
+                                _amp_state(), weakref.ref(out) if isinstance(out, torch.Tensor)
+                                else None)
+                w.losses.append(loss)
+                node = out.grad_fn if isinstance(out, torch.Tensor) else None
+                if node is not None:
+                    # The loss value itself may be a temporary (`F.mse_loss(...) / k`): its
+                    # autograd node outlives it, and carries this tag to the backward.
+                    _metadata(node)[_TAG] = id(loss)
                 return
         except Exception:  # noqa: BLE001, S110 - never in the script's way
             pass
@@ -475,9 +562,10 @@ class StepRecorder:
         """The script calls `tensor.backward()`: which recorded loss (or output) it is. The
         outputs and loss values are let go afterwards."""
         w = self._window
-        w.backwards += 1
         w.target = next((c for c in reversed(w.losses)
                          if c.result is not None and c.result() is tensor), None)
+        if w.target is None:
+            w.target = _scaled(tensor, w.losses)
         if w.target is None:
             for call in reversed(w.calls):
                 output = _live(call.output)
@@ -489,11 +577,14 @@ class StepRecorder:
             call.output = None
         for loss in w.losses:
             loss.result = None
+        # The next forward is the next micro-batch's (or the next step's).
+        w.micro.append(w)
+        self._window = _Window(w.micro)
 
     # ------------------------------------------------------------------ step boundaries
 
     def boundary(self, roots: list[nn.Module], *, closure: bool,
-                 first_call: Any = None) -> Recipe | ClosureRecipe | str:
+                 first_call: Any = None) -> Recipe | ClosureRecipe | MicroRecipes | str:
         """An optimizer step starts: the recipe of the step that led to it, or why there is
         none. The window starts afresh. With a closure that the runner calls first itself
         (`first_call`, before anything else draws random numbers): a `ClosureRecipe`."""
@@ -503,27 +594,43 @@ class StepRecorder:
         if closure:
             return ("the optimizer takes a closure it calls itself (not a torch.optim "
                     "optimizer: its forward runs inside step())")
-        calls = [c for c in w.calls if any(c.module is r for r in roots)]
-        if len(calls) > 1 or any(id(r) in w.repeated for r in roots):
-            return "the model is called several times in a step"
-        if w.dropped:
-            return f"more than {_MAX_CALLS} module calls in a step"
-        if not calls:
-            return ("no grad-enabled call of a module holding the trained parameters in that "
-                    "step (raw tensors outside any module?)")
-        if w.backwards != 1:
-            return f"{w.backwards} backward() calls in a step"
-        target = w.target
-        if isinstance(target, LossCall) and target.call is calls[0]:
-            return Recipe(calls[0], target)
-        if isinstance(target, tuple) and target[0] is calls[0]:
-            return Recipe(calls[0], None, target[1])
-        if target is None and w.backwards == 1:
-            return Recipe(calls[0], None, forward_only=(
-                "the loss backpropagated is not a torch.nn.functional loss (or loss module) of "
-                "the model's output, nor an element of that output"))
-        return ("the loss backpropagated is not a torch.nn.functional loss (or loss module) of "
-                "the model's output, nor an element of that output")
+        if not w.micro:
+            return "0 backward() calls in a step"
+        if len(w.micro) > 1 and not all(m.calls for m in w.micro):
+            return f"{len(w.micro)} backward() calls in a step, not one per forward"
+        parts = [_recipe(m, roots) for m in w.micro]
+        reason = next((r for r in parts if isinstance(r, str)), None)
+        if reason is not None:
+            return reason
+        recipes = cast(list[Recipe], parts)
+        return recipes[0] if len(recipes) == 1 else MicroRecipes(recipes)
+
+
+def _recipe(w: _Window, roots: list[nn.Module]) -> Recipe | str:
+    """The recipe of one backward's window (the forward calls before it), or why none."""
+    calls = [c for c in w.calls if any(c.module is r for r in roots)]
+    if len(calls) > 1 or any(id(r) in w.repeated for r in roots):
+        return "the model is called several times in a step (before one backward())"
+    if w.dropped:
+        return f"more than {_MAX_CALLS} module calls in a step"
+    if not calls:
+        return ("no grad-enabled call of a module holding the trained parameters in that "
+                "step (raw tensors outside any module?)")
+    target = w.target
+    if isinstance(target, LossCall) and target.call is calls[0]:
+        return Recipe(calls[0], target)
+    if isinstance(target, tuple) and isinstance(target[0], LossCall):
+        loss, scale = cast(tuple[LossCall, Scale], target)
+        if loss.call is calls[0]:
+            return Recipe(calls[0], loss, scale=scale)
+    elif isinstance(target, tuple) and target[0] is calls[0]:
+        return Recipe(calls[0], None, cast(tuple[Any, ...], target[1]))
+    if target is None:
+        return Recipe(calls[0], None, forward_only=(
+            "the loss backpropagated is not a torch.nn.functional loss (or loss module) of "
+            "the model's output, nor an element of that output"))
+    return ("the loss backpropagated is not a torch.nn.functional loss (or loss module) of "
+            "the model's output, nor an element of that output")
 
 
 @contextlib.contextmanager
