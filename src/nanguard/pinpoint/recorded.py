@@ -14,14 +14,19 @@ non-finite step, before the update (pinpoint/inprocess.py). What is kept per ste
   wrappers of audit/preflight_live.py (`LOSS_FUNCTIONS`, `_find`: the same mechanism), with its
   other arguments and how its input came from the output (the output itself, or a contiguous
   view / reshape of it); or the output element itself when the model returns its loss;
-* which of them the `backward()` of the step took.
+* which of them each `backward()` of the step took: the loss itself, an element of the output,
+  or the loss times / divided by a constant (`loss / k` of gradient accumulation, a
+  GradScaler's `scaler.scale(loss)`: the constant is read from the autograd node before the
+  backward frees it).
 
 Everything is held by reference (no copies, no device reads): the arguments until the step's
 update (one call per module and step: a module called again in the same step is not
 replayable, and its first call is let go), the outputs only weakly (a grad-enabled forward the
 script throws away keeps no activations alive here), and the loss values weakly too.
-A step is replayable only when it is that simple: one call of the model, one backward, of a
-recognised loss of that call's output, no torch.distributed, no batch changed in place since.
+A step is replayable only when it is that simple: per backward, one call of the model before
+it, of a recognised loss of that call's output, no torch.distributed, no batch changed in place
+since. Several backwards (gradient accumulation) make one recipe each (`MicroRecipes`): the
+runner hands the guard each micro-batch, and the guard replays them in turn.
 A step of `optimizer.step(closure)` (LBFGS, or any torch.optim optimizer given a closure) is
 replayed by calling the closure again (`ClosureRecipe`): it runs forward, loss and backward
 itself, so the checker labels its ops by what they are; the closure's variables are put back
