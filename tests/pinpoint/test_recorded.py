@@ -218,3 +218,38 @@ def test_accumulated_and_scaled_losses_are_replayed_in_process(
     line = next(i for i, t in enumerate(source.splitlines(), 1)
                 if "torch.log(" in t or "torch.sqrt(" in t)
     assert first["source"] == f"{script}:{line}", first
+
+
+GIANT_SAMPLE = """
+import torch
+import torch.nn.functional as F
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+w = torch.randn(8, 1)
+for step in range(41):
+    x = torch.randn(16, 8)
+    y = x @ w
+    if step == 40:
+        x[11] *= 100.0  # one giant (finite) sample
+    loss = F.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_a_spike_names_its_sample_in_a_zero_code_run(tmp_path: Path) -> None:
+    """A spike seen before its update in a script run by `nanguard run`: the recorded call and
+    loss are replayed on each sample of the batch alone (its rows of the input and of the
+    targets), and the per-sample gradient norms name the giant sample the script planted."""
+    script = tmp_path / "train.py"
+    script.write_text(GIANT_SAMPLE)
+    out = tmp_path / "run"
+    run(RunOptions(script=str(script), out=str(out), replay_budget=0, summary=False))
+    report = json.loads((out / "report.json").read_text())
+    spikes = [s for s in report["spikes"] if s["step"] == 40]
+    assert spikes and "error" not in spikes[0], report["spikes"]
+    assert [d["index"] for d in spikes[0]["samples"]] == [11], spikes[0]
+    alarm = next(a for a in report["alarms"] if a["step"] == 40 and a["kind"] == "spike")
+    assert alarm["message"].endswith("samples 11"), alarm

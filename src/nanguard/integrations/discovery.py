@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -449,7 +449,8 @@ class Discovery:
         """The `replay` function of `w`'s guard: the recorded step's forward and loss.
 
         Called by the guard, before the update, at the first step whose signals went
-        non-finite (and to look for a spike's samples: refused, it replays whole steps only).
+        non-finite, and with one sample of the batch to find the samples of a spike (a
+        per-sample loss: the recorded call and loss on that sample's rows).
 
         Raises:
             NotReplayable: the step is not one the recorder can replay, or the finding is one
@@ -466,13 +467,16 @@ class Discovery:
             reason = f"phase {first['phase']}: the re-run looks for it before the step"
         elif not isinstance(recipe, (Recipe, ClosureRecipe)):
             reason = recipe or "no step recorded"
-        elif not recipe.matches(batch):
-            reason = ("not the batch of the recorded step (whole recorded steps are replayed, "
-                      "not single samples)")
+        elif not recipe.matches(batch) and _sample_of(recipe, batch) is None:
+            reason = ("not the batch of the recorded step, nor one of its samples (a closure "
+                      "replays whole steps only)")
         else:
             try:
                 with replay_forward(), torch.enable_grad():
-                    loss = recipe.run()
+                    if recipe.matches(batch):
+                        loss = recipe.run()
+                    else:  # one sample of the batch: a spike's per-sample gradients
+                        loss = cast(Recipe, recipe).run(_sample_of(recipe, batch))
             except NotReplayable as exc:
                 reason = str(exc)
             else:
@@ -572,6 +576,11 @@ class Discovery:
             if rec is not None:
                 return rec.data or ([rec.other] if rec.other is not None else [])
         return []
+
+
+def _sample_of(recipe: Recipe | ClosureRecipe, batch: Any) -> int | None:
+    """Which sample of `recipe`'s batch `batch` is (None: none, or a closure's step)."""
+    return recipe.sample_of(batch) if isinstance(recipe, Recipe) else None
 
 
 class _Leaves(nn.Module):

@@ -192,12 +192,30 @@ class Recipe:
         return len(theirs) == len(mine) and all(a is b for a, b in zip(theirs, mine,
                                                                         strict=True))
 
-    def run(self) -> torch.Tensor:
-        """The step's forward and loss again, from the RNG states its forward started with.
+    def sample_of(self, batch: Any) -> int | None:
+        """`batch` is one sample of this step's batch (`batch[i:i+1]` of each of its tensors,
+        as the guard slices it to find a spike's samples): its index `i`, else None."""
+        mine = _batch_of(self.call.args)
+        theirs = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        if not mine or len(theirs) != len(mine):
+            return None
+        index = None
+        for t, r in zip(theirs, mine, strict=True):
+            i = _row_of(t, r)
+            if i is None or (index is not None and i != index):
+                return None
+            index = i
+        return index
+
+    def run(self, sample: int | None = None) -> torch.Tensor:
+        """The step's forward and loss again, from the RNG states its forward started with;
+        with `sample`, of that sample of the batch alone (the batch's tensors and the loss's
+        per-sample arguments sliced to it).
 
         Raises:
             NotReplayable: a tensor of the batch or the targets changed in place since, or
-                torch.distributed is initialized.
+                torch.distributed is initialized, or a sample's loss of a forward replayed
+                alone is asked for.
         """
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # Asked here, not at every step boundary: only a replay needs to know.
@@ -207,19 +225,64 @@ class Recipe:
         versions = [*self.call.versions, *(loss.versions if loss is not None else [])]
         if any(t._version != v for t, v in versions):
             raise NotReplayable("the script changed the batch in place after the forward")
+        if sample is not None and (self.forward_only is not None or loss is None):
+            raise NotReplayable("no per-sample loss: the loss is not a recognised one of the "
+                                "model's output")
         rng.restore(self.call.rng)
+        args, kwargs = self.call.args, self.call.kwargs
+        n = len(_batch_of(args)[0]) if sample is not None else 0
+        if sample is not None:
+            args, kwargs = _rows(args, n, sample), _rows(kwargs, n, sample)
         with _amp(self.call.amp):
-            out = self.call.module(*self.call.args, **self.call.kwargs)
+            out = self.call.module(*args, **kwargs)
         if self.forward_only is not None:
             return _forward_result(out, self.forward_only)
         if loss is None:
             return cast(torch.Tensor, _select(out, self.path))
         x = _select(out, loss.path)
-        if loss.shape is not None:
-            x = x.reshape(loss.shape)
+        rest, extra = loss.rest, loss.kwargs
+        shape = loss.shape
+        if sample is not None:
+            rest, extra = _rows(rest, n, sample), _rows(extra, n, sample)
+            if shape is not None and shape and shape[0] % n == 0:
+                shape = (shape[0] // n, *shape[1:])  # logits.view(-1, V): one sample's rows
+        if shape is not None:
+            x = x.reshape(shape)
         with _amp(loss.amp):
-            value = cast(torch.Tensor, loss.fn(x, *loss.rest, **loss.kwargs))
+            value = cast(torch.Tensor, loss.fn(x, *rest, **extra))
         return value if self.scale is None else self.scale.apply(value)
+
+
+def _row_of(t: Any, r: torch.Tensor) -> int | None:
+    """`t` is `r[i:i+1]` (a view of one row of `r`): `i`, else None."""
+    if not isinstance(t, torch.Tensor) or t.dim() != r.dim() or t.shape[0] != 1 \
+            or t.shape[1:] != r.shape[1:] or r.stride(0) == 0:
+        return None
+    try:
+        if t.untyped_storage().data_ptr() != r.untyped_storage().data_ptr():
+            return None
+    except (RuntimeError, NotImplementedError):
+        return None
+    i, rem = divmod(int(t.storage_offset()) - int(r.storage_offset()), int(r.stride(0)))
+    return i if rem == 0 and 0 <= i < r.shape[0] else None
+
+
+def _rows(obj: Any, n: int, i: int) -> Any:
+    """`obj` (arguments) with each tensor whose leading dimension is the batch's `n` sliced to
+    row `i`, and each whose leading dimension is a multiple `k * n` of it (targets flattened
+    batch-major, `targets.view(-1)`) to that row's `k` entries; other values as they are."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() == 0 or obj.shape[0] % n:
+            return obj
+        k = obj.shape[0] // n
+        return obj[i * k:(i + 1) * k]
+    if isinstance(obj, tuple):
+        return tuple(_rows(v, n, i) for v in obj)
+    if isinstance(obj, list):
+        return [_rows(v, n, i) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _rows(v, n, i) for k, v in obj.items()}
+    return obj
 
 
 @dataclass(eq=False)
@@ -290,8 +353,10 @@ class MicroRecipes:
     parts: list[Recipe]
 
     def part(self, batch: Any) -> Recipe | None:
-        """The recipe of micro-batch `batch`, or None."""
-        return next((r for r in self.parts if r.matches(batch)), None)
+        """The recipe of micro-batch `batch` (or of the micro-batch `batch` is a sample of),
+        or None."""
+        return next((r for r in self.parts
+                     if r.matches(batch) or r.sample_of(batch) is not None), None)
 
     def matches(self, batch: Any) -> bool:
         return self.part(batch) is not None
