@@ -253,3 +253,61 @@ def test_a_spike_names_its_sample_in_a_zero_code_run(tmp_path: Path) -> None:
     assert [d["index"] for d in spikes[0]["samples"]] == [11], spikes[0]
     alarm = next(a for a in report["alarms"] if a["step"] == 40 and a["kind"] == "spike")
     assert alarm["message"].endswith("samples 11"), alarm
+
+
+GAN_CRITIC = """
+import torch
+import torch.nn.functional as F
+torch.manual_seed(0)
+class LogNorm(torch.nn.Module):
+    def forward(self, x):
+        return torch.log(x.abs().sum(1, keepdim=True))
+class Critic(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 1)
+        self.scale = LogNorm()
+    def forward(self, x):
+        return self.lin(x) + self.scale(x)
+G = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+D = Critic()
+opt_g = torch.optim.Adam(G.parameters(), lr=1e-3)
+opt_d = torch.optim.Adam(D.parameters(), lr=1e-3)
+ones, zeros = torch.ones(16, 1), torch.zeros(16, 1)
+for step in range(8):
+    real = torch.randn(16, 2) + 3.0
+    fake = G(torch.randn(16, 4))
+    if step == 5:
+        fake = fake * (torch.arange(16) != 3).float().unsqueeze(1)  # sample 3 of the fakes: 0
+    d_loss = (F.binary_cross_entropy_with_logits(D(real), ones)
+              + F.binary_cross_entropy_with_logits(D(fake.detach()), zeros))
+    opt_d.zero_grad()
+    d_loss.backward()
+    opt_d.step()
+    g_loss = F.binary_cross_entropy_with_logits(D(fake), ones)
+    opt_g.zero_grad()
+    g_loss.backward()
+    opt_g.step()
+"""
+
+
+def test_a_discriminator_called_on_real_and_fake_is_replayed_in_process(tmp_path: Path) -> None:
+    """A GAN's discriminator step backpropagates the sum of two losses of two calls of the
+    critic (`bce(D(real), 1) + bce(D(fake.detach()), 0)`): both calls are replayed, in order,
+    and the sum taken again. Fake sample 3 of step 5 is zeroed by the script, so the critic's
+    log makes -inf in its second call: step 5, forward, module `scale`, the log line, found in
+    process (re-run off) and reproduced bit for bit; the critic's optimizer stepped first
+    (`optimizer-0`)."""
+    script = tmp_path / "train.py"
+    script.write_text(GAN_CRITIC)
+    out = tmp_path / "run"
+    rc = run(RunOptions(script=str(script), out=str(out), replay_budget=0, summary=False))
+    report = json.loads((out / "report.json").read_text())
+    first = report["first_nonfinite"]
+    line = next(i for i, t in enumerate(GAN_CRITIC.splitlines(), 1) if "torch.log(" in t)
+    got = {k: first.get(k) for k in ("step", "phase", "module", "op", "source", "part",
+                                     "reproduced")}
+    assert rc == 1 and got == {"step": 5, "phase": "forward", "module": "scale",
+                               "op": "aten.log", "source": f"{script}:{line}",
+                               "part": "optimizer-0", "reproduced": True}, first
+    assert report["run"]["replay"] == {"status": "in-process", "step": 5}

@@ -15,18 +15,19 @@ non-finite step, before the update (pinpoint/inprocess.py). What is kept per ste
   other arguments and how its input came from the output (the output itself, or a contiguous
   view / reshape of it); or the output element itself when the model returns its loss;
 * which of them each `backward()` of the step took: the loss itself, an element of the output,
-  or the loss times / divided by a constant (`loss / k` of gradient accumulation, a
-  GradScaler's `scaler.scale(loss)`: the constant is read from the autograd node before the
-  backward frees it).
+  or an expression over recorded losses (pinpoint/loss_expr.py: `loss / k` of gradient
+  accumulation, a GradScaler's `scaler.scale(loss)`, a discriminator's
+  `bce(D(real), 1) + bce(D(fake), 0)`), read from the autograd graph before the backward
+  frees its constants.
 
 Everything is held by reference (no copies, no device reads): the arguments until the step's
-update (one call per module and step: a module called again in the same step is not
-replayable, and its first call is let go), the outputs only weakly (a grad-enabled forward the
-script throws away keeps no activations alive here), and the loss values weakly too.
-A step is replayable only when it is that simple: per backward, one call of the model before
-it, of a recognised loss of that call's output, no torch.distributed, no batch changed in place
-since. Several backwards (gradient accumulation) make one recipe each (`MicroRecipes`): the
-runner hands the guard each micro-batch, and the guard replays them in turn.
+update (at most `_MAX_CALLS` calls per backward), the outputs only weakly (a grad-enabled
+forward the script throws away keeps no activations alive here), and the loss values weakly
+too. A step is replayable only when it is that simple: per backward, the calls of the model
+before it each reaching a recognised loss (one call, or several whose losses the expression
+sums), no torch.distributed, no batch changed in place since. Several backwards (gradient
+accumulation) make one recipe each (`MicroRecipes`): the runner hands the guard each
+micro-batch, and the guard replays them in turn.
 A step of `optimizer.step(closure)` (LBFGS, or any torch.optim optimizer given a closure) is
 replayed by calling the closure again (`ClosureRecipe`): it runs forward, loss and backward
 itself, so the checker labels its ops by what they are; the closure's variables are put back
@@ -55,6 +56,7 @@ from torch import nn
 
 from nanguard.audit.preflight_live import LOSS_FUNCTIONS, _find, _select, _versions, _wrap
 from nanguard.integrations.manual import REPLAY, forked, replaying
+from nanguard.pinpoint import loss_expr
 from nanguard.watch import rng
 
 _MAX_CALLS = 8
@@ -180,24 +182,37 @@ class Recipe:
     forward_only: str | None = None
     """The loss is the script's own arithmetic (not recognised): only the forward is replayed,
     and only an origin whose value reached the model's output counts; this says why."""
-    scale: Scale | None = None
-    """The loss backpropagated was the recorded loss times (or divided by) a constant."""
+    expr: Any = None
+    """The loss backpropagated as an expression over recorded losses (`loss_expr`), when it
+    is not `loss` itself: one times or divided by a constant, a sum of several."""
+    calls: tuple[RootCall, ...] = ()
+    """The model calls `expr` needs, in the script's order, when there are several (a
+    discriminator called on real and on fake data); empty: `call` alone."""
+
+    def _losses(self) -> list[LossCall]:
+        if self.expr is not None:
+            return cast(list[LossCall], loss_expr.leaves(self.expr))
+        return [self.loss] if self.loss is not None else []
 
     def matches(self, batch: Any) -> bool:
-        """`batch` is the one the guard was handed for this step (the same tensors)."""
-        mine = _batch_of(self.call.args)
-        if batch is None:
-            return not mine
-        theirs = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-        return len(theirs) == len(mine) and all(a is b for a, b in zip(theirs, mine,
-                                                                        strict=True))
+        """`batch` is the one the guard was handed for this step (the same tensors as one of
+        the calls' arguments)."""
+        theirs = () if batch is None else (
+            tuple(batch) if isinstance(batch, (tuple, list)) else (batch,))
+        for call in self.calls or (self.call,):
+            mine = _batch_of(call.args)
+            if len(theirs) == len(mine) and all(a is b for a, b in zip(theirs, mine,
+                                                                        strict=True)):
+                return True
+        return False
 
     def sample_of(self, batch: Any) -> int | None:
         """`batch` is one sample of this step's batch (`batch[i:i+1]` of each of its tensors,
-        as the guard slices it to find a spike's samples): its index `i`, else None."""
+        as the guard slices it to find a spike's samples): its index `i`, else None (also for
+        a step of several model calls)."""
         mine = _batch_of(self.call.args)
         theirs = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-        if not mine or len(theirs) != len(mine):
+        if self.calls or not mine or len(theirs) != len(mine):
             return None
         index = None
         for t, r in zip(theirs, mine, strict=True):
@@ -208,9 +223,9 @@ class Recipe:
         return index
 
     def run(self, sample: int | None = None) -> torch.Tensor:
-        """The step's forward and loss again, from the RNG states its forward started with;
-        with `sample`, of that sample of the batch alone (the batch's tensors and the loss's
-        per-sample arguments sliced to it).
+        """The step's forwards and loss again, each forward from the RNG states it started
+        with; with `sample`, of that sample of the batch alone (the batch's tensors and the
+        loss's per-sample arguments sliced to it).
 
         Raises:
             NotReplayable: a tensor of the batch or the targets changed in place since, or
@@ -221,36 +236,44 @@ class Recipe:
             # Asked here, not at every step boundary: only a replay needs to know.
             raise NotReplayable("torch.distributed: a replayed backward would wait for the "
                                 "other ranks")
-        loss = self.loss
-        versions = [*self.call.versions, *(loss.versions if loss is not None else [])]
+        losses = self._losses()
+        calls = self.calls or (self.call,)
+        versions = [v for c in calls for v in c.versions] + [v for x in losses for v in x.versions]
         if any(t._version != v for t, v in versions):
             raise NotReplayable("the script changed the batch in place after the forward")
-        if sample is not None and (self.forward_only is not None or loss is None):
+        if sample is not None and (self.forward_only is not None or not losses):
             raise NotReplayable("no per-sample loss: the loss is not a recognised one of the "
                                 "model's output")
-        rng.restore(self.call.rng)
-        args, kwargs = self.call.args, self.call.kwargs
-        n = len(_batch_of(args)[0]) if sample is not None else 0
-        if sample is not None:
-            args, kwargs = _rows(args, n, sample), _rows(kwargs, n, sample)
-        with _amp(self.call.amp):
-            out = self.call.module(*args, **kwargs)
+        n = len(_batch_of(self.call.args)[0]) if sample is not None else 0
+        outputs: dict[int, Any] = {}
+        for call in calls:
+            rng.restore(call.rng)
+            args, kwargs = call.args, call.kwargs
+            if sample is not None:
+                args, kwargs = _rows(args, n, sample), _rows(kwargs, n, sample)
+            with _amp(call.amp):
+                outputs[id(call)] = call.module(*args, **kwargs)
+        out = outputs[id(self.call)]
         if self.forward_only is not None:
             return _forward_result(out, self.forward_only)
-        if loss is None:
+        if not losses:
             return cast(torch.Tensor, _select(out, self.path))
-        x = _select(out, loss.path)
-        rest, extra = loss.rest, loss.kwargs
-        shape = loss.shape
-        if sample is not None:
-            rest, extra = _rows(rest, n, sample), _rows(extra, n, sample)
-            if shape is not None and shape and shape[0] % n == 0:
-                shape = (shape[0] // n, *shape[1:])  # logits.view(-1, V): one sample's rows
-        if shape is not None:
-            x = x.reshape(shape)
-        with _amp(loss.amp):
-            value = cast(torch.Tensor, loss.fn(x, *rest, **extra))
-        return value if self.scale is None else self.scale.apply(value)
+
+        def value_of(loss: LossCall) -> torch.Tensor:
+            x = _select(outputs[id(loss.call)], loss.path)
+            rest, extra, shape = loss.rest, loss.kwargs, loss.shape
+            if sample is not None:
+                rest, extra = _rows(rest, n, sample), _rows(extra, n, sample)
+                if shape is not None and shape and shape[0] % n == 0:
+                    shape = (shape[0] // n, *shape[1:])  # logits.view(-1, V): a sample's rows
+            if shape is not None:
+                x = x.reshape(shape)
+            with _amp(loss.amp):
+                return cast(torch.Tensor, loss.fn(x, *rest, **extra))
+
+        if self.expr is None:
+            return value_of(losses[0])
+        return loss_expr.evaluate(self.expr, value_of)
 
 
 def _row_of(t: Any, r: torch.Tensor) -> int | None:
@@ -283,65 +306,6 @@ def _rows(obj: Any, n: int, i: int) -> Any:
     if isinstance(obj, dict):
         return {k: _rows(v, n, i) for k, v in obj.items()}
     return obj
-
-
-@dataclass(eq=False)
-class Scale:
-    """`loss / k` (gradient accumulation), `loss * w` or a GradScaler's `scaler.scale(loss)`:
-    the backpropagated tensor is a recorded loss times or divided by a constant (a tensor
-    that needs no gradient, read from the autograd node before the backward frees it)."""
-
-    op: Any
-    """`torch.mul` or `torch.div`."""
-    other: torch.Tensor
-    dtype: torch.dtype
-    """The backpropagated tensor's dtype: a Python number the script wrote is saved as a
-    float64 / int64 tensor, and it is given back as a number when the tensor would promote."""
-
-    def apply(self, value: torch.Tensor) -> torch.Tensor:
-        out = cast(torch.Tensor, self.op(value, self.other))
-        if out.dtype != self.dtype and self.other.numel() == 1:
-            out = cast(torch.Tensor, self.op(value, self.other.item()))
-        return out
-
-
-def _metadata(node: Any) -> dict[str, Any]:
-    """An autograd node's `metadata` dict (a property; torch's stubs call it a method). It
-    lives on the C++ node, as long as the graph does."""
-    return cast(dict[str, Any], node.metadata)
-
-
-_TAG = "nanguard.loss"
-"""The key of a recorded loss's tag in its autograd node's `metadata` (`id` of its LossCall)."""
-_SCALE_NODES = {"MulBackward0": torch.mul, "DivBackward0": torch.div}
-
-
-def _scaled(tensor: torch.Tensor, losses: list[LossCall]) -> tuple[LossCall, Scale] | None:
-    """`tensor` is a recorded loss value times / divided by a constant: which one, and how.
-    Asked once per `backward()` of a tensor that is not itself a recorded loss."""
-    node = tensor.grad_fn
-    if node is None:
-        return None
-    op = _SCALE_NODES.get(type(node).__name__)
-    if op is None:
-        return None
-    (a, _), (b, _) = node.next_functions
-    # The loss on one side, a constant (no gradient) on the other; a division by the loss
-    # (`k / loss`) is no scaling.
-    if b is None and a is not None:
-        loss_node, saved = a, "_saved_other"
-    elif a is None and b is not None and op is torch.mul:
-        loss_node, saved = b, "_saved_self"
-    else:
-        return None
-    tag = _metadata(loss_node).get(_TAG)
-    for c in reversed(losses):
-        if id(c) == tag:
-            other = getattr(node, saved, None)
-            if not isinstance(other, torch.Tensor):
-                return None
-            return c, Scale(op=op, other=other, dtype=tensor.dtype)
-    return None
 
 
 @dataclass(eq=False)
@@ -496,23 +460,22 @@ def _flat(obj: Any, depth: int = 0) -> list[torch.Tensor]:
     return []
 
 
-Target = LossCall | tuple[LossCall, Scale] | tuple[RootCall, tuple[Any, ...]] | None
-"""What a backward took: a recorded loss, a scaled one, or (call, path) of an output."""
+Target = Any
+"""What a backward took: a recorded loss, an expression over recorded losses (`loss_expr`:
+`Scaled`, `Combined`), (call, path) of an output element, or None."""
 
 
 class _Window:
     """What the script did since the last `backward()` (a plain class: one is made per
     backward); the finished ones of the step are kept in `micro`."""
 
-    __slots__ = ("calls", "dropped", "losses", "micro", "repeated", "target")
+    __slots__ = ("calls", "dropped", "losses", "micro", "target")
 
     def __init__(self, micro: list[_Window] | None = None) -> None:
         self.calls: list[RootCall] = []
         self.losses: list[LossCall] = []
         self.target: Target = None
         self.dropped = False
-        self.repeated: set[int] = set()
-        """Modules called more than once before one backward (their calls are let go)."""
         self.micro: list[_Window] = micro if micro is not None else []
         """The windows of the step's earlier backwards (gradient accumulation), in order."""
 
@@ -571,12 +534,6 @@ class StepRecorder:
         """A grad-enabled call of a root module with parameters starts (the global forward
         pre-hook): its positional arguments, RNG and autocast states."""
         w = self._window
-        if id(module) in w.repeated:
-            return
-        if any(c.module is module for c in w.calls):
-            w.repeated.add(id(module))
-            w.calls = [c for c in w.calls if c.module is not module]
-            return
         if len(w.calls) >= _MAX_CALLS:
             w.dropped = True
             return
@@ -619,11 +576,10 @@ class StepRecorder:
                                 _amp_state(), weakref.ref(out) if isinstance(out, torch.Tensor)
                                 else None)
                 w.losses.append(loss)
-                node = out.grad_fn if isinstance(out, torch.Tensor) else None
-                if node is not None:
+                if isinstance(out, torch.Tensor):
                     # The loss value itself may be a temporary (`F.mse_loss(...) / k`): its
                     # autograd node outlives it, and carries this tag to the backward.
-                    _metadata(node)[_TAG] = id(loss)
+                    loss_expr.tag(out, loss)
                 return
         except Exception:  # noqa: BLE001, S110 - never in the script's way
             pass
@@ -632,17 +588,10 @@ class StepRecorder:
         """The script calls `tensor.backward()`: which recorded loss (or output) it is. The
         outputs and loss values are let go afterwards."""
         w = self._window
-        w.target = next((c for c in reversed(w.losses)
-                         if c.result is not None and c.result() is tensor), None)
-        if w.target is None:
-            w.target = _scaled(tensor, w.losses)
-        if w.target is None:
-            for call in reversed(w.calls):
-                output = _live(call.output)
-                found = _find(output, tensor) if output is not None else None
-                if found is not None and found[1] is None:
-                    w.target = (call, found[0])
-                    break
+        try:
+            w.target = self._target(w, tensor)
+        except Exception:  # noqa: BLE001 - never in the script's way: the step is not replayed
+            w.target, w.dropped = None, True
         for call in w.calls:
             call.output = None
         for loss in w.losses:
@@ -650,6 +599,22 @@ class StepRecorder:
         # The next forward is the next micro-batch's (or the next step's).
         w.micro.append(w)
         self._window = _Window(w.micro)
+
+    @staticmethod
+    def _target(w: _Window, tensor: torch.Tensor) -> Target:
+        """What `tensor` (backpropagated) is: a recorded loss, an expression over them, an
+        element of a call's output, or None."""
+        target = next((c for c in reversed(w.losses)
+                       if c.result is not None and c.result() is tensor), None)
+        if target is None:
+            target = loss_expr.parse(tensor, w.losses)
+        if target is None:
+            for call in reversed(w.calls):
+                output = _live(call.output)
+                found = _find(output, tensor) if output is not None else None
+                if found is not None and found[1] is None:
+                    return (call, found[0])
+        return target
 
     # ------------------------------------------------------------------ step boundaries
 
@@ -676,31 +641,39 @@ class StepRecorder:
         return recipes[0] if len(recipes) == 1 else MicroRecipes(recipes)
 
 
+_NOT_A_LOSS = ("the loss backpropagated is not a torch.nn.functional loss (or loss module) of "
+               "the model's output, nor an element of that output")
+
+
 def _recipe(w: _Window, roots: list[nn.Module]) -> Recipe | str:
     """The recipe of one backward's window (the forward calls before it), or why none."""
     calls = [c for c in w.calls if any(c.module is r for r in roots)]
-    if len(calls) > 1 or any(id(r) in w.repeated for r in roots):
-        return "the model is called several times in a step (before one backward())"
     if w.dropped:
-        return f"more than {_MAX_CALLS} module calls in a step"
+        return f"more than {_MAX_CALLS} module calls in a step (or a loss not understood)"
     if not calls:
         return ("no grad-enabled call of a module holding the trained parameters in that "
                 "step (raw tensors outside any module?)")
     target = w.target
-    if isinstance(target, LossCall) and target.call is calls[0]:
-        return Recipe(calls[0], target)
-    if isinstance(target, tuple) and isinstance(target[0], LossCall):
-        loss, scale = cast(tuple[LossCall, Scale], target)
-        if loss.call is calls[0]:
-            return Recipe(calls[0], loss, scale=scale)
-    elif isinstance(target, tuple) and target[0] is calls[0]:
-        return Recipe(calls[0], None, cast(tuple[Any, ...], target[1]))
+    several = "the model is called several times in a step (before one backward())"
+    if isinstance(target, tuple) and isinstance(target[0], RootCall):  # an output element
+        if len(calls) > 1:
+            return f"{several} and returns its loss"
+        if target[0] is calls[0]:
+            return Recipe(calls[0], None, cast(tuple[Any, ...], target[1]))
+        return _NOT_A_LOSS
     if target is None:
-        return Recipe(calls[0], None, forward_only=(
-            "the loss backpropagated is not a torch.nn.functional loss (or loss module) of "
-            "the model's output, nor an element of that output"))
-    return ("the loss backpropagated is not a torch.nn.functional loss (or loss module) of "
-            "the model's output, nor an element of that output")
+        if len(calls) > 1:
+            return f"{several} and its loss is not a sum of recognised losses of its outputs"
+        return Recipe(calls[0], None, forward_only=_NOT_A_LOSS)
+    losses = cast(list[LossCall], loss_expr.leaves(target))
+    used = {id(x.call) for x in losses}
+    if not used <= {id(c) for c in calls}:
+        return _NOT_A_LOSS  # a loss of another model's output (the generator's step of a GAN)
+    if len(calls) > 1 and any(id(c) not in used for c in calls):
+        return f"{several} and not every call's output reaches a recognised loss"
+    if isinstance(target, LossCall):
+        return Recipe(calls[0], target)
+    return Recipe(calls[0], None, expr=target, calls=tuple(calls) if len(calls) > 1 else ())
 
 
 @contextlib.contextmanager
