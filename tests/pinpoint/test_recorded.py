@@ -311,3 +311,60 @@ def test_a_discriminator_called_on_real_and_fake_is_replayed_in_process(tmp_path
                                "op": "aten.log", "source": f"{script}:{line}",
                                "part": "optimizer-0", "reproduced": True}, first
     assert report["run"]["replay"] == {"status": "in-process", "step": 5}
+
+
+FIT = """
+import sys
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+for step in range(8):
+    x = torch.randn(16, 4)
+    loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+torch.save(model.state_dict(), sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("where", ["saw_call", "saw_backward", "boundary"])
+def test_an_error_in_the_runners_own_hooks_never_stops_the_script(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """nanguard's own bug in a hook of `nanguard run` (the forward pre-hook, the backward hook,
+    the optimizer step pre-hook) at the fourth call: every guard stands down (status
+    `degraded`, the error recorded), the script runs to its end (it used to die with it), and
+    its parameters are bitwise those of the script run alone."""
+    from nanguard.pinpoint.recorded import StepRecorder
+
+    script = tmp_path / "train.py"
+    script.write_text(FIT)
+    alone = tmp_path / "alone.pt"
+    ns: dict[str, object] = {"__name__": "__main__"}
+    import sys
+    argv = sys.argv
+    sys.argv = [str(script), str(alone)]
+    try:
+        exec(compile(FIT, str(script), "exec"), ns)  # noqa: S102 - the test's own script
+    finally:
+        sys.argv = argv
+    original = getattr(StepRecorder, where)
+    calls = {"n": 0}
+
+    def broken(self: StepRecorder, *args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("bug inside nanguard run")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(StepRecorder, where, broken)
+    out = tmp_path / "run"
+    watched = tmp_path / "watched.pt"
+    rc = run(RunOptions(script=str(script), args=[str(watched)], out=str(out), summary=False))
+    report = json.loads((out / "report.json").read_text())
+    # The script ended normally; `degraded` is no status a CI gate may pass: exit 1.
+    assert (rc, report["status"], report["run"]["script"]["outcome"]) == (1, "degraded", "ok")
+    assert "bug inside nanguard run" in report["run"]["internal_error"]["error"]
+    a, b = torch.load(alone), torch.load(watched)
+    assert all(torch.equal(a[k], b[k]) for k in a)

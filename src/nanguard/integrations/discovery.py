@@ -36,6 +36,7 @@ as `guard.preflight` (the diagnosis reads it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import weakref
@@ -43,7 +44,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -58,6 +59,7 @@ from torch.optim.optimizer import (
 from torch.utils.hooks import RemovableHandle
 
 from nanguard.config import GuardConfig, RecordConfig
+from nanguard.errors import NanguardError
 from nanguard.guard import Guard
 from nanguard.integrations.manual import ManualBoundaries, ManualStep, forked, replaying
 from nanguard.integrations.script_flags import clip_from_argv
@@ -124,6 +126,32 @@ class _Inputs:
     """The first call's inputs when a module produced them (a discriminator fed a generator)."""
 
 
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def _fail_open(where: str) -> Callable[[_Hook], _Hook]:
+    """A hook of the runner that never breaks the script: an error of nanguard's own inside it
+    makes every guard stand down (`Discovery._stand_down`) and the hooks do nothing from then
+    on. The `raise` policy's NanguardError (and the preflight's stop, a BaseException) pass."""
+
+    def wrap(fn: _Hook) -> _Hook:
+        @functools.wraps(fn)
+        def hook(self: Discovery, *args: Any, **kwargs: Any) -> Any:
+            if self.error is not None:
+                return None
+            try:
+                return fn(self, *args, **kwargs)
+            except NanguardError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+                self._stand_down(exc, where)
+                return None
+
+        return cast(_Hook, hook)
+
+    return wrap
+
+
 def _compiled(module: nn.Module) -> bool:
     """A `torch.compile`d module, or one holding one."""
     return any(type(m).__name__ == "OptimizedModule" for m in module.modules())
@@ -154,6 +182,8 @@ class Discovery:
         self.folder_for = folder_for
         self.preflight = preflight
         self._quiet = False
+        self.error: dict[str, Any] | None = None
+        """An error of nanguard's own in these hooks (`_stand_down`): they do nothing since."""
         self.policy = policy
         self.config = config or GuardConfig(record=RecordConfig(summary=False))
         self._coupling = _Coupling()
@@ -295,6 +325,18 @@ class Discovery:
         self._outputs.clear()
         self._inputs.clear()
 
+    def _stand_down(self, exc: BaseException, where: str) -> None:
+        """An error inside the runner's own hooks: every guard stands down (its error and
+        traceback recorded, its hooks removed: status `degraded`), these hooks do nothing from
+        now on, and the script runs on exactly as without nanguard."""
+        self.error = {"where": where, "error": f"{type(exc).__name__}: {exc}"}
+        guards = [w.guard for w in self.watched if w.guard is not None]
+        for guard in guards:
+            guard._stand_down(exc, where)
+        if not guards:
+            print(f"nanguard: internal error in {where} ({type(exc).__name__}: {exc}); "
+                  "nanguard stands down, training goes on", file=sys.stderr)
+
     def release(self) -> None:
         """Drop the references kept for the end-of-run checks (the last loss)."""
         self._loss = None
@@ -328,6 +370,7 @@ class Discovery:
 
     # ------------------------------------------------------------------ hooks
 
+    @_fail_open("nanguard run's backward hook")
     def _saw_backward(self, tensor: torch.Tensor) -> None:
         if forked() or self._quiet or replaying(tensor):
             return
@@ -340,6 +383,7 @@ class Discovery:
             self._loss = tensor.detach()
             self._loss_seq += 1
 
+    @_fail_open("nanguard run's forward pre-hook")
     def _forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if forked() or self._quiet or replaying():
             return
@@ -367,6 +411,7 @@ class Discovery:
         elif rec.other is None:
             rec.other = tensors
 
+    @_fail_open("nanguard run's forward hook")
     def _forward_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                       output: Any) -> None:
         if forked() or self._quiet or replaying():
@@ -400,6 +445,7 @@ class Discovery:
                 return True
         return False
 
+    @_fail_open("nanguard run's optimizer step pre-hook")
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """Global step pre-hook: runs first in every `optimizer.step()` (and in a
@@ -434,6 +480,7 @@ class Discovery:
             w.guard.watch(batch=batch)
         return result
 
+    @_fail_open("nanguard run's optimizer step post-hook")
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         """Global step post-hook: the update is done, the step's recipe is of no more use
         (its batch is let go)."""
