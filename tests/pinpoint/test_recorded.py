@@ -368,3 +368,43 @@ def test_an_error_in_the_runners_own_hooks_never_stops_the_script(
     assert "bug inside nanguard run" in report["run"]["internal_error"]["error"]
     a, b = torch.load(alone), torch.load(watched)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+SCALED_FOR_BACKWARD = """
+import json
+import sys
+import torch
+import torch.nn.functional as F
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+losses = []
+for step in range(6):
+    x = torch.randn(16, 4)
+    loss = F.mse_loss(model(x), x.sum(1, keepdim=True))
+    losses.append(loss.item())
+    opt.zero_grad()
+    (loss / 4).backward()
+    opt.step()
+json.dump(losses, open(sys.argv[1], "w"))
+"""
+
+
+def test_a_loss_scaled_for_its_backward_is_recorded_in_the_scripts_units(tmp_path: Path) -> None:
+    """`(loss / 4).backward()` (gradient-accumulation style): the run's loss series is the
+    script's own loss (what it logs), not the quarter of it that was backpropagated; a power
+    of two, so the unscaled value is exact."""
+    from nanguard.record.store import dec, open_run
+
+    script = tmp_path / "train.py"
+    script.write_text(SCALED_FOR_BACKWARD)
+    out = tmp_path / "run"
+    run(RunOptions(script=str(script), args=[str(tmp_path / "losses.json")], out=str(out),
+                   summary=False))
+    logged = json.loads((tmp_path / "losses.json").read_text())
+    db = open_run(out)
+    try:
+        recorded = [dec(v) for (v,) in db.execute("SELECT loss FROM steps ORDER BY step")]
+    finally:
+        db.close()
+    assert recorded == logged

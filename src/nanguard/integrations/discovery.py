@@ -63,6 +63,8 @@ from nanguard.errors import NanguardError
 from nanguard.guard import Guard
 from nanguard.integrations.manual import ManualBoundaries, ManualStep, forked, replaying
 from nanguard.integrations.script_flags import clip_from_argv
+from nanguard.pinpoint import loss_expr
+from nanguard.pinpoint.inprocess import compare_as
 from nanguard.pinpoint.recorded import (
     ClosureRecipe,
     MicroRecipes,
@@ -380,7 +382,10 @@ class Discovery:
         for rec in self._inputs.values():  # the next forward is the next micro-batch's
             rec.taken = False
         if tensor.numel() == 1 and tensor.is_floating_point():
-            self._loss = tensor.detach()
+            # A loss scaled for its backward (`loss / accum_steps`, `scaler.scale(loss)`) is
+            # recorded in the script's units: the loss series is the loss, not its copy.
+            unscaled = self.recorder.unscaled(tensor)
+            self._loss = unscaled if unscaled is not None else tensor.detach()
             self._loss_seq += 1
 
     @_fail_open("nanguard run's forward pre-hook")
@@ -522,6 +527,11 @@ class Discovery:
                 with replay_forward(), torch.enable_grad():
                     if recipe.matches(batch):
                         loss = recipe.run()
+                        unscaled = (loss_expr.unscale(recipe.expr, loss.detach())
+                                    if isinstance(recipe, Recipe) and recipe.expr is not None
+                                    else None)
+                        if unscaled is not None:  # the guard recorded it unscaled
+                            compare_as(loss, unscaled)
                     else:  # one sample of the batch: a spike's per-sample gradients
                         loss = cast(Recipe, recipe).run(_sample_of(recipe, batch))
             except NotReplayable as exc:

@@ -25,7 +25,7 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["Combined", "Scaled", "evaluate", "leaves", "parse", "tag"]
+__all__ = ["Combined", "Scaled", "evaluate", "leaves", "parse", "tag", "unscale"]
 
 TAG = "nanguard.loss"
 """The key of a recorded loss's tag in its autograd node's `metadata` (`id` of the record)."""
@@ -144,3 +144,18 @@ def evaluate(expr: Any, value_of: Callable[[Any], torch.Tensor]) -> torch.Tensor
             return a - b if expr.sub else a + b
         return torch.sub(a, b, alpha=expr.alpha) if expr.sub else torch.add(a, b, alpha=expr.alpha)
     return value_of(expr)
+
+
+def unscale(expr: Any, value: torch.Tensor) -> torch.Tensor | None:
+    """`value` (of `expr`, detached) in the units of its one recorded loss, when `expr` is that
+    loss scaled (`loss / accum_steps`, `scaler.scale(loss)`): the loss series a guard records
+    then reads as the script's loss, not as its scaled copy. None for anything else (a sum of
+    losses, or the loss itself)."""
+    if not isinstance(expr, Scaled):
+        return None
+    with torch.no_grad():
+        while isinstance(expr, Scaled):
+            other = expr.other.to(value.dtype) if expr.number else expr.other
+            value = value * other if expr.op is torch.div else value / other
+            expr = expr.inner
+    return None if isinstance(expr, Combined) else value

@@ -215,6 +215,14 @@ class StepRecorder:
         w.micro.append(w)
         self._window = _Window(w.micro)
 
+    def unscaled(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Right after `saw_backward(tensor)`: `tensor` in its recorded loss's units when the
+        backward took that loss scaled (`loss_expr.unscale`; one device op, no read), else
+        None."""
+        micro = self._window.micro
+        expr = micro[-1].target if micro else None
+        return loss_expr.unscale(expr, tensor.detach()) if expr is not None else None
+
     @staticmethod
     def _target(w: _Window, tensor: torch.Tensor) -> Target:
         """What `tensor` (backpropagated) is: a recorded loss, an expression over them, an
