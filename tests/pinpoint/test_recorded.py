@@ -408,3 +408,46 @@ def test_a_loss_scaled_for_its_backward_is_recorded_in_the_scripts_units(tmp_pat
     finally:
         db.close()
     assert recorded == logged
+
+
+MODEL_RETURNS_LOSS = """
+import torch
+import torch.nn.functional as F
+torch.manual_seed(0)
+class Regressor(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1, bias=False)
+    def forward(self, x, labels):
+        pred = self.lin(x)
+        magnitude = torch.sqrt(pred * pred)  # sqrt at 0: an infinite gradient
+        return {"pred": pred, "loss": F.mse_loss(magnitude, labels)}
+model = Regressor()
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(6):
+    x, y = torch.rand(8, 4) + 0.5, torch.ones(8, 1)
+    if step == 4:
+        x[6] = 0.0  # lin(0) = 0 (no bias)
+    out = model(x, labels=y)
+    opt.zero_grad()
+    (out["loss"] / 2).backward()
+    opt.step()
+"""
+
+
+def test_a_loss_the_model_returns_scaled_is_replayed_in_process(tmp_path: Path) -> None:
+    """`(model(x, labels=y)["loss"] / 2).backward()` (the transformers style: the model
+    computes its loss; accumulation scales it): the output's loss element is tagged and read
+    back through the division, so a NaN made in the backward (sqrt at 0, sample 6 of step 4:
+    the forward is finite, a forward replayed alone could not see it) is found in process,
+    its loss compared bit for bit."""
+    script = tmp_path / "train.py"
+    script.write_text(MODEL_RETURNS_LOSS)
+    out = tmp_path / "run"
+    run(RunOptions(script=str(script), out=str(out), replay_budget=0, summary=False))
+    report = json.loads((out / "report.json").read_text())
+    first = report["first_nonfinite"]
+    got = {k: first.get(k) for k in ("step", "phase", "module", "samples", "reproduced")}
+    assert got == {"step": 4, "phase": "backward", "module": "", "samples": [6],
+                   "reproduced": True}, first
+    assert report["run"]["replay"] == {"status": "in-process", "step": 4}

@@ -126,7 +126,9 @@ class RootCall:
 
 @dataclass(eq=False)
 class LossCall:
-    """One `torch.nn.functional` loss whose input came from a root call's output."""
+    """One `torch.nn.functional` loss whose input came from a root call's output, or (`fn`
+    None) a scalar element of the output itself: the loss a model computes and returns
+    (`model(**batch).loss`)."""
 
     fn: Any
     call: RootCall
@@ -230,6 +232,8 @@ class Recipe:
 
         def value_of(loss: LossCall) -> torch.Tensor:
             x = _select(outputs[id(loss.call)], loss.path)
+            if loss.fn is None:  # the model's own loss, an element of its output
+                return cast(torch.Tensor, x)
             rest, extra, shape = loss.rest, loss.kwargs, loss.shape
             if sample is not None:
                 rest, extra = _rows(rest, n, sample), _rows(extra, n, sample)

@@ -75,6 +75,24 @@ from nanguard.pinpoint.recipe import (
 __all__ = ["ClosureRecipe", "MicroRecipes", "NotReplayable", "Recipe", "StepRecorder",
            "mark_replayed_loss", "replay_forward"]
 
+def _scalars(output: Any, path: tuple[Any, ...] = (), depth: int = 0
+             ) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
+    """The 0-dim floating tensors with a gradient in a module's output, with their paths (to
+    the depth `_find` looks): the candidates for a loss the model returns."""
+    if isinstance(output, torch.Tensor):
+        if output.dim() == 0 and output.requires_grad and output.is_floating_point():
+            return [(path, output)]
+        return []
+    if depth >= 2:
+        return []
+    items: Any = ()
+    if isinstance(output, (tuple, list)):
+        items = enumerate(output)
+    elif isinstance(output, dict):
+        items = output.items()
+    return [found for k, v in items for found in _scalars(v, (*path, k), depth + 1)]
+
+
 Target = Any
 """What a backward took: a recorded loss, an expression over recorded losses (`loss_expr`:
 `Scaled`, `Combined`), (call, path) of an output element, or None."""
@@ -158,12 +176,22 @@ class StepRecorder:
     def saw_output(self, module: nn.Module, kwargs: dict[str, Any], output: Any) -> None:
         """A root call returned (the global forward hook, at depth 0, `with_kwargs`: global
         pre-hooks are not given the keyword arguments, this hook is)."""
-        for call in reversed(self._window.calls):
+        w = self._window
+        for call in reversed(w.calls):
             if call.module is module and call.output is None:
                 call.output = _weak(output)
                 if kwargs:
                     call.kwargs = dict(kwargs)
                     call.versions += _flat_versions((), kwargs)
+                # A loss the model returns (`out.loss`) may be backpropagated scaled
+                # (`out.loss / accum_steps`): tagged like a loss call, for the expression.
+                for path, value in _scalars(output):
+                    if len(w.losses) >= _MAX_CALLS:
+                        break
+                    loss = LossCall(None, call, path, None, (), {}, [], call.amp,
+                                    weakref.ref(value))
+                    w.losses.append(loss)
+                    loss_expr.tag(value, loss)
                 return
 
     def _saw_loss(self, name: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
