@@ -451,3 +451,41 @@ def test_a_loss_the_model_returns_scaled_is_replayed_in_process(tmp_path: Path) 
     assert got == {"step": 4, "phase": "backward", "module": "", "samples": [6],
                    "reproduced": True}, first
     assert report["run"]["replay"] == {"status": "in-process", "step": 4}
+
+
+KEYWORDS_ONLY = """
+import torch
+import torch.nn.functional as F
+torch.manual_seed(0)
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+    def forward(self, features=None, labels=None):
+        return {"loss": F.mse_loss(self.lin(features), labels)}
+model = Model()
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+for step in range(6):
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    if step == 3:
+        x[5, 2] = float("nan")
+    loss = model(features=x, labels=y)["loss"]
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_a_model_called_by_keywords_hands_its_batch_to_the_guard(tmp_path: Path) -> None:
+    """`model(features=x, labels=y)` (the transformers style, no positional argument): the
+    keyword tensors are the step's batch, so a NaN row is named from the batch itself, with no
+    re-run (budget 0): phase data, sample 5, cause data_nonfinite."""
+    script = tmp_path / "train.py"
+    script.write_text(KEYWORDS_ONLY)
+    out = tmp_path / "run"
+    run(RunOptions(script=str(script), out=str(out), replay_budget=0, summary=False))
+    report = json.loads((out / "report.json").read_text())
+    first = report["first_nonfinite"]
+    assert {k: first.get(k) for k in ("step", "phase", "samples")} == {
+        "step": 3, "phase": "data", "samples": [5]}, first
+    assert report["diagnosis"][0]["cause"] == "data_nonfinite", report["diagnosis"]

@@ -118,7 +118,7 @@ class Watched:
 
 @dataclass
 class _Inputs:
-    data: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
+    data: list[tuple[torch.Tensor, ...] | dict[str, torch.Tensor]] = field(default_factory=list)
     """The batch of each backward() of the step (several: the micro-batches of gradient
     accumulation), in order: the inputs of the first grad-enabled call before it that no
     module produced."""
@@ -425,6 +425,8 @@ class Discovery:
         if self._depth:
             return
         self.recorder.saw_output(module, kwargs, output)
+        if kwargs and torch.is_grad_enabled() and self._has_params.get(module):
+            self._keyword_batch(module, kwargs)
         if self.preflight is not None and not self.preflight.done and torch.is_grad_enabled():
             self.preflight.saw_root_output(module, output)
         if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
@@ -437,6 +439,18 @@ class Discovery:
             self._train_outputs = [*self._train_outputs[-3:], (type(module).__name__, flags)]
         self._outputs = [r for r in self._outputs if r() is not None][-_MAX_OUTPUTS:]
         self._outputs.append(weakref.ref(output))
+
+    def _keyword_batch(self, module: nn.Module, kwargs: dict[str, Any]) -> None:
+        """A model called by keywords only (`model(input_ids=ids, labels=y)`, the transformers
+        style; the pre-hook sees no positional tensor): its keyword tensors are the batch, as
+        a dict, when no module produced them."""
+        rec = self._inputs.setdefault(id(module), _Inputs())
+        if rec.taken:
+            return
+        batch = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        if batch and not any(self._produced(t) for t in batch.values()):
+            rec.data.append(batch)
+            rec.taken = True
 
     def _produced(self, t: torch.Tensor) -> bool:
         """`t` shares storage with a live output of a root module (e.g. `G(z).detach()`)."""
@@ -625,7 +639,7 @@ class Discovery:
         counts.sort(key=lambda c: -c[0])
         return [r for _, r in counts]
 
-    def _take_batches(self, w: Watched) -> list[tuple[torch.Tensor, ...]]:
+    def _take_batches(self, w: Watched) -> list[tuple[torch.Tensor, ...] | dict[str, torch.Tensor]]:
         """The step's batches (its micro-batches, in order) of the first of `w`'s roots
         called with any."""
         for root in w.roots:

@@ -104,9 +104,24 @@ def _live(obj: Any) -> Any:
     return None
 
 
-def _batch_of(args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
-    """The tensors `Discovery` hands the guard as the batch of a root call."""
-    return tuple(a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0)
+def _batch_of(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+              ) -> tuple[torch.Tensor, ...]:
+    """The tensors `Discovery` hands the guard as the batch of a root call: its positional
+    tensors, or for a call by keywords only (`model(input_ids=..., labels=...)`) its keyword
+    tensors, in their order (the guard is handed them as a dict)."""
+    tensors = tuple(a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0)
+    if tensors or not kwargs:
+        return tensors
+    return tuple(v for v in kwargs.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def _given(batch: Any) -> tuple[Any, ...]:
+    """The tensors of a batch as the guard was handed it (a tensor, a tuple / list, a dict)."""
+    if batch is None:
+        return ()
+    if isinstance(batch, dict):
+        return tuple(batch.values())
+    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
 
 
 @dataclass(eq=False)
@@ -168,10 +183,9 @@ class Recipe:
     def matches(self, batch: Any) -> bool:
         """`batch` is the one the guard was handed for this step (the same tensors as one of
         the calls' arguments)."""
-        theirs = () if batch is None else (
-            tuple(batch) if isinstance(batch, (tuple, list)) else (batch,))
+        theirs = _given(batch)
         for call in self.calls or (self.call,):
-            mine = _batch_of(call.args)
+            mine = _batch_of(call.args, call.kwargs)
             if len(theirs) == len(mine) and all(a is b for a, b in zip(theirs, mine,
                                                                         strict=True)):
                 return True
@@ -181,8 +195,8 @@ class Recipe:
         """`batch` is one sample of this step's batch (`batch[i:i+1]` of each of its tensors,
         as the guard slices it to find a spike's samples): its index `i`, else None (also for
         a step of several model calls)."""
-        mine = _batch_of(self.call.args)
-        theirs = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        mine = _batch_of(self.call.args, self.call.kwargs)
+        theirs = _given(batch)
         if self.calls or not mine or len(theirs) != len(mine):
             return None
         index = None
@@ -215,7 +229,7 @@ class Recipe:
         if sample is not None and (self.forward_only is not None or not losses):
             raise NotReplayable("no per-sample loss: the loss is not a recognised one of the "
                                 "model's output")
-        n = len(_batch_of(self.call.args)[0]) if sample is not None else 0
+        n = len(_batch_of(self.call.args, self.call.kwargs)[0]) if sample is not None else 0
         outputs: dict[int, Any] = {}
         for call in calls:
             rng.restore(call.rng)
