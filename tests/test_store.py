@@ -89,6 +89,24 @@ def test_steps_are_queued_and_events_committed_before_returning(tmp_path):
     store.close()  # idempotent
 
 
+def test_a_run_that_stays_nan_commits_its_first_nan_step_only(tmp_path):
+    """A NaN at every step (`observe` goes on): the first non-finite step is committed at once,
+    the repeats (same signals) are queued like plain steps; new signals commit again. Nothing
+    is lost at close."""
+    store = RunStore(tmp_path, **QUIET)
+    write_step(store, _stats(0), 2, True)
+    write_step(store, _stats(1, loss=NAN), 2, True)  # new: committed at once
+    assert _read(tmp_path, "SELECT max(step) FROM steps") == [(1,)]
+    for s in range(2, 6):
+        write_step(store, _stats(s, loss=NAN), 2, True)  # the same signals: queued
+    assert _read(tmp_path, "SELECT max(step) FROM steps") == [(1,)]
+    write_step(store, _stats(6, loss=NAN, grad_norms={0: NAN}, nonfinite_grads=[0]), 2,
+               True)  # a new signal
+    assert _read(tmp_path, "SELECT max(step) FROM steps") == [(6,)]
+    store.close()
+    assert _read(tmp_path, "SELECT count(*) FROM steps WHERE nonfinite != '[]'") == [(6,)]
+
+
 def test_nan_and_inf_survive_the_blob_and_the_view(tmp_path):
     store = RunStore(tmp_path, **QUIET)
     write_step(store, _stats(0, grad_norms={0: NAN, 2: INF}, param_norms={0: -INF, 1: 1.5, 2: 2.0},

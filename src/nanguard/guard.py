@@ -696,7 +696,8 @@ class Guard:
         if found is None:
             return
         signals = self.first_nonfinite.get("signals")
-        self.first_nonfinite.update({k: v for k, v in found.items() if v is not None})
+        self.first_nonfinite.update({k: v for k, v in found.items()
+                                     if v is not None or k == "reproduced"})
         self.first_nonfinite["signals"] = signals
         self.store.write_finding(self.first_nonfinite)
 

@@ -55,6 +55,29 @@ def test_failure_thousands_of_steps_in_is_pinpointed_in_process(tmp_path: Path) 
     assert "ran out of its budget" not in g.proc.stderr
 
 
+def test_late_failure_under_gradient_accumulation_is_pinpointed_in_process(
+        tmp_path: Path) -> None:
+    """The same late failure with `--grad-accum 4` (four micro-batches per update, each loss
+    divided by 4 before its backward): the step's micro-batches are replayed one by one in
+    process, and the first one already makes the -inf (the prior is the same for all four)."""
+    anneal, steps = 1500, 1502
+    traced, g = both(tmp_path, LATE, "--steps", str(steps), "--anneal-steps", str(anneal),
+                     "--grad-accum", "4", options=("--replay-budget", "0.5"))
+    step = _anneal_zero(anneal, steps)
+    assert traced.first == {"step": step, "phase": "forward", "module": "head"}, traced
+    first = g.report.get("first_nonfinite") or {}
+    got = {"replay": g.report["run"].get("replay"),
+           **{k: first.get(k) for k in ("step", "phase", "module", "op", "source",
+                                        "micro_batch")},
+           "cause": g.report["diagnosis"][0]["cause"] if g.report.get("diagnosis") else None}
+    want = {"replay": {"status": "in-process", "step": step},
+            "step": step, "phase": "forward", "module": "head", "op": "aten.log",
+            "source": f"{SCRIPTS / LATE}:{_line(LATE, 'torch.log(prior)')}",
+            "micro_batch": 0, "cause": "log_of_nonpositive"}
+    assert got == want, g.explain()
+    assert g.report["status"] == "failed" and g.proc.returncode == 1
+
+
 def test_in_process_replay_leaves_training_bitwise_identical(tmp_path: Path) -> None:
     """Observe is non-invasive through the recording and the replay: with `--sanitize-grads`
     the failing step (300) changes nothing but momentum and training goes on for 60 finite

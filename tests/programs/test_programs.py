@@ -265,3 +265,36 @@ def test_gan_bce_nan_point_kills_the_script(tmp_path: Path) -> None:
     assert "all elements of input should be between 0 and 1" in g.proc.stderr
     assert_failed(g, {"step": expected["step"], "phase": "data", "cause": "data_nonfinite",
                       "samples": expected["samples"]})
+
+
+# ------------------------------------------------------------------ CNN, DataLoader workers
+
+CNN = "cnn_workers.py"
+
+
+def test_cnn_workers_bf16_accumulation_healthy(tmp_path: Path) -> None:
+    """BatchNorm CNN, DataLoader with two worker processes, bf16 autocast, accumulation over
+    two micro-batches, AdamW + cosine, clipping, eval and checkpoints: healthy, no alarm."""
+    assert_healthy(tmp_path, CNN, "--bf16")
+
+
+def test_cnn_workers_nan_pixel(tmp_path: Path) -> None:
+    """One NaN pixel in image 100; the batches come from worker processes (through shared
+    memory: no op of the training process computes the value). The update step and the
+    sample are recomputed from the DataLoader's contract (the same loader over indices:
+    workers do not change the order); samples are numbered across the step's two
+    micro-batches. Phase `data`, cause `data_nonfinite`, the culprit sample named."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    import cnn_workers
+
+    order = [int(i) for b in cnn_workers.loader(range(512), 0) for i in b]
+    pos = order.index(100)
+    batch, row = divmod(pos, cnn_workers.BATCH)
+    step, micro = divmod(batch, 2)
+    traced, g = both(tmp_path, CNN, "--nan-index", "100")
+    assert traced.first is not None and (traced.first["step"], traced.first["phase"]) == (
+        step, "data"), traced.first
+    assert_failed(g, {"step": step, "phase": "data", "cause": "data_nonfinite",
+                      "samples": [micro * cnn_workers.BATCH + row]})

@@ -36,6 +36,7 @@ as `guard.preflight` (the diagnosis reads it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import weakref
@@ -43,7 +44,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -58,11 +59,15 @@ from torch.optim.optimizer import (
 from torch.utils.hooks import RemovableHandle
 
 from nanguard.config import GuardConfig, RecordConfig
+from nanguard.errors import NanguardError
 from nanguard.guard import Guard
 from nanguard.integrations.manual import ManualBoundaries, ManualStep, forked, replaying
 from nanguard.integrations.script_flags import clip_from_argv
+from nanguard.pinpoint import loss_expr
+from nanguard.pinpoint.inprocess import compare_as
 from nanguard.pinpoint.recorded import (
     ClosureRecipe,
+    MicroRecipes,
     NotReplayable,
     Recipe,
     StepRecorder,
@@ -91,7 +96,7 @@ class Watched:
     error: str | None = None
     note: str | None = None
     """A one-line remark printed with the summary (e.g. a policy that could not apply)."""
-    recipe: Recipe | ClosureRecipe | str | None = None
+    recipe: Recipe | ClosureRecipe | MicroRecipes | str | None = None
     """How to replay the step in progress in process (pinpoint/recorded.py), or why it cannot
     be; set at the step's start, dropped after its update."""
     in_process: dict[str, Any] | None = None
@@ -113,8 +118,40 @@ class Watched:
 
 @dataclass
 class _Inputs:
-    data: tuple[torch.Tensor, ...] | None = None
+    data: list[tuple[torch.Tensor, ...] | dict[str, torch.Tensor]] = field(default_factory=list)
+    """The batch of each backward() of the step (several: the micro-batches of gradient
+    accumulation), in order: the inputs of the first grad-enabled call before it that no
+    module produced."""
+    taken: bool = False
+    """This backward's batch is in `data` already."""
     other: tuple[torch.Tensor, ...] | None = None
+    """The first call's inputs when a module produced them (a discriminator fed a generator)."""
+
+
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
+
+
+def _fail_open(where: str) -> Callable[[_Hook], _Hook]:
+    """A hook of the runner that never breaks the script: an error of nanguard's own inside it
+    makes every guard stand down (`Discovery._stand_down`) and the hooks do nothing from then
+    on. The `raise` policy's NanguardError (and the preflight's stop, a BaseException) pass."""
+
+    def wrap(fn: _Hook) -> _Hook:
+        @functools.wraps(fn)
+        def hook(self: Discovery, *args: Any, **kwargs: Any) -> Any:
+            if self.error is not None:
+                return None
+            try:
+                return fn(self, *args, **kwargs)
+            except NanguardError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+                self._stand_down(exc, where)
+                return None
+
+        return cast(_Hook, hook)
+
+    return wrap
 
 
 def _compiled(module: nn.Module) -> bool:
@@ -147,6 +184,8 @@ class Discovery:
         self.folder_for = folder_for
         self.preflight = preflight
         self._quiet = False
+        self.error: dict[str, Any] | None = None
+        """An error of nanguard's own in these hooks (`_stand_down`): they do nothing since."""
         self.policy = policy
         self.config = config or GuardConfig(record=RecordConfig(summary=False))
         self._coupling = _Coupling()
@@ -288,6 +327,18 @@ class Discovery:
         self._outputs.clear()
         self._inputs.clear()
 
+    def _stand_down(self, exc: BaseException, where: str) -> None:
+        """An error inside the runner's own hooks: every guard stands down (its error and
+        traceback recorded, its hooks removed: status `degraded`), these hooks do nothing from
+        now on, and the script runs on exactly as without nanguard."""
+        self.error = {"where": where, "error": f"{type(exc).__name__}: {exc}"}
+        guards = [w.guard for w in self.watched if w.guard is not None]
+        for guard in guards:
+            guard._stand_down(exc, where)
+        if not guards:
+            print(f"nanguard: internal error in {where} ({type(exc).__name__}: {exc}); "
+                  "nanguard stands down, training goes on", file=sys.stderr)
+
     def release(self) -> None:
         """Drop the references kept for the end-of-run checks (the last loss)."""
         self._loss = None
@@ -321,16 +372,23 @@ class Discovery:
 
     # ------------------------------------------------------------------ hooks
 
+    @_fail_open("nanguard run's backward hook")
     def _saw_backward(self, tensor: torch.Tensor) -> None:
         if forked() or self._quiet or replaying(tensor):
             return
         if self.preflight is not None and not self.preflight.done:
             self.preflight.saw_backward(tensor)
         self.recorder.saw_backward(tensor)
+        for rec in self._inputs.values():  # the next forward is the next micro-batch's
+            rec.taken = False
         if tensor.numel() == 1 and tensor.is_floating_point():
-            self._loss = tensor.detach()
+            # A loss scaled for its backward (`loss / accum_steps`, `scaler.scale(loss)`) is
+            # recorded in the script's units: the loss series is the loss, not its copy.
+            unscaled = self.recorder.unscaled(tensor)
+            self._loss = unscaled if unscaled is not None else tensor.detach()
             self._loss_seq += 1
 
+    @_fail_open("nanguard run's forward pre-hook")
     def _forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if forked() or self._quiet or replaying():
             return
@@ -351,11 +409,14 @@ class Discovery:
         if not tensors:
             return
         rec = self._inputs.setdefault(id(module), _Inputs())
-        if rec.data is None and not any(self._produced(t) for t in tensors):
-            rec.data = tensors
+        if not any(self._produced(t) for t in tensors):
+            if not rec.taken:
+                rec.data.append(tensors)
+                rec.taken = True
         elif rec.other is None:
             rec.other = tensors
 
+    @_fail_open("nanguard run's forward hook")
     def _forward_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                       output: Any) -> None:
         if forked() or self._quiet or replaying():
@@ -364,6 +425,8 @@ class Discovery:
         if self._depth:
             return
         self.recorder.saw_output(module, kwargs, output)
+        if kwargs and torch.is_grad_enabled() and self._has_params.get(module):
+            self._keyword_batch(module, kwargs)
         if self.preflight is not None and not self.preflight.done and torch.is_grad_enabled():
             self.preflight.saw_root_output(module, output)
         if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
@@ -377,6 +440,18 @@ class Discovery:
         self._outputs = [r for r in self._outputs if r() is not None][-_MAX_OUTPUTS:]
         self._outputs.append(weakref.ref(output))
 
+    def _keyword_batch(self, module: nn.Module, kwargs: dict[str, Any]) -> None:
+        """A model called by keywords only (`model(input_ids=ids, labels=y)`, the transformers
+        style; the pre-hook sees no positional tensor): its keyword tensors are the batch, as
+        a dict, when no module produced them."""
+        rec = self._inputs.setdefault(id(module), _Inputs())
+        if rec.taken:
+            return
+        batch = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        if batch and not any(self._produced(t) for t in batch.values()):
+            rec.data.append(batch)
+            rec.taken = True
+
     def _produced(self, t: torch.Tensor) -> bool:
         """`t` shares storage with a live output of a root module (e.g. `G(z).detach()`)."""
         try:
@@ -389,6 +464,7 @@ class Discovery:
                 return True
         return False
 
+    @_fail_open("nanguard run's optimizer step pre-hook")
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """Global step pre-hook: runs first in every `optimizer.step()` (and in a
@@ -413,12 +489,17 @@ class Discovery:
         result = _run_closure_first(optimizer, args, kwargs)
         loss = self._loss if self._loss_seq > w.loss_seq else None
         w.loss_seq = self._loss_seq
-        batch = self._take_batch(w)
+        batches = self._take_batches(w)
         if isinstance(w.recipe, ClosureRecipe):
-            w.recipe.batch = batch
-        w.guard.watch(loss=loss, batch=batch)
+            w.recipe.batch = batches[0] if batches else None
+        # Each micro-batch handed on in turn: the guard fingerprints them all, numbers their
+        # samples across them and replays them one by one.
+        w.guard.watch(loss=loss, batch=batches[0] if batches else None)
+        for batch in batches[1:]:
+            w.guard.watch(batch=batch)
         return result
 
+    @_fail_open("nanguard run's optimizer step post-hook")
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         """Global step post-hook: the update is done, the step's recipe is of no more use
         (its batch is let go)."""
@@ -434,7 +515,8 @@ class Discovery:
         """The `replay` function of `w`'s guard: the recorded step's forward and loss.
 
         Called by the guard, before the update, at the first step whose signals went
-        non-finite (and to look for a spike's samples: refused, it replays whole steps only).
+        non-finite, and with one sample of the batch to find the samples of a spike (a
+        per-sample loss: the recorded call and loss on that sample's rows).
 
         Raises:
             NotReplayable: the step is not one the recorder can replay, or the finding is one
@@ -445,17 +527,27 @@ class Discovery:
         if first is not None and w.in_process is None:
             w.in_process = {"before": dict(first)}
         recipe = w.recipe
+        if isinstance(recipe, MicroRecipes):
+            recipe = recipe.part(batch) or recipe.parts[0]  # (no part: refused just below)
         if first is not None and first.get("phase") in ("data", "checkpoint"):
             reason = f"phase {first['phase']}: the re-run looks for it before the step"
         elif not isinstance(recipe, (Recipe, ClosureRecipe)):
             reason = recipe or "no step recorded"
-        elif not recipe.matches(batch):
-            reason = ("not the batch of the recorded step (whole recorded steps are replayed, "
-                      "not single samples)")
+        elif not recipe.matches(batch) and _sample_of(recipe, batch) is None:
+            reason = ("not the batch of the recorded step, nor one of its samples (a closure "
+                      "replays whole steps only)")
         else:
             try:
                 with replay_forward(), torch.enable_grad():
-                    loss = recipe.run()
+                    if recipe.matches(batch):
+                        loss = recipe.run()
+                        unscaled = (loss_expr.unscale(recipe.expr, loss.detach())
+                                    if isinstance(recipe, Recipe) and recipe.expr is not None
+                                    else None)
+                        if unscaled is not None:  # the guard recorded it unscaled
+                            compare_as(loss, unscaled)
+                    else:  # one sample of the batch: a spike's per-sample gradients
+                        loss = cast(Recipe, recipe).run(_sample_of(recipe, batch))
             except NotReplayable as exc:
                 reason = str(exc)
             else:
@@ -547,12 +639,19 @@ class Discovery:
         counts.sort(key=lambda c: -c[0])
         return [r for _, r in counts]
 
-    def _take_batch(self, w: Watched) -> tuple[torch.Tensor, ...] | None:
+    def _take_batches(self, w: Watched) -> list[tuple[torch.Tensor, ...] | dict[str, torch.Tensor]]:
+        """The step's batches (its micro-batches, in order) of the first of `w`'s roots
+        called with any."""
         for root in w.roots:
             rec = self._inputs.pop(id(root), None)
             if rec is not None:
-                return rec.data if rec.data is not None else rec.other
-        return None
+                return rec.data or ([rec.other] if rec.other is not None else [])
+        return []
+
+
+def _sample_of(recipe: Recipe | ClosureRecipe, batch: Any) -> int | None:
+    """Which sample of `recipe`'s batch `batch` is (None: none, or a closure's step)."""
+    return recipe.sample_of(batch) if isinstance(recipe, Recipe) else None
 
 
 class _Leaves(nn.Module):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 import weakref
 from typing import Any
 
@@ -36,6 +37,12 @@ TAG = "nanguard_origin"
 """Key in `grad_fn.metadata`: (module path, forward source line)."""
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+# The standard library is nobody's training code either (a DataLoader worker's batch arrives
+# through multiprocessing's queues): a source line there would point away from the script.
+_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
+_SITE_DIRS = tuple(sorted({sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib")}))
+"""Installed packages (a transformers model's code) are user code: they may sit below the
+standard library's folder."""
 _NANGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # Demo training scripts shipped inside the package count as user code.
 _USER_DIRS = (os.path.join(_NANGUARD_DIR, "scenarios") + os.sep,)
@@ -45,7 +52,8 @@ _internal: dict[str, bool] = {}
 def _is_internal(filename: str) -> bool:
     hit = _internal.get(filename)
     if hit is None:
-        hit = filename.startswith("<") or filename.startswith(_TORCH_DIR) or (
+        hit = filename.startswith(("<", _TORCH_DIR)) or (
+            filename.startswith(_STDLIB_DIR) and not filename.startswith(_SITE_DIRS)) or (
             filename.startswith(_NANGUARD_DIR) and not filename.startswith(_USER_DIRS))
         _internal[filename] = hit
     return hit

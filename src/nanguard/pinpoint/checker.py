@@ -57,6 +57,10 @@ _FILL_OPS = frozenset({
     "lift_fresh", "lift_fresh_copy", "scalar_tensor", "empty", "empty_like", "new_empty",
     "empty_strided", "new_empty_strided", "empty_permuted", "resize_",
 })
+# Ops that adopt memory made elsewhere (a DataLoader worker's batch arrives through shared
+# memory as `set_` of a storage; a file mapped in): a non-finite value they yield came with
+# the data, not from a computation of this process.
+_ADOPT_OPS = frozenset({"set_", "from_file"})
 # Ops that move values without computing: they carry a candidate on without settling it.
 _TRANSPORT_OPS = frozenset({
     "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "unsqueeze", "squeeze",
@@ -230,6 +234,8 @@ class NonfiniteChecker(TorchDispatchMode):
                 else:
                     external = True
                     ext.append(t)
+        if name in _ADOPT_OPS and not tainted and not external and outs:
+            external, ext = True, [outs[0]]
         fill = name in _FILL_OPS or _scalar_inf(args, kwargs)
         if fill and not tainted:
             self._mark_intended(outs)

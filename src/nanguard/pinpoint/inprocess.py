@@ -35,6 +35,26 @@ def mark_backpropagated(loss: torch.Tensor, *, comparable: bool = True) -> None:
     _BACKPROPAGATED.update(ref=weakref.ref(loss), comparable=comparable)
 
 
+_COMPARED: dict[str, Any] = {"ref": None, "value": None}
+"""The value to compare for `reproduced` in place of the loss a replay function returned
+(`compare_as`), with a weak reference to that loss."""
+
+
+def compare_as(loss: torch.Tensor, value: torch.Tensor) -> None:
+    """Compare `value` with the step's recorded loss for `reproduced`, not `loss` itself: the
+    replay returns the loss as it was backpropagated (scaled: `loss / accum_steps`), while the
+    guard recorded it in the script's units."""
+    import weakref
+
+    _COMPARED.update(ref=weakref.ref(loss), value=value)
+
+
+def _compared(loss: torch.Tensor) -> torch.Tensor:
+    ref, value = _COMPARED["ref"], _COMPARED["value"]
+    _COMPARED.update(ref=None, value=None)
+    return value if ref is not None and ref() is loss else loss.detach()
+
+
 def _backpropagated(loss: torch.Tensor) -> bool:
     ref = _BACKPROPAGATED["ref"]
     return ref is not None and ref() is loss
@@ -84,7 +104,7 @@ def replay_forward_backward(
     def run_step() -> None:
         loss = compute_loss(batch)
         if not _backpropagated(loss):
-            losses.append(loss.detach())
+            losses.append(_compared(loss))
             loss.backward()
             return
         # A closure (its backward ran inside it, checked too), or a forward replayed alone.

@@ -4,7 +4,8 @@ A script run by `nanguard run` never hands nanguard a `replay(batch) -> loss` fu
 zero-code runner used to find an origin by re-running the whole script up to the failing step.
 `StepRecorder` instead records, while the script runs, what re-executing a step's forward and
 loss needs, and `Recipe.run()` is then the `replay` function the `Guard` calls at the first
-non-finite step, before the update (pinpoint/inprocess.py). What is kept per step:
+non-finite step, before the update (pinpoint/inprocess.py; the recipes are in
+pinpoint/recipe.py and pinpoint/closure_recipe.py). What is kept per step:
 
 * the trained model's root call: the module, its positional and keyword arguments (the global
   forward pre-hook gives the positional ones, the global forward hook, `with_kwargs`, the
@@ -14,14 +15,20 @@ non-finite step, before the update (pinpoint/inprocess.py). What is kept per ste
   wrappers of audit/preflight_live.py (`LOSS_FUNCTIONS`, `_find`: the same mechanism), with its
   other arguments and how its input came from the output (the output itself, or a contiguous
   view / reshape of it); or the output element itself when the model returns its loss;
-* which of them the `backward()` of the step took.
+* which of them each `backward()` of the step took: the loss itself, an element of the output,
+  or an expression over recorded losses (pinpoint/loss_expr.py: `loss / k` of gradient
+  accumulation, a GradScaler's `scaler.scale(loss)`, a discriminator's
+  `bce(D(real), 1) + bce(D(fake), 0)`), read from the autograd graph before the backward
+  frees its constants.
 
 Everything is held by reference (no copies, no device reads): the arguments until the step's
-update (one call per module and step: a module called again in the same step is not
-replayable, and its first call is let go), the outputs only weakly (a grad-enabled forward the
-script throws away keeps no activations alive here), and the loss values weakly too.
-A step is replayable only when it is that simple: one call of the model, one backward, of a
-recognised loss of that call's output, no torch.distributed, no batch changed in place since.
+update (at most `_MAX_CALLS` calls per backward), the outputs only weakly (a grad-enabled
+forward the script throws away keeps no activations alive here), and the loss values weakly
+too. A step is replayable only when it is that simple: per backward, the calls of the model
+before it each reaching a recognised loss (one call, or several whose losses the expression
+sums), no torch.distributed, no batch changed in place since. Several backwards (gradient
+accumulation) make one recipe each (`MicroRecipes`): the runner hands the guard each
+micro-batch, and the guard replays them in turn.
 A step of `optimizer.step(closure)` (LBFGS, or any torch.optim optimizer given a closure) is
 replayed by calling the closure again (`ClosureRecipe`): it runs forward, loss and backward
 itself, so the checker labels its ops by what they are; the closure's variables are put back
@@ -42,327 +49,68 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from nanguard.audit.preflight_live import LOSS_FUNCTIONS, _find, _select, _versions, _wrap
+from nanguard.audit.preflight_live import LOSS_FUNCTIONS, _find, _select, _wrap
 from nanguard.integrations.manual import REPLAY, forked, replaying
-from nanguard.watch import rng
+from nanguard.pinpoint import loss_expr
+from nanguard.pinpoint.closure_recipe import ClosureRecipe
+from nanguard.pinpoint.recipe import (
+    _MAX_CALLS,
+    LossCall,
+    MicroRecipes,
+    NotReplayable,
+    Recipe,
+    RootCall,
+    _amp_state,
+    _flat_versions,
+    _live,
+    _rng_state,
+    _weak,
+)
 
-_MAX_CALLS = 8
-"""Root calls and loss calls kept per step; more than that is not a simple step anyway."""
-_AMP_DEVICES = ("cpu", "cuda")
+__all__ = ["ClosureRecipe", "MicroRecipes", "NotReplayable", "Recipe", "StepRecorder",
+           "mark_replayed_loss", "replay_forward"]
 
-
-class NotReplayable(Exception):  # noqa: N818 - the word users read in `replay.in_process`
-    """This step cannot be replayed in process; the message says why in one line."""
-
-
-_ANY_AMP = getattr(torch._C, "_is_any_autocast_enabled", None)
-
-
-def _amp_state() -> tuple[tuple[str, torch.dtype], ...]:
-    """The autocast devices on and their dtypes (one C call when none is: the usual case)."""
-    if _ANY_AMP is not None and not _ANY_AMP():
-        return ()
-    return tuple((d, torch.get_autocast_dtype(d)) for d in _AMP_DEVICES
-                 if torch.is_autocast_enabled(d))
-
-
-def _rng_state() -> dict[str, Any]:
-    """`rng.capture_step()` without its `torch.cuda.is_available()` (on the hot path: once per
-    step); the same dict, for `rng.restore`."""
-    state: dict[str, Any] = {"torch": torch.default_generator.get_state()}
-    if torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-@contextlib.contextmanager
-def _amp(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
-    """Autocast as it was when the call was recorded (off for the devices it was off for)."""
-    with contextlib.ExitStack() as stack:
-        for d in _AMP_DEVICES:
-            dtype = dict(state).get(d)
-            stack.enter_context(torch.autocast(d, dtype=dtype, enabled=dtype is not None))
-        yield
-
-
-def _flat_versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Any, int]]:
-    """`_versions(args, kwargs)`, without its recursion for the usual flat call (on the hot
-    path: once per root call)."""
-    out = []
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, torch.Tensor):
-            out.append((v, v._version))
-        elif isinstance(v, (tuple, list, dict)):
-            out += _versions(v)
-    return out
-
-
-def _weak(obj: Any, depth: int = 0) -> Any:
-    """`obj` (a module's output) with weak references in place of its tensors, to the depth
-    `_find` looks (tuples and lists become tuples, mappings dicts: the same paths select)."""
-    if isinstance(obj, torch.Tensor):
-        return weakref.ref(obj)
-    if depth >= 2:
-        return None
-    if isinstance(obj, (tuple, list)):
-        return tuple(_weak(v, depth + 1) for v in obj)
-    if isinstance(obj, dict):
-        return {k: _weak(v, depth + 1) for k, v in obj.items()}
-    return None
-
-
-def _live(obj: Any) -> Any:
-    """The tensors of a `_weak` structure that are still alive (None for the others)."""
-    if isinstance(obj, weakref.ref):
-        return obj()
-    if isinstance(obj, tuple):
-        return tuple(_live(v) for v in obj)
-    if isinstance(obj, dict):
-        return {k: _live(v) for k, v in obj.items()}
-    return None
-
-
-def _batch_of(args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
-    """The tensors `Discovery` hands the guard as the batch of a root call."""
-    return tuple(a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0)
-
-
-@dataclass(eq=False)
-class RootCall:
-    """One grad-enabled call of a root module."""
-
-    module: nn.Module
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    versions: list[tuple[torch.Tensor, int]]
-    rng: dict[str, Any]
-    amp: tuple[tuple[str, torch.dtype], ...]
-    output: Any = None
-    """The output as weak references (`_weak`), until the step's backward: the loss input is
-    looked up in it."""
-
-
-@dataclass(eq=False)
-class LossCall:
-    """One `torch.nn.functional` loss whose input came from a root call's output."""
-
-    fn: Any
-    call: RootCall
-    path: tuple[Any, ...]
-    shape: tuple[int, ...] | None
-    rest: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    versions: list[tuple[torch.Tensor, int]]
-    amp: tuple[tuple[str, torch.dtype], ...]
-    result: weakref.ref[torch.Tensor] | None = None
-    """The loss value, weakly, until the step's backward (compared by identity)."""
-
-
-@dataclass(eq=False)
-class Recipe:
-    """How to compute one recorded step's loss again: call the module, take the loss."""
-
-    call: RootCall
-    loss: LossCall | None
-    path: tuple[Any, ...] = ()
-    """Without `loss`: where the loss sits in the output (a model that returns its loss)."""
-    forward_only: str | None = None
-    """The loss is the script's own arithmetic (not recognised): only the forward is replayed,
-    and only an origin whose value reached the model's output counts; this says why."""
-
-    def matches(self, batch: Any) -> bool:
-        """`batch` is the one the guard was handed for this step (the same tensors)."""
-        mine = _batch_of(self.call.args)
-        if batch is None:
-            return not mine
-        theirs = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-        return len(theirs) == len(mine) and all(a is b for a, b in zip(theirs, mine,
-                                                                        strict=True))
-
-    def run(self) -> torch.Tensor:
-        """The step's forward and loss again, from the RNG states its forward started with.
-
-        Raises:
-            NotReplayable: a tensor of the batch or the targets changed in place since, or
-                torch.distributed is initialized.
-        """
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Asked here, not at every step boundary: only a replay needs to know.
-            raise NotReplayable("torch.distributed: a replayed backward would wait for the "
-                                "other ranks")
-        loss = self.loss
-        versions = [*self.call.versions, *(loss.versions if loss is not None else [])]
-        if any(t._version != v for t, v in versions):
-            raise NotReplayable("the script changed the batch in place after the forward")
-        rng.restore(self.call.rng)
-        with _amp(self.call.amp):
-            out = self.call.module(*self.call.args, **self.call.kwargs)
-        if self.forward_only is not None:
-            return _forward_result(out, self.forward_only)
-        if loss is None:
-            return cast(torch.Tensor, _select(out, self.path))
-        x = _select(out, loss.path)
-        if loss.shape is not None:
-            x = x.reshape(loss.shape)
-        with _amp(loss.amp):
-            return cast(torch.Tensor, loss.fn(x, *loss.rest, **loss.kwargs))
-
-
-class _KeptCells:
-    """The closure's variables as they were before a replay of it, put back afterwards: the
-    ones it closes over and the globals its code names (a `global calls; calls += 1` counter,
-    a list of losses it appends to, rebound or changed in place, one level deep). Replaying
-    the closure must not change what the script sees. Python state reached otherwise
-    (attributes of objects, the contents of nested containers) is not restored."""
-
-    def __init__(self, fn: Any) -> None:
-        self.saved: list[tuple[Any, Any, Any]] = []
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            self.saved.append((cell, value, _shallow(value)))
-        self.globals: list[tuple[str, Any, Any]] = []
-        self.scope: dict[str, Any] = {}
-        scope = getattr(fn, "__globals__", None)
-        code = getattr(fn, "__code__", None)
-        if isinstance(scope, dict) and code is not None:
-            self.scope = scope
-            self.globals = [(n, scope[n], _shallow(scope[n])) for n in code.co_names
-                            if n in scope]
-
-    def restore(self) -> None:
-        for name, value, copy in self.globals:
-            if self.scope.get(name) is not value:
-                self.scope[name] = value
-            _put_back(value, copy)
-        for cell, value, copy in self.saved:
-            cell.cell_contents = value
-            _put_back(value, copy)
-
-
-def _shallow(value: Any) -> Any:
-    return list(value) if isinstance(value, list) else (
-        dict(value) if isinstance(value, dict) else None)
-
-
-def _put_back(value: Any, copy: Any) -> None:
-    """`value` (a list or dict) back to its shallow `copy` if it changed."""
-    if isinstance(value, list) and copy is not None and (
-            len(value) != len(copy) or any(a is not b for a, b in zip(value, copy, strict=True))):
-        value[:] = copy
-    elif isinstance(value, dict) and copy is not None and (
-            value.keys() != copy.keys() or any(value[k] is not copy[k] for k in copy)):
-        value.clear()
-        value.update(copy)
-
-
-@dataclass(eq=False)
-class ClosureRecipe:
-    """How to compute one `optimizer.step(closure)` step's loss again: call the closure (it runs
-    forward, loss and backward itself), from the RNG and autocast states its first call started
-    with. The runner calls that first call itself before the guard checks the step
-    (integrations/discovery.py), so the parameters are still those it saw."""
-
-    closure: Any
-    rng: dict[str, Any]
-    amp: tuple[tuple[str, torch.dtype], ...]
-    batch: Any = None
-    """The batch the guard was handed for this step (set by the runner)."""
-
-    def matches(self, batch: Any) -> bool:
-        """`batch` is the step's own (a single sample of it is not: the closure takes none)."""
-        if batch is None or self.batch is None:
-            return batch is None and self.batch is None
-        a = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-        b = tuple(self.batch) if isinstance(self.batch, (tuple, list)) else (self.batch,)
-        return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
-
-    def run(self) -> torch.Tensor:
-        """The closure again; its loss is marked as already backpropagated.
-
-        Raises:
-            NotReplayable: torch.distributed is initialized, or the closure returned no tensor.
-        """
-        import io
-
-        from nanguard.pinpoint.inprocess import mark_backpropagated
-
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            raise NotReplayable("torch.distributed: a replayed backward would wait for the "
-                                "other ranks")
-        kept = _KeptCells(self.closure)
-        rng.restore(self.rng)
-        try:
-            # The closure's prints (a loss log) are the replay's, not the script's: dropped.
-            with _amp(self.amp), contextlib.redirect_stdout(io.StringIO()):
-                out = self.closure()
-        finally:
-            kept.restore()
-        if isinstance(out, (tuple, list)) and out:
-            out = out[0]
-        if not isinstance(out, torch.Tensor):
-            raise NotReplayable("the closure returned no loss tensor")
-        mark_backpropagated(out)
-        return out
-
-
-def _forward_result(out: Any, why: str) -> torch.Tensor:
-    """The model's output of a forward replayed alone, marked so that no backward runs on it.
-    Only a non-finite output is taken: then the first non-finite value of the step was made in
-    the forward (nothing of the step runs before it) and reached the loss, so the checker's
-    origin is exact. A finite output (nothing non-finite, or a value the forward itself cut
-    off, such as a -inf that a gather skipped) says nothing of the loss: refused.
-
-    Raises:
-        NotReplayable: the replayed forward's output is finite.
-    """
-    from nanguard.pinpoint.inprocess import mark_backpropagated
-
-    tensors = [t for t in _flat(out) if t.is_floating_point() and t.numel()]
-    with torch.no_grad():
-        bad = next((t for t in tensors if not bool(torch.isfinite(t).all())), None)
-    if bad is None:
-        raise NotReplayable(f"{why}; its forward alone, replayed, gives a finite output (the "
-                            "value is made in the loss or the backward)")
-    mark_backpropagated(bad, comparable=False)
-    return bad
-
-
-def _flat(obj: Any, depth: int = 0) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
+def _scalars(output: Any, path: tuple[Any, ...] = (), depth: int = 0
+             ) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
+    """The 0-dim floating tensors with a gradient in a module's output, with their paths (to
+    the depth `_find` looks): the candidates for a loss the model returns."""
+    if isinstance(output, torch.Tensor):
+        if output.dim() == 0 and output.requires_grad and output.is_floating_point():
+            return [(path, output)]
+        return []
     if depth >= 2:
         return []
-    if isinstance(obj, (tuple, list)):
-        return [t for v in obj for t in _flat(v, depth + 1)]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _flat(v, depth + 1)]
-    return []
+    items: Any = ()
+    if isinstance(output, (tuple, list)):
+        items = enumerate(output)
+    elif isinstance(output, dict):
+        items = output.items()
+    return [found for k, v in items for found in _scalars(v, (*path, k), depth + 1)]
+
+
+Target = Any
+"""What a backward took: a recorded loss, an expression over recorded losses (`loss_expr`:
+`Scaled`, `Combined`), (call, path) of an output element, or None."""
 
 
 class _Window:
-    """What the script did since the last step boundary (a plain class: one is made per
-    step)."""
+    """What the script did since the last `backward()` (a plain class: one is made per
+    backward); the finished ones of the step are kept in `micro`."""
 
-    __slots__ = ("backwards", "calls", "dropped", "losses", "repeated", "target")
+    __slots__ = ("calls", "dropped", "losses", "micro", "target")
 
-    def __init__(self) -> None:
+    def __init__(self, micro: list[_Window] | None = None) -> None:
         self.calls: list[RootCall] = []
         self.losses: list[LossCall] = []
-        self.backwards = 0
-        self.target: LossCall | tuple[RootCall, tuple[Any, ...]] | None = None
-        """What the (last) backward took: a recorded loss, or (call, path) of an output."""
+        self.target: Target = None
         self.dropped = False
-        self.repeated: set[int] = set()
-        """Modules called more than once (their calls are let go)."""
+        self.micro: list[_Window] = micro if micro is not None else []
+        """The windows of the step's earlier backwards (gradient accumulation), in order."""
 
 
 class StepRecorder:
@@ -419,12 +167,6 @@ class StepRecorder:
         """A grad-enabled call of a root module with parameters starts (the global forward
         pre-hook): its positional arguments, RNG and autocast states."""
         w = self._window
-        if id(module) in w.repeated:
-            return
-        if any(c.module is module for c in w.calls):
-            w.repeated.add(id(module))
-            w.calls = [c for c in w.calls if c.module is not module]
-            return
         if len(w.calls) >= _MAX_CALLS:
             w.dropped = True
             return
@@ -434,12 +176,22 @@ class StepRecorder:
     def saw_output(self, module: nn.Module, kwargs: dict[str, Any], output: Any) -> None:
         """A root call returned (the global forward hook, at depth 0, `with_kwargs`: global
         pre-hooks are not given the keyword arguments, this hook is)."""
-        for call in reversed(self._window.calls):
+        w = self._window
+        for call in reversed(w.calls):
             if call.module is module and call.output is None:
                 call.output = _weak(output)
                 if kwargs:
                     call.kwargs = dict(kwargs)
                     call.versions += _flat_versions((), kwargs)
+                # A loss the model returns (`out.loss`) may be backpropagated scaled
+                # (`out.loss / accum_steps`): tagged like a loss call, for the expression.
+                for path, value in _scalars(output):
+                    if len(w.losses) >= _MAX_CALLS:
+                        break
+                    loss = LossCall(None, call, path, None, (), {}, [], call.amp,
+                                    weakref.ref(value))
+                    w.losses.append(loss)
+                    loss_expr.tag(value, loss)
                 return
 
     def _saw_loss(self, name: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -463,10 +215,14 @@ class StepRecorder:
                                               and _select(output, path).is_contiguous()):
                     return  # a transpose or permute: not what a reshape gives back
                 rest = tuple(args[1:])
-                w.losses.append(LossCall(fn, call, path, shape, rest, kwargs,
-                                         _flat_versions(rest, kwargs), _amp_state(),
-                                         weakref.ref(out) if isinstance(out, torch.Tensor)
-                                         else None))
+                loss = LossCall(fn, call, path, shape, rest, kwargs, _flat_versions(rest, kwargs),
+                                _amp_state(), weakref.ref(out) if isinstance(out, torch.Tensor)
+                                else None)
+                w.losses.append(loss)
+                if isinstance(out, torch.Tensor):
+                    # The loss value itself may be a temporary (`F.mse_loss(...) / k`): its
+                    # autograd node outlives it, and carries this tag to the backward.
+                    loss_expr.tag(out, loss)
                 return
         except Exception:  # noqa: BLE001, S110 - never in the script's way
             pass
@@ -475,25 +231,46 @@ class StepRecorder:
         """The script calls `tensor.backward()`: which recorded loss (or output) it is. The
         outputs and loss values are let go afterwards."""
         w = self._window
-        w.backwards += 1
-        w.target = next((c for c in reversed(w.losses)
-                         if c.result is not None and c.result() is tensor), None)
-        if w.target is None:
-            for call in reversed(w.calls):
-                output = _live(call.output)
-                found = _find(output, tensor) if output is not None else None
-                if found is not None and found[1] is None:
-                    w.target = (call, found[0])
-                    break
+        try:
+            w.target = self._target(w, tensor)
+        except Exception:  # noqa: BLE001 - never in the script's way: the step is not replayed
+            w.target, w.dropped = None, True
         for call in w.calls:
             call.output = None
         for loss in w.losses:
             loss.result = None
+        # The next forward is the next micro-batch's (or the next step's).
+        w.micro.append(w)
+        self._window = _Window(w.micro)
+
+    def unscaled(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Right after `saw_backward(tensor)`: `tensor` in its recorded loss's units when the
+        backward took that loss scaled (`loss_expr.unscale`; one device op, no read), else
+        None."""
+        micro = self._window.micro
+        expr = micro[-1].target if micro else None
+        return loss_expr.unscale(expr, tensor.detach()) if expr is not None else None
+
+    @staticmethod
+    def _target(w: _Window, tensor: torch.Tensor) -> Target:
+        """What `tensor` (backpropagated) is: a recorded loss, an expression over them, an
+        element of a call's output, or None."""
+        target = next((c for c in reversed(w.losses)
+                       if c.result is not None and c.result() is tensor), None)
+        if target is None:
+            target = loss_expr.parse(tensor, w.losses)
+        if target is None:
+            for call in reversed(w.calls):
+                output = _live(call.output)
+                found = _find(output, tensor) if output is not None else None
+                if found is not None and found[1] is None:
+                    return (call, found[0])
+        return target
 
     # ------------------------------------------------------------------ step boundaries
 
     def boundary(self, roots: list[nn.Module], *, closure: bool,
-                 first_call: Any = None) -> Recipe | ClosureRecipe | str:
+                 first_call: Any = None) -> Recipe | ClosureRecipe | MicroRecipes | str:
         """An optimizer step starts: the recipe of the step that led to it, or why there is
         none. The window starts afresh. With a closure that the runner calls first itself
         (`first_call`, before anything else draws random numbers): a `ClosureRecipe`."""
@@ -503,27 +280,51 @@ class StepRecorder:
         if closure:
             return ("the optimizer takes a closure it calls itself (not a torch.optim "
                     "optimizer: its forward runs inside step())")
-        calls = [c for c in w.calls if any(c.module is r for r in roots)]
-        if len(calls) > 1 or any(id(r) in w.repeated for r in roots):
-            return "the model is called several times in a step"
-        if w.dropped:
-            return f"more than {_MAX_CALLS} module calls in a step"
-        if not calls:
-            return ("no grad-enabled call of a module holding the trained parameters in that "
-                    "step (raw tensors outside any module?)")
-        if w.backwards != 1:
-            return f"{w.backwards} backward() calls in a step"
-        target = w.target
-        if isinstance(target, LossCall) and target.call is calls[0]:
-            return Recipe(calls[0], target)
-        if isinstance(target, tuple) and target[0] is calls[0]:
-            return Recipe(calls[0], None, target[1])
-        if target is None and w.backwards == 1:
-            return Recipe(calls[0], None, forward_only=(
-                "the loss backpropagated is not a torch.nn.functional loss (or loss module) of "
-                "the model's output, nor an element of that output"))
-        return ("the loss backpropagated is not a torch.nn.functional loss (or loss module) of "
-                "the model's output, nor an element of that output")
+        if not w.micro:
+            return "0 backward() calls in a step"
+        if len(w.micro) > 1 and not all(m.calls for m in w.micro):
+            return f"{len(w.micro)} backward() calls in a step, not one per forward"
+        parts = [_recipe(m, roots) for m in w.micro]
+        reason = next((r for r in parts if isinstance(r, str)), None)
+        if reason is not None:
+            return reason
+        recipes = cast(list[Recipe], parts)
+        return recipes[0] if len(recipes) == 1 else MicroRecipes(recipes)
+
+
+_NOT_A_LOSS = ("the loss backpropagated is not a torch.nn.functional loss (or loss module) of "
+               "the model's output, nor an element of that output")
+
+
+def _recipe(w: _Window, roots: list[nn.Module]) -> Recipe | str:
+    """The recipe of one backward's window (the forward calls before it), or why none."""
+    calls = [c for c in w.calls if any(c.module is r for r in roots)]
+    if w.dropped:
+        return f"more than {_MAX_CALLS} module calls in a step (or a loss not understood)"
+    if not calls:
+        return ("no grad-enabled call of a module holding the trained parameters in that "
+                "step (raw tensors outside any module?)")
+    target = w.target
+    several = "the model is called several times in a step (before one backward())"
+    if isinstance(target, tuple) and isinstance(target[0], RootCall):  # an output element
+        if len(calls) > 1:
+            return f"{several} and returns its loss"
+        if target[0] is calls[0]:
+            return Recipe(calls[0], None, cast(tuple[Any, ...], target[1]))
+        return _NOT_A_LOSS
+    if target is None:
+        if len(calls) > 1:
+            return f"{several} and its loss is not a sum of recognised losses of its outputs"
+        return Recipe(calls[0], None, forward_only=_NOT_A_LOSS)
+    losses = cast(list[LossCall], loss_expr.leaves(target))
+    used = {id(x.call) for x in losses}
+    if not used <= {id(c) for c in calls}:
+        return _NOT_A_LOSS  # a loss of another model's output (the generator's step of a GAN)
+    if len(calls) > 1 and any(id(c) not in used for c in calls):
+        return f"{several} and not every call's output reaches a recognised loss"
+    if isinstance(target, LossCall):
+        return Recipe(calls[0], target)
+    return Recipe(calls[0], None, expr=target, calls=tuple(calls) if len(calls) > 1 else ())
 
 
 @contextlib.contextmanager

@@ -50,6 +50,9 @@ def replay_batches(
                 found["samples"] = [offset + i for i in found.get("samples") or []]
                 if len(batches) > 1:
                     found["micro_batch"] = k
+                # null: the step's losses were not comparable (one loss is kept per step, not
+                # one per micro-batch)
+                found.setdefault("reproduced", None)
                 return found
             sized = [t for t in batch_tensors(batch) if t.dim() > 0]
             offset += sized[0].shape[0] if sized else 0

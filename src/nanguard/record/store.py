@@ -7,8 +7,8 @@ transactions of at most `flush_steps` (256) items. It wakes every `flush_seconds
 soon as 256 items (or 32768 per-parameter values) wait. The queue is bounded: past 16 times
 that, the calling thread writes it itself. Alarms, actions and findings are written AND
 committed on the calling thread before the call returns, after everything queued before them;
-so is a step that carries an alarm, a non-finite value or a skip, and the next step recorded
-after any alarm, action or finding.
+so is a step that carries an alarm, a skip or a non-finite value new to the run (not the same
+signals as the step before), and the next step recorded after any alarm, action or finding.
 
 Crash-safety promise (tested by SIGKILL at random points, tests/test_crash_safe.py): a process
 killed at any point leaves a store that opens (`open_run`) and holds
@@ -16,9 +16,11 @@ killed at any point leaves a store that opens (`open_run`) and holds
     most those of the last `flush_seconds` before the kill while the writer thread gets the
     CPU, and never more than 16 x `flush_steps` items;
   - every alarm, action and finding whose `write_*` call returned, and every step that
-    triggered one (a step recorded with an alarm or a non-finite value is committed before
-    `write_step` returns; an action or finding written before its step is recorded is
-    followed by that step's commit);
+    triggered one (a step recorded with an alarm, a skip, or non-finite signals other than the
+    step before's is committed before `write_step` returns; an action or finding written
+    before its step is recorded is followed by that step's commit). Steps that stay
+    non-finite in the same signals after that first one are queued like plain steps (a run
+    NaN at every step must not pay a commit per step);
   - no half-written step: one transaction holds a step's row, its per-parameter values, its
     activations, its batch and its alarms.
 The WAL with synchronous=NORMAL survives a process crash; only a power loss may drop the last
@@ -214,6 +216,8 @@ class RunStore(NullStore):
         self._writer = Writer(self.db, flush_steps=flush_steps, flush_seconds=flush_seconds,
                               after_commit=compactor if keep_recent >= 0 else None)
         self._sync_next = False
+        self._last_nonfinite: list[str] | None = None
+        """The non-finite signals of the last step recorded (a repeat is not committed at once)."""
         # Runs at close(), when the store is garbage-collected, or at interpreter exit: a run
         # that never closes still writes its last steps, and a dropped store ends its thread.
         self._finalizer = weakref.finalize(self, _shut, self._writer, self.db)
@@ -261,7 +265,13 @@ class RunStore(NullStore):
         """
         item = ("step", row, time.time(), per_param if per_param is not None or not params
                 else from_rows(params), activations, batch, alarms)
-        if alarms or row.get("nonfinite") or row.get("skipped") or self._sync_next:
+        # A non-finite step is committed at once when its non-finite signals are new (the step
+        # before held other ones, or none): a run that stays NaN step after step (`observe`)
+        # must not pay a commit per step, and its first such step is already on disk.
+        nonfinite = row.get("nonfinite") or None
+        new_nonfinite = nonfinite is not None and nonfinite != self._last_nonfinite
+        self._last_nonfinite = list(nonfinite) if nonfinite else None
+        if alarms or new_nonfinite or row.get("skipped") or self._sync_next:
             self._sync_next = False
             self._writer.write_now(item)
         else:

@@ -1,9 +1,12 @@
 """A classifier with an annealed class prior, trained for thousands of tiny steps.
 
     python prior_decay.py --steps 4000 --anneal-steps 3000 [--sanitize-grads] [--save params.pt]
+                          [--grad-accum K]
 
 Synthetic data (a fresh random batch each step, labels from a fixed linear rule), a small MLP
-with dropout, SGD with momentum, `nn.CrossEntropyLoss`. The model adds `log(prior)` to its
+with dropout, SGD with momentum, `nn.CrossEntropyLoss`; with `--grad-accum K`, K micro-batches
+per update, each loss divided by K before its backward (nanoGPT's gradient accumulation). The
+model adds `log(prior)` to its
 logits; the prior (one value per class, passed as a keyword argument) is a uniform prior
 scaled by `|1 - step / anneal_steps|`: a triangular schedule meant to fade the prior out and
 back in (a uniform shift of every logit: the loss does not change while it is above 0).
@@ -50,6 +53,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--sanitize-grads", action="store_true")
     p.add_argument("--save", default="")
+    p.add_argument("--grad-accum", type=int, default=1)
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -64,16 +68,19 @@ def main() -> None:
         tracer = Tracer([model], [opt])
     for step in range(args.steps):
         prior = torch.full((4,), 0.25) * abs(1.0 - step / args.anneal_steps)
-        x = torch.randn(args.batch, 8)
-        y = (x @ w_true).argmax(1)
-        if tracer:
-            tracer.start(x)
-        logits = model(x, prior=prior)
-        loss = criterion(logits, y)
-        if tracer:
-            tracer.loss(loss)
         opt.zero_grad()
-        loss.backward()
+        for _ in range(args.grad_accum):
+            x = torch.randn(args.batch, 8)
+            y = (x @ w_true).argmax(1)
+            if tracer:
+                tracer.start(x)
+            logits = model(x, prior=prior)
+            loss = criterion(logits, y)
+            if tracer:
+                tracer.loss(loss)
+            if args.grad_accum > 1:
+                loss = loss / args.grad_accum
+            loss.backward()
         if tracer:
             tracer.grads()
         if args.sanitize_grads:
