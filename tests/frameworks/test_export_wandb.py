@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import time
 
 import pytest
 
@@ -53,14 +54,22 @@ def test_nan_step_kept_and_marked(tmp_path, monkeypatch):
     [folder] = write_run(tmp_path / "run", mode="offline")
     assert folder.name.startswith("offline-run-") and folder.parent == tmp_path / "run" / "wandb"
     [log] = folder.glob("run-*.wandb")
-    history, raw, summary = {}, {}, {}
-    for record in _records(log):
-        if record.WhichOneof("record_type") == "history":
-            step = record.history.step.num
-            raw[step] = {_key(i): i.value_json for i in record.history.item}
-            history[step] = {k: json.loads(v) for k, v in raw[step].items()}
-        elif record.WhichOneof("record_type") == "summary":
-            summary.update({_key(i): i.value_json for i in record.summary.update})
+    # W&B's writer is a service process of its own: on a loaded machine its last records may
+    # reach the file a moment after `run.finish()` returned. Read until the summary is there.
+    deadline = time.monotonic() + 30
+    while True:
+        history, raw, summary = {}, {}, {}
+        for record in _records(log):
+            if record.WhichOneof("record_type") == "history":
+                step = record.history.step.num
+                raw[step] = {_key(i): i.value_json for i in record.history.item}
+                history[step] = {k: json.loads(v) for k, v in raw[step].items()}
+            elif record.WhichOneof("record_type") == "summary":
+                summary.update({_key(i): i.value_json for i in record.summary.update})
+        if len(history) == STEPS and "nanguard/top_cause" in summary \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
 
     def series(name):
         return {s: float(h[f"nanguard/{name}"]) for s, h in history.items()
