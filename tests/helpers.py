@@ -9,8 +9,12 @@ optional guard. Everything is CPU, float32 and deterministic for a given seed.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -203,3 +207,17 @@ def train(
         if on_step is not None:
             on_step(step)
     return losses
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`python ARGS` in `cwd` with this checkout's `src` first on the path and one OpenMP
+    thread: a training script alone, or `-m nanguard run ...`."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH"))
+                                        if p)
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)

@@ -8,15 +8,12 @@ step), checked first by plain PyTorch in the same test."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from helpers import run_python
 
 SCRIPT = """
 import sys
@@ -64,18 +61,6 @@ torch.save({"params": {k: v.detach() for k, v in model.state_dict().items()},
 """
 
 
-def _env() -> dict[str, str]:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), e.get("PYTHONPATH")) if p)
-    e["OMP_NUM_THREADS"] = "1"
-    return e
-
-
-def _python(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=300)
-
-
 def _line(text: str) -> int:
     return next(i for i, t in enumerate(SCRIPT.splitlines(), 1) if text in t)
 
@@ -83,7 +68,7 @@ def _line(text: str) -> int:
 def _first_nan_step(cwd: Path, opt: str, steps: int) -> int | None:
     """Plain PyTorch, no nanguard: the first step whose loss is NaN (the planted bug)."""
     (cwd / "plain").mkdir()
-    r = _python(cwd / "plain", str(cwd / "train.py"), opt, "3", str(steps), "p.pt")
+    r = run_python(cwd / "plain", str(cwd / "train.py"), opt, "3", str(steps), "p.pt")
     losses = [ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith("loss ")]
     # One closure call per step for SGD / Adam / LBFGS(max_iter=1) until the NaN.
     return next((i for i, v in enumerate(losses) if v == "nan"), None)
@@ -96,7 +81,7 @@ def test_closure_step_is_replayed_in_process(tmp_path: Path, opt: str) -> None:
     script: `--replay-budget 0` forbids that), reproduced bit for bit (dropout draws too)."""
     (tmp_path / "train.py").write_text(SCRIPT)
     assert _first_nan_step(tmp_path, opt, 5) == 3
-    r = _python(tmp_path, "-m", "nanguard", "run", "--out", "run", "--replay-budget", "0",
+    r = run_python(tmp_path, "-m", "nanguard", "run", "--out", "run", "--replay-budget", "0",
                 str(tmp_path / "train.py"), opt, "3", "5", "g.pt")
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     first = report.get("first_nonfinite") or {}
@@ -107,7 +92,7 @@ def test_closure_step_is_replayed_in_process(tmp_path: Path, opt: str) -> None:
             "source": f"train.py:{_line('# LOG LINE')}", "reproduced": True}
     assert got == want, (got, r.stderr[-2000:])
     # The replay's own print of the closure is not the script's.
-    assert r.stdout.count("loss ") == _python(tmp_path / "plain", str(tmp_path / "train.py"),
+    assert r.stdout.count("loss ") == run_python(tmp_path / "plain", str(tmp_path / "train.py"),
                                               opt, "3", "5", "q.pt").stdout.count("loss ")
 
 
@@ -119,9 +104,9 @@ def test_closure_replay_leaves_training_bitwise_unchanged(tmp_path: Path, opt: s
     (tmp_path / "train.py").write_text(SCRIPT)
     (tmp_path / "plain").mkdir()
     args = (str(tmp_path / "train.py"), opt, "3", "8")
-    r = _python(tmp_path / "plain", *args, str(tmp_path / "alone.pt"), "sanitize")
+    r = run_python(tmp_path / "plain", *args, str(tmp_path / "alone.pt"), "sanitize")
     assert r.returncode == 0, r.stderr
-    r = _python(tmp_path, "-m", "nanguard", "run", "--out", "run", "--replay-budget", "0",
+    r = run_python(tmp_path, "-m", "nanguard", "run", "--out", "run", "--replay-budget", "0",
                 *args, str(tmp_path / "watched.pt"), "sanitize")
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["run"].get("replay") == {"status": "in-process", "step": 3}, r.stderr[-2000:]

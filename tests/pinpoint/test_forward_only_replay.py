@@ -8,15 +8,12 @@ and nanguard falls back to the re-run of the script, saying why. Black box throu
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from helpers import run_python
 
 SCRIPT = """
 import sys
@@ -55,18 +52,6 @@ for step in range(BAD + 2):
 """
 
 
-def _env() -> dict[str, str]:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), e.get("PYTHONPATH")) if p)
-    e["OMP_NUM_THREADS"] = "1"
-    return e
-
-
-def _python(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=_env(), capture_output=True,
-                          text=True, timeout=300)
-
-
 def _line(text: str) -> int:
     return next(i for i, t in enumerate(SCRIPT.splitlines(), 1) if text in t)
 
@@ -82,14 +67,14 @@ def test_hand_written_loss(tmp_path: Path, where: str, phase: str, line: str,
     re-run finds it, and `run.replay.in_process` says why the forward alone was not enough)."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    plain = _python(tmp_path, str(script), where, "4").stdout.splitlines()
+    plain = run_python(tmp_path, str(script), where, "4").stdout.splitlines()
     # Independently: the first non-finite loss is at step 4; its forward output is non-finite
     # exactly when the bug was planted in the forward.
     losses = [float(ln.split()[1]) for ln in plain if ln.startswith("loss ")]
     outs = [ln.split()[1] == "True" for ln in plain if ln.startswith("out-finite ")]
     assert next(i for i, v in enumerate(losses) if not torch.isfinite(torch.tensor(v))) == 4
     assert outs[4] is (where == "loss")
-    r = _python(tmp_path, "-m", "nanguard", "run", "--out", "run", str(script), where, "4")
+    r = run_python(tmp_path, "-m", "nanguard", "run", "--out", "run", str(script), where, "4")
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     first = report.get("first_nonfinite") or {}
     got = {"status": report["status"], "replay": report["run"]["replay"]["status"],
