@@ -76,6 +76,8 @@ class Trace:
 
     first: dict[str, Any] | None
     steps: int | None
+    stderr: str = ""
+    """The script's stderr under the tracer (lines a script prints there for its test)."""
 
 
 def trace(cwd: Path, name: str, *args: str) -> Trace:
@@ -86,7 +88,7 @@ def trace(cwd: Path, name: str, *args: str) -> Trace:
     end = [json.loads(ln.split(" ", 1)[1]) for ln in r.stderr.splitlines()
            if ln.startswith("NANTRACE_END ")]
     assert len(found) <= 1 and len(end) == 1, r.stderr[-3000:]
-    return Trace(found[0] if found else None, end[0]["steps"])
+    return Trace(found[0] if found else None, end[0]["steps"], r.stderr)
 
 
 def both(cwd: Path, name: str, *args: str,

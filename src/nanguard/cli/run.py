@@ -3,8 +3,10 @@
 Every optimizer the script steps gets a guard (found through PyTorch's global hooks, with its
 model, loss and batch); the run is recorded in --out (one folder per optimizer when there are
 several, one per rank under torchrun, with a merged report.json on top). On a non-finite value
-the script is re-run in a subprocess with the op checker armed at the failing step (within
---replay-budget seconds) to pinpoint its origin. Works under
+the failing step is replayed in process under the op checker when it can be; otherwise it is
+run again with the checker armed (within --replay-budget seconds): from the newest resume point
+before it (a fork of the run taken every --fork-every seconds while it was healthy) or, without
+one, the script from its start in a subprocess. Works under
 `torchrun --nproc-per-node N -m nanguard run train.py ...`.
 
 Scripts with no optimizer (hand-written updates) get a step per backward(); LBFGS closures
@@ -46,6 +48,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--replay-budget", type=float, default=120.0, metavar="SECONDS",
                    help="time allowed for the re-run that pinpoints the origin "
                         "(default 120; 0 turns it off)")
+    p.add_argument("--fork-every", type=float, default=30.0, metavar="SECONDS",
+                   help="take a resume point (a fork of the run, copy-on-write) every SECONDS "
+                        "while it is healthy, so the pinpointing re-run starts shortly before "
+                        "the failure, not at the script's start (default 30; 0 turns it off; "
+                        "never with CUDA, worker processes or sockets)")
     p.add_argument("--merge-wait", type=float, default=30.0, metavar="SECONDS",
                    help="under torchrun: how long rank 0 waits for the other ranks' reports "
                         "(default 30)")
@@ -68,11 +75,13 @@ def run(args: argparse.Namespace) -> int:
     from nanguard.integrations.runner import RunOptions
     from nanguard.integrations.runner import run as run_script
 
+    if args.fork_every < 0:
+        raise ValueError(f"--fork-every must be >= 0, got {args.fork_every}")
     if args.activations_every < 0:
         raise ValueError(f"--activations-every must be >= 0, got {args.activations_every}")
     return run_script(RunOptions(
         script=args.script, args=list(args.args), out=args.out, policy=args.policy,
-        replay_budget=args.replay_budget, merge_wait=args.merge_wait,
+        replay_budget=args.replay_budget, fork_every=args.fork_every, merge_wait=args.merge_wait,
         preflight=args.preflight, preflight_only=args.preflight_only,
         activations_every=args.activations_every,
     ))

@@ -62,6 +62,7 @@ from nanguard.config import GuardConfig, RecordConfig
 from nanguard.errors import NanguardError
 from nanguard.guard import Guard
 from nanguard.integrations.manual import ManualBoundaries, ManualStep, forked, replaying
+from nanguard.integrations.resume import ResumePoints
 from nanguard.integrations.script_flags import clip_from_argv
 from nanguard.pinpoint import loss_expr
 from nanguard.pinpoint.inprocess import compare_as
@@ -201,13 +202,20 @@ class Discovery:
         self._loss: torch.Tensor | None = None
         self._loss_seq = 0
         self._steps = 0
+        self._in_step = False
+        """Between an optimizer step's pre- and post-hooks (a closure's backwards run there)."""
+        self.resume: ResumePoints | None = None
+        """Resume points (integrations/resume.py): offered every backward outside a step."""
         self._handles: list[RemovableHandle] = []
         self._backward: Any = None
         self._train_outputs: list[tuple[str, torch.Tensor]] = []
         """(module class, [has NaN, has Inf]) of the last few grad-enabled root forwards'
         outputs (model output, loss module): two reductions on the device per root forward,
         read only at the end of the run (the outputs themselves are not kept)."""
-        self._manual = ManualBoundaries(roots=lambda: list(self._roots.values()))
+        self._manual = ManualBoundaries(
+            roots=lambda: list(self._roots.values()),
+            on_error=lambda exc: self._stand_down(exc, "nanguard run's hand-written step "
+                                                       "boundaries"))
         self.recorder = StepRecorder()
         self._has_params: weakref.WeakKeyDictionary[nn.Module, bool] = \
             weakref.WeakKeyDictionary()
@@ -327,6 +335,17 @@ class Discovery:
         self._outputs.clear()
         self._inputs.clear()
 
+    def stand_aside(self) -> None:
+        """In a fork that goes on with the script (a resume point's child): every hook of
+        this object and of its guards removed and nothing written or closed: the stores,
+        their writer threads and the run folders are the parent's."""
+        self._quiet = self.recorder.paused = True
+        self._manual.enabled = self._manual._pending = False
+        for w in self.watched:
+            if w.guard is not None:
+                w.guard._remove_hooks()
+        self.remove()
+
     def _stand_down(self, exc: BaseException, where: str) -> None:
         """An error inside the runner's own hooks: every guard stands down (its error and
         traceback recorded, its hooks removed: status `degraded`), these hooks do nothing from
@@ -376,6 +395,11 @@ class Discovery:
     def _saw_backward(self, tensor: torch.Tensor) -> None:
         if forked() or self._quiet or replaying(tensor):
             return
+        if self.resume is not None and not self._in_step:
+            self.resume.at_backward(self._steps, manual=self._manual.enabled
+                                    and self._manual.optimizer is not None)
+            if self._quiet:  # a resume point's child, going on with the script
+                return
         if self.preflight is not None and not self.preflight.done:
             self.preflight.saw_backward(tensor)
         self.recorder.saw_backward(tensor)
@@ -480,6 +504,7 @@ class Discovery:
             w = self._attach(optimizer)
         w.starts.append(self._steps)
         self._steps += 1
+        self._in_step = True
         closure = _closure_of(args, kwargs)
         w.recipe = self.recorder.boundary(
             w.roots, closure=closure is not None,
@@ -503,6 +528,7 @@ class Discovery:
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         """Global step post-hook: the update is done, the step's recipe is of no more use
         (its batch is let go)."""
+        self._in_step = False
         w = self._by_opt.get(id(optimizer))
         if w is not None and w.optimizer is optimizer:
             if isinstance(w.recipe, ClosureRecipe):

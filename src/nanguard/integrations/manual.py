@@ -83,6 +83,9 @@ class ManualStep(torch.optim.Optimizer):
         names: optional display names by tensor id (raw tensors have no module to name them).
     """
 
+    hand_written = True
+    """The update is the script's own (the op checker reads this: pinpoint/checker.py)."""
+
     def __init__(self, params: Iterable[torch.Tensor],
                  names: dict[int, str] | None = None) -> None:
         super().__init__(list(params), {})
@@ -165,16 +168,24 @@ def _script_names(tensors: list[torch.Tensor]) -> dict[int, str]:
 class ManualBoundaries:
     """Make optimizer steps out of `backward()` while a script has no optimizer.
 
+    Its own work (finding the trained tensors, naming them, making the `ManualStep`) fails
+    open: an error of nanguard's there switches the boundaries off for good and goes to
+    `on_error`; the script's `backward()` runs on untouched. Errors of the step hooks it runs
+    are theirs to handle (a guard stands down by itself; `raise`'s error passes on).
+
     Args:
         roots: gives the root modules seen so far (their trainable parameters are watched along
             with the leaves the first loss reaches).
         on_create: called with the `ManualStep` when it is made (before its first `begin()`).
+        on_error: called with an error of nanguard's own in the boundaries (None: printed).
     """
 
     def __init__(self, roots: Callable[[], list[nn.Module]] | None = None,
-                 on_create: Callable[[ManualStep], None] | None = None) -> None:
+                 on_create: Callable[[ManualStep], None] | None = None,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
         self.roots = roots or (lambda: [])
         self.on_create = on_create
+        self.on_error = on_error
         self.optimizer: ManualStep | None = None
         self.enabled = True
         self.steps = 0
@@ -270,12 +281,18 @@ class ManualBoundaries:
     def _before_backward(self, tensor: torch.Tensor) -> None:
         self._end()
         if self.optimizer is None and self._leaves is None:
-            self._leaves = [t for t in leaves_of(tensor) if t.requires_grad]
+            try:
+                self._leaves = [t for t in leaves_of(tensor) if t.requires_grad]
+            except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+                self._fail(exc)
 
     def _after_backward(self) -> None:
         if self.optimizer is None:
-            self._create()
-        if self.optimizer is None:
+            try:
+                self._create()
+            except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+                self._fail(exc)
+        if self.optimizer is None or not self.enabled:
             return
         self._pending = True
         try:
@@ -283,6 +300,18 @@ class ManualBoundaries:
         except BaseException:
             self._pending = False  # a raising pre-hook aborts the step, as in `step()`
             raise
+
+    def _fail(self, exc: BaseException) -> None:
+        """An error of nanguard's own here: no more boundaries, the script goes on."""
+        self.enabled = False
+        self.optimizer = None
+        self._leaves = None
+        if self.on_error is not None:
+            self.on_error(exc)
+        else:
+            print(f"nanguard: internal error in the hand-written step boundaries "
+                  f"({type(exc).__name__}: {exc}); they stand down, training goes on",
+                  file=sys.stderr)
 
     def _end(self) -> None:
         if not self._pending or self.optimizer is None:

@@ -17,10 +17,12 @@ guard to every optimizer that steps. When the script is done:
    hours into a run is pinpointed where it happens (report `run.replay.status`: `in-process`).
    When that step cannot be replayed in process (the reason goes to `run.replay.in_process`:
    an unrecognised loss, a model called several times per step, a closure optimizer, ...) or
-   the value came from the batch (phase `data`), the script is re-run deterministically in a
-   subprocess (single process; same initial RNG states) with `pinpoint.armed(step)` at the
-   failing step, within `replay_budget` seconds; its origin refines `first_nonfinite` and the
-   diagnosis is redone;
+   the value came from the batch (phase `data`), the step is run again with
+   `pinpoint.armed(step)` within `replay_budget` seconds: from the newest resume point before
+   it (integrations/resume.py: a fork of the run taken every `fork_every` seconds while it was
+   healthy), else the script from its start, deterministically, in a subprocess (single
+   process; same initial RNG states). Its origin refines `first_nonfinite` and the diagnosis
+   is redone;
 3. under torchrun, rank 0 merges the ranks' reports from their files (never through the
    process group, so a dead rank cannot hang it);
 4. the summary is printed (rank 0 only) and the exit code chosen: the script's own non-zero
@@ -61,10 +63,14 @@ from typing import Any
 from nanguard.audit.preflight_live import LivePreflight, PreflightStop, verdict_lines
 from nanguard.config import GuardConfig, RecordConfig, WatchConfig
 from nanguard.errors import NanguardError
+from nanguard.guard import Guard
+from nanguard.integrations import resume
 from nanguard.integrations.discovery import Discovery, Watched
 from nanguard.integrations.merge import collect_rank_reports, finding_key, merge_reports
+from nanguard.integrations.resume import ResumePoints
 from nanguard.pinpoint.recorded import NotReplayable
 from nanguard.record.report import REPORT_NAME, Report
+from nanguard.record.store import NullStore
 from nanguard.watch import rng
 
 OK_STATUSES = ("healthy", "warned", "recovered")
@@ -87,6 +93,9 @@ class RunOptions:
     policy: str = "observe"
     replay_budget: float = 120.0
     """Seconds the pinpointing re-run may take; 0 turns it off."""
+    fork_every: float = 30.0
+    """Seconds between resume points (integrations/resume.py: forks of the run that the
+    re-run starts from instead of the script's start); 0 turns them off."""
     merge_wait: float = 30.0
     """Under torchrun: seconds rank 0 waits for the other ranks' reports before merging."""
     activations_every: int = 10
@@ -168,6 +177,10 @@ def run(opts: RunOptions) -> int:
                                            activations_every=max(1, opts.activations_every))),
                      preflight=live if live is not None and not live.done else None)
     initial_rng = rng.capture()
+    points = ResumePoints(opts.fork_every if world_size == 1 else 0.0,
+                          failed=lambda: _seen_nonfinite(disc),
+                          go=lambda point, message: _go_on(disc, point, message))
+    disc.resume = points
     outcome = _run_script(script, opts.args, disc)
     if live is not None and live.result is None:
         live.not_run(_preflight_missed(outcome))
@@ -175,6 +188,7 @@ def run(opts: RunOptions) -> int:
             for line in verdict_lines(live.result or {}, only=opts.preflight_only):
                 print(line, file=sys.stderr)
     if opts.preflight_only:
+        points.close()
         return _preflight_only(disc, outcome, live, folder)
 
     late = _late_finding(disc, outcome, rank)
@@ -206,15 +220,19 @@ def run(opts: RunOptions) -> int:
         else:
             late_step = disc.steps_started if late is not None and late[0] is target else None
             replay = _replay(script, opts.args, target, initial_rng, opts.replay_budget,
-                             global_step=late_step)
+                             global_step=late_step, points=points)
             if replay.get("origin"):
                 reports[target.index] = _refine(target, replay["origin"])
         if replay["status"] != "in-process" and target.in_process:
             replay["in_process"] = target.in_process.get("reason")
         reports[target.index].run["replay"] = {k: v for k, v in replay.items() if k != "origin"}
+    # The points left are of no more use (were this to raise first, each would quit when
+    # this process is gone: its pipe closes).
+    points.close()
 
     report = _write(folder, disc.watched, reports, outcome, replay,
-                    preflight=live.result if live is not None else None)
+                    preflight=live.result if live is not None else None,
+                    internal_error=disc.error)
     if world_size > 1:
         if rank != 0:
             if opts.summary:
@@ -308,6 +326,8 @@ def _run_script(script: Path, args: list[str], disc: Discovery) -> ScriptOutcome
             outcome.evidence = _evidence(disc, on_error=True)
         exc.__traceback__ = None  # let the script's frames (and tensors) go
     finally:
+        # A resume point's child ends here, whichever way the script stopped in it.
+        resume.child_done(outcome.message if outcome.kind != "ok" else None)
         disc.remove()
         _restore_sigterm(previous_term)
         sys.argv = saved_argv
@@ -539,9 +559,11 @@ def _write(
     replay: dict[str, Any] | None,
     *,
     preflight: dict[str, Any] | None = None,
+    internal_error: dict[str, Any] | None = None,
 ) -> Report:
     """Lay out this process's run folder; return its report (merged over optimizers); the
-    preflight's verdict goes under `run.preflight`."""
+    preflight's verdict goes under `run.preflight`; `internal_error` is an error of the
+    runner's own hooks (nanguard stood down; with no guard yet, the run is `degraded`)."""
     errors = {w.name: w.error for w in watched if w.error}
     if len(reports) == 1:
         (index, report), = reports.items()
@@ -555,6 +577,10 @@ def _write(
                 reports[w.index].write(w.folder)
         parts = [(w.name, reports[w.index]) for w in watched if w.index in reports]
         report = merge_reports(parts, {"folder": str(folder)})
+    elif internal_error is not None:
+        report = Report(status="degraded",
+                        run={"folder": str(folder), "internal_error": internal_error,
+                             "note": "nanguard stood down before it watched a step"})
     else:
         report = Report(status="unwatched",
                         run={"folder": str(folder), "note": "no optimizer stepped"})
@@ -596,13 +622,28 @@ def _move_into(src: Path, dst: Path) -> None:
 # ---------------------------------------------------------------------- the re-run
 
 
+def _seen_nonfinite(disc: Discovery) -> bool:
+    return any(w.guard is not None and w.guard.first_nonfinite is not None
+               for w in disc.watched)
+
+
+def _go_on(disc: Discovery, point: Any, message: dict[str, Any]) -> None:
+    """In a resume point's child: let go of the run's hooks (its guards record nothing
+    here, nor does any guard the script builds) and arm the checker at the failing step."""
+    disc.stand_aside()
+    Guard._open_store = staticmethod(  # type: ignore[method-assign]
+        lambda out, if_exists="refuse": NullStore())
+    resume.arm_child(point, message)
+
+
 def _replay(
     script: Path, args: list[str], w: Watched, initial_rng: dict[str, Any], budget: float,
-    *, global_step: int | None = None,
+    *, global_step: int | None = None, points: ResumePoints | None = None,
 ) -> dict[str, Any]:
-    """Re-run the script in a subprocess with the checker armed at the failing step
-    (`global_step` overrides the step counted over all optimizers: a value found after the
-    last step is in the step that never completed)."""
+    """Run the failing step again with the checker armed: from the newest resume point
+    before it when there is one, else the whole script in a subprocess (`global_step`
+    overrides the step counted over all optimizers: a value found after the last step is in
+    the step that never completed)."""
     guard = w.guard
     assert guard is not None and guard.first_nonfinite is not None
     step = int(guard.first_nonfinite["step"])
@@ -613,6 +654,27 @@ def _replay(
         info["reason"] = "the failing step was not seen starting"
         return info
     info["global_step"] = global_step
+    expected = _failing_loss(guard, step)
+    if points is not None:
+        resumed = points.replay(global_step, expect_loss=expected, budget=budget)
+        if resumed is not None:
+            if resumed["status"] == "found":
+                resumed["origin"]["step"] = step
+            if resumed["status"] in ("found", "budget_exhausted"):
+                info.update(resumed, mode="resume_point")
+                if resumed["status"] == "budget_exhausted":
+                    info["reason"] = (f"the re-run from the resume point at step "
+                                      f"{resumed['from_step']} did not finish within "
+                                      f"--replay-budget {budget:g} s")
+                return info
+            # Clean there (its sums in another order?) or gone: from the start, in the time
+            # that is left.
+            info["resume_point"] = {k: resumed.get(k) for k in ("from_step", "status",
+                                                                 "reason", "seconds")}
+            budget = max(1.0, budget - float(resumed.get("seconds") or 0.0))
+        elif points.refused:
+            info["resume_point"] = {"status": "not_taken", "reason": points.refused}
+    info["mode"] = "from_start"
     with tempfile.TemporaryDirectory(prefix="nanguard-replay-") as tmp:
         rng_file, result_file, log_file = (Path(tmp) / n for n in ("rng.pt", "result.json",
                                                                       "stderr.txt"))
@@ -620,7 +682,6 @@ def _replay(
         cmd = [sys.executable, "-m", "nanguard.integrations.replay", "--step", str(global_step),
                "--rng", str(rng_file), "--result", str(result_file), "--", str(script), *args]
         env = dict(os.environ)
-        expected = _failing_loss(guard, step)
         if expected is not None:  # `reproduced`: the re-run's loss at that step, bit for bit
             env["NANGUARD_EXPECT_LOSS"] = repr(expected)
         src_root = str(Path(__file__).resolve().parents[2])  # importable as we are

@@ -7,7 +7,10 @@ once for N == 0) and left after step N's post-hook. Global module forward hooks 
 module names; the model is discovered as it runs.
 
 A script with no optimizer (hand-written updates) gets its step boundaries from `backward()`
-exactly as `nanguard run` counted them (`integrations.manual.ManualBoundaries`). Ops run by a
+exactly as `nanguard run` counted them (`integrations.manual.ManualBoundaries`). Such a step
+ends only at the next backward, after the next forward (raw tensors: no module marks where a
+forward begins), so for step N the checker is entered before step N-1's update and leaves the
+optimizer phase at the first grad-enabled op on a trained tensor (the forward of step N). Ops run by a
 closure inside `optimizer.step(closure)` (LBFGS) get the phase of what they are (forward, loss,
 backward), not `optimizer`: the global pre-hook wraps the closure and lifts the optimizer phase
 while it runs.
@@ -39,7 +42,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
-from nanguard.integrations.manual import ManualBoundaries
+from nanguard.integrations.manual import ManualBoundaries, ManualStep
 from nanguard.pinpoint.attribution import Attribution
 from nanguard.pinpoint.checker import NonfiniteChecker
 from nanguard.pinpoint.origin import Origin
@@ -116,6 +119,15 @@ def armed(step: int, *, model: nn.Module | None = None, rank: int = 0,
     def pre(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         attr.optimizer_pre(optimizer)
+        if (isinstance(optimizer, ManualStep) and state.steps_seen == step - 1
+                and state._checker is None):
+            # A hand-written step ends at the next backward, after the next forward (raw
+            # tensors: no module marks where that begins): armed before this update instead,
+            # so that forward is seen. The checker leaves the optimizer phase at the
+            # forward's first op; this update's own ops are checked (they were finite).
+            arm()
+            assert state._checker is not None
+            state._checker._scan_state(optimizer)
         return _lift_closure(attr, optimizer, args, kwargs)
 
     def post(optimizer: torch.optim.Optimizer, *_: Any) -> None:
@@ -123,7 +135,7 @@ def armed(step: int, *, model: nn.Module | None = None, rank: int = 0,
         state.steps_seen += 1
         if state.steps_seen == step + 1:
             disarm()
-        elif state.steps_seen == step:
+        elif state.steps_seen == step and state._checker is None:
             arm()
 
     try:

@@ -188,6 +188,12 @@ class NonfiniteChecker(TorchDispatchMode):
         in_backward = torch._C._current_autograd_node() is not None
         if in_backward:
             attr.seen_backward = True
+        elif (attr.optimizer is not None and getattr(attr.optimizer, "hand_written", False)
+              and torch.is_grad_enabled() and _requires_grad(args)):
+            # A hand-written update ran under no_grad (or on `.data`); a grad-enabled op on a
+            # trained tensor is the next step's forward, although no hook has ended the step
+            # yet (raw tensors: no module forward marks it; the boundary is the next backward).
+            attr.optimizer_post(attr.optimizer)
         mutated = _mutated(func)
         targets = float_tensors([args[i] for i in mutated if i < len(args)]) if mutated else []
         # What an in-place op overwrites must be checked first. Inside optimizer.step() the
