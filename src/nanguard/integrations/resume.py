@@ -121,13 +121,21 @@ class ResumePoints:
             return
         self.refused = _unsafe()
         if self.refused is None:
-            self._take(steps, manual)
+            try:
+                self._take(steps, manual)
+            except OSError as exc:  # no fork now (out of memory, of processes): none again
+                self.refused, self.every = f"fork() failed ({exc})", 0.0
 
     def _take(self, steps: int, manual: bool) -> None:
         for stream in (sys.stdout, sys.stderr):  # or the child holds a copy of what is unsent
             stream.flush()
         r, w = os.pipe()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(r)
+            os.close(w)
+            raise
         if pid == 0:
             os.close(w)
             self._wait_in_child(r, _Point(pid=0, pipe=-1, steps=steps, manual=manual))
