@@ -10,10 +10,10 @@ A script with no optimizer (hand-written updates) gets its step boundaries from 
 exactly as `nanguard run` counted them (`integrations.manual.ManualBoundaries`). Such a step
 ends only at the next backward, after the next forward (raw tensors: no module marks where a
 forward begins), so for step N the checker is entered before step N-1's update and leaves the
-optimizer phase at the first grad-enabled op on a trained tensor (the forward of step N). Ops run by a
-closure inside `optimizer.step(closure)` (LBFGS) get the phase of what they are (forward, loss,
-backward), not `optimizer`: the global pre-hook wraps the closure and lifts the optimizer phase
-while it runs.
+optimizer phase at the first grad-enabled op on a trained tensor (the forward of step N).
+Ops run by a closure inside `optimizer.step(closure)` (LBFGS) get the phase of what they are
+(forward, loss, backward), not `optimizer`: the global pre-hook wraps the closure and lifts the
+optimizer phase while it runs.
 
 `reproduced` is set on the origin: with an expected loss (`expect_loss`, or the environment
 variable NANGUARD_EXPECT_LOSS that `nanguard run` sets for its re-run), whether the loss
