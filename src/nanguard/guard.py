@@ -249,6 +249,18 @@ class Guard:
         except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
             self._stand_down(exc, "watch")
 
+    def watch_micro_batch(self, batch: Any) -> None:
+        """Hand the guard another micro-batch of the step being watched (gradient
+        accumulation), after `watch()` gave the first: kept beside the others, its samples
+        numbered after theirs. Also under a GradScaler, where a second `watch(batch=...)`
+        before the step means the scaler skipped a step."""
+        if self.error is not None:
+            return
+        try:
+            self.batch_probe.observe(batch, accumulate=True)
+        except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+            self._stand_down(exc, "watch")
+
     def _watch(self, loss: torch.Tensor | float | None, batch: Any) -> None:
         # With a GradScaler, watch() calls without a step in between are steps the scaler
         # skipped, not micro-batches: their values must not carry into the next step.

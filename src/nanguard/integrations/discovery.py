@@ -61,6 +61,7 @@ from torch.utils.hooks import RemovableHandle
 from nanguard.config import GuardConfig, RecordConfig
 from nanguard.errors import NanguardError
 from nanguard.guard import Guard
+from nanguard.integrations.amp_scalers import ScalerTracker, served
 from nanguard.integrations.manual import ManualBoundaries, ManualStep, forked, replaying
 from nanguard.integrations.resume import ResumePoints
 from nanguard.integrations.script_flags import clip_from_argv
@@ -94,6 +95,8 @@ class Watched:
     """Global index (over all optimizers' steps) at which each of this optimizer's steps began:
     what `pinpoint.armed` counts."""
     loss_seq: int = 0
+    updates_seen: int = 0
+    """Its steps begun when a GradScaler last updated (a skipped step begins none)."""
     error: str | None = None
     note: str | None = None
     """A one-line remark printed with the summary (e.g. a policy that could not apply)."""
@@ -222,6 +225,8 @@ class Discovery:
         """Per root module seen: whether it holds parameters (a loss module does not)."""
         self._start: Any = None
         self.processes_started = 0
+        self._amp = ScalerTracker(self._scaler_update,
+                                  active=lambda: not forked() and not self._quiet)
 
     # ------------------------------------------------------------------ install / remove
 
@@ -277,6 +282,7 @@ class Discovery:
             return clip(parameters, max_norm, *args, **kwargs)
 
         torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+        self._amp.install()
         if self.preflight is not None:
             self.preflight.install()
         return self
@@ -323,6 +329,7 @@ class Discovery:
         if self._clip is not None:
             torch.nn.utils.clip_grad_norm_ = self._clip
             self._clip = None
+        self._amp.remove()
         self._manual.remove()
         if self._start is not None:
             import multiprocessing.process as mp_process
@@ -408,7 +415,9 @@ class Discovery:
         if tensor.numel() == 1 and tensor.is_floating_point():
             # A loss scaled for its backward (`loss / accum_steps`, `scaler.scale(loss)`) is
             # recorded in the script's units: the loss series is the loss, not its copy.
-            unscaled = self.recorder.unscaled(tensor)
+            unscaled = self._amp.unscaled(tensor)
+            if unscaled is None:
+                unscaled = self.recorder.unscaled(tensor)
             self._loss = unscaled if unscaled is not None else tensor.detach()
             self._loss_seq += 1
 
@@ -521,7 +530,7 @@ class Discovery:
         # samples across them and replays them one by one.
         w.guard.watch(loss=loss, batch=batches[0] if batches else None)
         for batch in batches[1:]:
-            w.guard.watch(batch=batch)
+            w.guard.watch_micro_batch(batch)
         return result
 
     @_fail_open("nanguard run's optimizer step post-hook")
@@ -536,6 +545,34 @@ class Discovery:
                 # this step, not to the next one's recording.
                 self.recorder.reset()
             w.recipe = None
+
+    @_fail_open("nanguard run's GradScaler hook")
+    def _scaler_update(self, scaler: Any) -> None:
+        """Right before `scaler.update()`, the end of an AMP iteration. An optimizer the scaler
+        handled that did not step (inf/NaN gradients: no step hook ran) gets its loss and
+        batch handed to its guard here, which counts the skip and keeps the batch for the
+        check of what the scaler hid; nothing of that iteration is taken for a micro-batch of
+        the next step."""
+        skipped = False
+        for opt_id in served(scaler):
+            w = self._by_opt.get(opt_id)
+            if w is None:  # never stepped yet: skipped from its first iteration on
+                skipped = True
+                continue
+            if len(w.starts) > w.updates_seen:
+                w.updates_seen = len(w.starts)
+                continue
+            skipped = True
+            if w.guard is not None and not w.guard._closed:
+                batches = self._take_batches(w)
+                loss = self._loss if self._loss_seq > w.loss_seq else None
+                w.loss_seq = self._loss_seq
+                w.guard.watch(loss=loss, batch=batches[0] if batches else None)
+                for batch in batches[1:]:
+                    w.guard.watch_micro_batch(batch)
+        if skipped:
+            self._inputs.clear()
+            self.recorder.reset()
 
     def _replay(self, w: Watched, batch: Any) -> torch.Tensor:
         """The `replay` function of `w`'s guard: the recorded step's forward and loss.
@@ -628,7 +665,7 @@ class Discovery:
                 return d._replay(w, batch)
 
             w.guard = Guard(model, optimizer, policy=policy, out=str(folder), config=config,
-                            replay=replay)
+                            replay=replay, scaler=self._amp.scaler_for(optimizer))
             w.guard.run_entry = "run"  # fixes are phrased as `nanguard run` flags
             # Clipping turned off by the script's own flag never calls clip_grad_norm_.
             off = 0.0 if clip_from_argv(sys.argv[1:]) == 0 else None
