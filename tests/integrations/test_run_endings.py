@@ -86,8 +86,9 @@ def test_raw_tensors_updated_by_hand(tmp_path: Path) -> None:
     first = rep["first_nonfinite"]
     assert rep["status"] == "failed" and rep["steps"] == 5
     assert (first["step"], first["kind"], first["samples"]) == (3, "input", [6])
-    # The line that wrote the inf into the batch (`x[6, 2] = inf`): the re-run's checker is
-    # armed before step 3's forward (hand-written steps end only at the next backward).
+    # The line where the batch enters the computation (`loss = ((x @ W + b - y) ** 2)...`),
+    # not the `backward()` line after it: the re-run's checker is armed before step 3's
+    # forward, although a hand-written step ends only at the next backward.
     assert first["source"].endswith("raw.py:12")
     assert first["reproduced"] is True  # the re-run's loss at step 3 is the recorded one
 
