@@ -7,7 +7,10 @@ start, a failure hours into a run costs hours. Resume points start that re-run s
 the failure instead:
 
 * every `every` seconds, at a `backward()` outside an optimizer step, the run forks
-  (`os.fork`). The child is a copy-on-write snapshot of the whole process: model, optimizer,
+  (`os.fork`). Points are spaced further apart when they cost more than 1% of the run: a fork
+  is paid for by the run itself, whose first write to each page it now shares with a child
+  copies that page (measured after each fork over the next iterations; a model of 400 MB
+  with Adam costs seconds per fork, so its points come minutes apart). The child is a copy-on-write snapshot of the whole process: model, optimizer,
   RNG states, the data iterator, the script's own locals. It waits on a pipe with its output
   sent to /dev/null. The two newest are kept (a failure found at the step after a point was
   taken still has the one before);
@@ -55,6 +58,10 @@ import torch
 __all__ = ["ResumePoints"]
 
 _KEEP = 2
+_SHARE = 0.01
+"""The most of a run's time that taking points may cost."""
+_AFTER = 3
+"""Iterations after a fork whose extra time is counted as its cost."""
 
 
 @dataclass(kw_only=True)
@@ -107,14 +114,26 @@ class ResumePoints:
         self.refused: str | None = None
         """Why the last point that was due was not taken."""
         self._last = time.monotonic()
+        self.interval = every
+        """Seconds between points now: `every`, or more when a fork costs more than `_SHARE`
+        of the time between two points (see `_pay`)."""
+        self.cost = 0.0
+        """What the last point fully accounted cost the run, in seconds: the fork, plus the
+        time the next `_AFTER` iterations took above their usual length (the run's first
+        writes to each page it now shares with the child copy that page)."""
+        self._cost = 0.0
+        self._period: float | None = None
+        self._call: float | None = None
+        self._after = 0
 
     def at_backward(self, steps: int, *, manual: bool) -> None:
         """Called at a `backward()` outside an optimizer step, before it runs. Takes a point
-        when one is due (a clock read otherwise). In a child, returns after its "go"."""
+        when one is due (two clock reads otherwise). In a child, returns after its "go"."""
         if self.every <= 0 or steps < 1:
             return
         now = time.monotonic()
-        if now - self._last < self.every:
+        self._pay(now)
+        if now - self._last < self.interval:
             return
         self._last = now
         if self.failed():
@@ -125,6 +144,25 @@ class ResumePoints:
                 self._take(steps, manual)
             except OSError as exc:  # no fork now (out of memory, of processes): none again
                 self.refused, self.every = f"fork() failed ({exc})", 0.0
+                return
+            self._call = time.monotonic()
+            self._cost, self._after = self._call - now, _AFTER
+
+    def _pay(self, now: float) -> None:
+        """Track the usual time between iterations, and what the last fork added to the next
+        `_AFTER` of them; then space the points so that they cost at most `_SHARE` of the
+        run (a model of 400 MB: seconds per fork, so minutes apart)."""
+        if self._call is not None:
+            dt = now - self._call
+            if self._after:
+                self._cost += max(0.0, dt - (self._period if self._period is not None else dt))
+                self._after -= 1
+                if not self._after:
+                    self.cost = self._cost
+                    self.interval = max(self.every, self.cost / _SHARE)
+            else:
+                self._period = dt if self._period is None else 0.9 * self._period + 0.1 * dt
+        self._call = now
 
     def _take(self, steps: int, manual: bool) -> None:
         for stream in (sys.stdout, sys.stderr):  # or the child holds a copy of what is unsent
@@ -183,7 +221,9 @@ class ResumePoints:
         self.points = []
         if torch.get_num_threads() != 1:
             expect_loss = None  # the child's sums may differ in their last bits
-        info: dict[str, Any] = {"from_step": point.steps}
+        info: dict[str, Any] = {"from_step": point.steps, "points_taken": self.taken,
+                                "interval_s": round(self.interval, 2),
+                                "point_cost_s": round(self.cost, 4)}
         started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="nanguard-resume-") as tmp:
             result = Path(tmp) / "result.json"
@@ -211,6 +251,15 @@ class ResumePoints:
                         reason="clean at that step from the resume point" if found.get("ran")
                         else "the resume point never reached that step")
         return info
+
+    def summary(self) -> dict[str, Any]:
+        """For report.json (`run.resume_points`): how many were taken, how far apart, what the
+        last one cost, and why the last one due was not taken."""
+        out: dict[str, Any] = {"taken": self.taken, "interval_s": round(self.interval, 2),
+                               "point_cost_s": round(self.cost, 4)}
+        if self.refused:
+            out["not_taken"] = self.refused
+        return out
 
     def close(self) -> None:
         """Tell every point left to quit, and reap it."""

@@ -232,7 +232,8 @@ def run(opts: RunOptions) -> int:
 
     report = _write(folder, disc.watched, reports, outcome, replay,
                     preflight=live.result if live is not None else None,
-                    internal_error=disc.error)
+                    internal_error=disc.error,
+                    resume=points.summary() if opts.fork_every > 0 and world_size == 1 else None)
     if world_size > 1:
         if rank != 0:
             if opts.summary:
@@ -560,6 +561,7 @@ def _write(
     *,
     preflight: dict[str, Any] | None = None,
     internal_error: dict[str, Any] | None = None,
+    resume: dict[str, Any] | None = None,
 ) -> Report:
     """Lay out this process's run folder; return its report (merged over optimizers); the
     preflight's verdict goes under `run.preflight`; `internal_error` is an error of the
@@ -592,6 +594,8 @@ def _write(
         report.run["replay"] = {k: v for k, v in replay.items() if k != "origin"}
     if errors:
         report.run["errors"] = errors
+    if resume is not None:
+        report.run["resume_points"] = resume
     if preflight is not None:
         report.run["preflight"] = preflight
         report.preflight = preflight
