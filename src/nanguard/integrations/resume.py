@@ -10,10 +10,11 @@ the failure instead:
   (`os.fork`). Points are spaced further apart when they cost more than 1% of the run: a fork
   is paid for by the run itself, whose first write to each page it now shares with a child
   copies that page (measured after each fork over the next iterations; a model of 400 MB
-  with Adam costs seconds per fork, so its points come minutes apart). The child is a copy-on-write snapshot of the whole process: model, optimizer,
-  RNG states, the data iterator, the script's own locals. It waits on a pipe with its output
-  sent to /dev/null. The two newest are kept (a failure found at the step after a point was
-  taken still has the one before);
+  with Adam costs seconds per fork, so its points come minutes apart). The child is a
+  copy-on-write snapshot of the whole process: model, optimizer, RNG states, the data
+  iterator, the script's own locals. It waits on a pipe with its output sent to /dev/null.
+  The two newest are kept (a failure found at the step after a point was taken still has the
+  one before);
 * at a failure, the newest point taken before the failing step gets a "go". The child lets go
   of every hook of the run (nothing of the parent's store, writer thread or run folder is
   touched), arms `pinpoint.armed` at the failing step, runs the script on from where it stood,
@@ -133,7 +134,7 @@ class ResumePoints:
             return
         now = time.monotonic()
         self._pay(now)
-        if now - self._last < self.interval:
+        if self._after or now - self._last < self.interval:  # the last one is still paid for
             return
         self._last = now
         if self.failed():
