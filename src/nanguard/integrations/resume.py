@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import sys
 import tempfile
@@ -62,7 +63,9 @@ _KEEP = 2
 _SHARE = 0.01
 """The most of a run's time that taking points may cost."""
 _AFTER = 3
-"""Iterations after a fork whose extra time is counted as its cost."""
+"""Iterations after a fork that calibrate what one copy-on-write fault costs."""
+_FAULT_S = 5e-6
+"""What one such fault costs until calibrated (seconds; 2-7 us measured on a 2-core VM)."""
 
 
 @dataclass(kw_only=True)
@@ -115,26 +118,24 @@ class ResumePoints:
         self.refused: str | None = None
         """Why the last point that was due was not taken."""
         self._last = time.monotonic()
-        self.interval = every
-        """Seconds between points now: `every`, or more when a fork costs more than `_SHARE`
-        of the time between two points (see `_pay`)."""
-        self.cost = 0.0
-        """What the last point fully accounted cost the run, in seconds: the fork, plus the
-        time the next `_AFTER` iterations took above their usual length (the run's first
-        writes to each page it now shares with the child copy that page)."""
-        self._cost = 0.0
-        self._period: float | None = None
-        self._call: float | None = None
-        self._after = 0
+        self.bill = _Bill()
+
+    @property
+    def interval(self) -> float:
+        """Seconds between points now: `every`, or more while the last one has cost more
+        than `_SHARE` of the time since (see `_Bill`)."""
+        return max(self.every, self.bill.cost / _SHARE)
 
     def at_backward(self, steps: int, *, manual: bool) -> None:
         """Called at a `backward()` outside an optimizer step, before it runs. Takes a point
-        when one is due (two clock reads otherwise). In a child, returns after its "go"."""
+        when one is due (a clock read and a `getrusage` otherwise). In a child, returns after
+        its "go"."""
         if self.every <= 0 or steps < 1:
             return
         now = time.monotonic()
-        self._pay(now)
-        if self._after or now - self._last < self.interval:  # the last one is still paid for
+        self.bill.iteration(now)
+        if (self.bill.calibrating or self.bill.usual < 3
+                or now - self._last < self.interval):
             return
         self._last = now
         if self.failed():
@@ -146,24 +147,7 @@ class ResumePoints:
             except OSError as exc:  # no fork now (out of memory, of processes): none again
                 self.refused, self.every = f"fork() failed ({exc})", 0.0
                 return
-            self._call = time.monotonic()
-            self._cost, self._after = self._call - now, _AFTER
-
-    def _pay(self, now: float) -> None:
-        """Track the usual time between iterations, and what the last fork added to the next
-        `_AFTER` of them; then space the points so that they cost at most `_SHARE` of the
-        run (a model of 400 MB: seconds per fork, so minutes apart)."""
-        if self._call is not None:
-            dt = now - self._call
-            if self._after:
-                self._cost += max(0.0, dt - (self._period if self._period is not None else dt))
-                self._after -= 1
-                if not self._after:
-                    self.cost = self._cost
-                    self.interval = max(self.every, self.cost / _SHARE)
-            else:
-                self._period = dt if self._period is None else 0.9 * self._period + 0.1 * dt
-        self._call = now
+            self.bill.forked(time.monotonic() - now)
 
     def _take(self, steps: int, manual: bool) -> None:
         for stream in (sys.stdout, sys.stderr):  # or the child holds a copy of what is unsent
@@ -224,7 +208,7 @@ class ResumePoints:
             expect_loss = None  # the child's sums may differ in their last bits
         info: dict[str, Any] = {"from_step": point.steps, "points_taken": self.taken,
                                 "interval_s": round(self.interval, 2),
-                                "point_cost_s": round(self.cost, 4)}
+                                "point_cost_s": round(self.bill.cost, 4)}
         started = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="nanguard-resume-") as tmp:
             result = Path(tmp) / "result.json"
@@ -257,7 +241,7 @@ class ResumePoints:
         """For report.json (`run.resume_points`): how many were taken, how far apart, what the
         last one cost, and why the last one due was not taken."""
         out: dict[str, Any] = {"taken": self.taken, "interval_s": round(self.interval, 2),
-                               "point_cost_s": round(self.cost, 4)}
+                               "point_cost_s": round(self.bill.cost, 4)}
         if self.refused:
             out["not_taken"] = self.refused
         return out
@@ -267,6 +251,73 @@ class ResumePoints:
         for p in self.points:
             _quit(p)
         self.points = []
+
+
+class _Bill:
+    """What the last point has cost the run so far, in seconds.
+
+    A fork is paid for by the run itself: its first write to each page it now shares with a
+    child copies that page (a minor page fault), in the iterations right after the fork and,
+    for pages written rarely, long after. The bill is the fork itself plus the extra minor
+    faults since (above the run's usual rate per iteration, measured while no fork was
+    being paid for) times the time one costs, calibrated in the `_AFTER` iterations after
+    each fork from their extra time over their extra faults.
+    """
+
+    def __init__(self) -> None:
+        self.cost = 0.0
+        self.calibrating = 0
+        """Iterations after the last fork still calibrating the time of one fault."""
+        self.usual = 0
+        """Iterations that measured the run's own time and faults (no point before 3)."""
+        self._fork_s = 0.0
+        self._extra_faults = 0.0
+        self._per_fault = _FAULT_S
+        self._cal_s = self._cal_faults = 0.0
+        self._period: float | None = None
+        self._rate: float | None = None
+        self._at: tuple[float, int] | None = None
+
+    def forked(self, seconds: float) -> None:
+        """A point was taken; the fork itself took `seconds`."""
+        self._fork_s, self._extra_faults = seconds, 0.0
+        self._cal_s = self._cal_faults = 0.0
+        self.calibrating = _AFTER
+        self.cost = seconds
+        self._at = (time.monotonic(), _minor_faults())
+
+    def iteration(self, now: float) -> None:
+        """At each iteration (a backward outside an optimizer step)."""
+        faults = _minor_faults()
+        if self._at is not None:
+            dt, df = now - self._at[0], faults - self._at[1]
+            period = self._period if self._period is not None else dt
+            rate = self._rate if self._rate is not None else float(df)
+            extra = max(0.0, df - rate)
+            if self.calibrating:
+                self._cal_s += max(0.0, dt - period)
+                self._cal_faults += extra
+                self.calibrating -= 1
+                if not self.calibrating and self._cal_faults >= 100:
+                    self._per_fault = min(max(self._cal_s / self._cal_faults, 1e-7), 1e-4)
+            elif not (self._fork_s and df > 1.5 * rate + 16):
+                # A usual iteration (not one still copying pages): the run's own rates, down
+                # at once, up slowly (the first iterations allocate the optimizer's state).
+                self._period = _low(self._period, dt)
+                self._rate = _low(self._rate, float(df))
+                self.usual += 1
+            self._extra_faults += extra
+            if self._fork_s:
+                self.cost = self._fork_s + self._extra_faults * self._per_fault
+        self._at = (now, faults)
+
+
+def _low(mean: float | None, value: float) -> float:
+    return value if mean is None or value < mean else 0.9 * mean + 0.1 * value
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 # ---------------------------------------------------------------------- in the child
