@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.amp import grad_scaler
 
-__all__ = ["ScalerTracker"]
+__all__ = ["ScalerTracker", "served"]
 
 
 class ScalerTracker:

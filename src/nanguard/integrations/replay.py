@@ -26,6 +26,14 @@ from nanguard.record.store import NullStore
 from nanguard.watch import rng
 
 
+def record_nothing() -> None:
+    """In a re-run (this module's process, a resume point's child): any guard the script
+    builds itself records nothing, so the user's run folders are never touched (the first run
+    already recorded them)."""
+    Guard._open_store = staticmethod(  # type: ignore[method-assign]
+        lambda out, if_exists="refuse": NullStore())
+
+
 class _Done(BaseException):
     """Raised from an optimizer hook once the armed step is over: stops the script."""
 
@@ -40,10 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     script = Path(a.script)
-    # The re-run records nothing: its guards (if the script makes any) must not touch the
-    # user's run folders.
-    Guard._open_store = staticmethod(  # type: ignore[method-assign]
-        lambda out, if_exists="refuse": NullStore())
+    record_nothing()
     rng.restore(rng.loads(Path(a.rng).read_bytes()))
     result: dict[str, Any] = {}
     sys.argv = [str(script), *a.args]

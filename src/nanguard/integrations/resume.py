@@ -386,9 +386,7 @@ def _unsafe() -> str | None:
     if multiprocessing.active_children():
         return "the run holds worker processes (DataLoader workers)"
     try:
-        fds = os.listdir("/proc/self/fd")
-        if any(os.readlink(f"/proc/self/fd/{fd}").startswith("socket:") for fd in fds
-               if _readable(fd)):
+        if any(_link(fd).startswith("socket:") for fd in os.listdir("/proc/self/fd")):
             return "the run holds a socket (an experiment tracker's connection?)"
         rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         available = _mem_available()
@@ -399,12 +397,11 @@ def _unsafe() -> str | None:
     return None
 
 
-def _readable(fd: str) -> bool:
+def _link(fd: str) -> str:
     try:
-        os.readlink(f"/proc/self/fd/{fd}")
-        return True
+        return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:  # closed since the listing (the listing's own fd)
-        return False
+        return ""
 
 
 def _mem_available() -> int | None:

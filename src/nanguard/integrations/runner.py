@@ -63,14 +63,13 @@ from typing import Any
 from nanguard.audit.preflight_live import LivePreflight, PreflightStop, verdict_lines
 from nanguard.config import GuardConfig, RecordConfig, WatchConfig
 from nanguard.errors import NanguardError
-from nanguard.guard import Guard
 from nanguard.integrations import resume
 from nanguard.integrations.discovery import Discovery, Watched
 from nanguard.integrations.merge import collect_rank_reports, finding_key, merge_reports
+from nanguard.integrations.replay import record_nothing
 from nanguard.integrations.resume import ResumePoints
 from nanguard.pinpoint.recorded import NotReplayable
 from nanguard.record.report import REPORT_NAME, Report
-from nanguard.record.store import NullStore
 from nanguard.watch import rng
 
 OK_STATUSES = ("healthy", "warned", "recovered")
@@ -635,8 +634,7 @@ def _go_on(disc: Discovery, point: Any, message: dict[str, Any]) -> None:
     """In a resume point's child: let go of the run's hooks (its guards record nothing
     here, nor does any guard the script builds) and arm the checker at the failing step."""
     disc.stand_aside()
-    Guard._open_store = staticmethod(  # type: ignore[method-assign]
-        lambda out, if_exists="refuse": NullStore())
+    record_nothing()
     resume.arm_child(point, message)
 
 
