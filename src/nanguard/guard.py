@@ -23,14 +23,13 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import math
-import os
 import statistics
 import sys
 import time
 import traceback
 import weakref
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,44 +48,14 @@ from nanguard.policy import device_skip, make_policy, wants_to_act
 from nanguard.record import ending
 from nanguard.record.report import Report, build_report
 from nanguard.record.rows import write_step
-from nanguard.record.store import DB_NAME, NullStore, RunStore
+from nanguard.record.store import open_store
 from nanguard.recover.policy import Recovery
 from nanguard.recover.verdict import LossWatch
 from nanguard.watch import loads, rng, saturation
 from nanguard.watch.activations import ActivationProbe, dtype_max
-from nanguard.watch.batch import BatchProbe, Taken
-from nanguard.watch.packet import Packet, read_packets
-from nanguard.watch.stats import StepProbe, StepStats, local
-
-
-@dataclass
-class _Pending:
-    """One step's device-side statistics, waiting for the host read."""
-
-    step: int
-    lr: float | None
-    pre: Packet
-    """Before the update: slots `loss`, `grad`, `act`, `loaded`, `batch`, `batch_rows.<j>`,
-    `scale`."""
-    grad_layout: list[int]
-    act_names: list[str]
-    batch: Taken
-    """The step's batch as `BatchProbe.take` gave it (slots `batch`, `batch_rows.<j>`)."""
-    post: Packet | None = None
-    """After the update: slots `param`, `state.<key>`, `buffer`, `update` (see
-    `StepProbe.post_step`)."""
-    post_layout: list[tuple[str, list[int]]] = field(default_factory=list)
-    stats: StepStats | None = None
-    rng: dict[str, Any] | None = None
-    """RNG states at the start of the step (kept by reference; serialized only on alarm)."""
-    loaded: list[str] = field(default_factory=list)
-    """Names of the tensors in the `loaded` slot (first step, or the first after a
-    `load_state_dict`)."""
-    device_skip: bool = False
-    """`skip` decided on the device: the fused optimizer got a `found_inf` flag (slot
-    `found_inf`) and skipped the update itself if it was set; the host learns it at the read."""
-    found_inf: bool = False
-    """The `found_inf` flag as read on the host."""
+from nanguard.watch.batch import BatchProbe
+from nanguard.watch.stats import StepProbe, StepStats, local, watched_buffers
+from nanguard.watch.step import Pending, StepWatch
 
 
 class Guard:
@@ -166,30 +135,35 @@ class Guard:
         self.params: list[torch.Tensor] = []
         self.param_names: list[str] = []
         self._param_order: list[int] = []  # module order of each parameter (locate's tiebreak)
-        self.buffer_names, buffers = _watched_buffers(model)
+        self.buffer_names, buffers = watched_buffers(model)
         self.probe = StepProbe(self.params, optimizer, buffers)
         self._sync_params()
         self.act_probe = ActivationProbe(model) if cfg.watch.activations else None
         self.batch_probe = BatchProbe()
+        self.steps = StepWatch(self.probe, self.batch_probe, self.act_probe, cfg.watch,
+                               on_loaded=self._loaded_finding)
+        """The watch stage: each step's packets, read back as `StepStats`."""
         act_limit = None
         if cfg.watch.activations:
             dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
             act_limit = min((dtype_max(d) for d in dtypes), default=None)
         self.detectors: list[Detector] = default_detectors(cfg.detect, act_limit)
+        pre = [d for d in self.detectors if d.phase == "pre"]
+        post = [d for d in self.detectors if d.phase == "post"]
+        self._by_phase = {"pre": pre, "post": post, "both": pre + post}
 
         self.step = 0
         self.alarms: list[Alarm] = []
         self.actions: list[dict[str, Any]] = []
         self.first_nonfinite: dict[str, Any] | None = None
         self.failing_stats: StepStats | None = None  # the step where it first showed
-        self.history: list[StepStats] = []  # the last few steps, for the summary
+        self.history: deque[StepStats] = deque(maxlen=64)  # the last steps, for the summary
         self._last_stats: StepStats | None = None
         self._grad_baseline: dict[int, float] = {}  # per-parameter EMA of healthy grad norms
         self.spikes: list[dict[str, Any]] = []  # where each spike sits (layers, samples)
-        self.host_reads = 0
         self._loss: torch.Tensor | None = None
-        self._pending: list[_Pending] = []
-        self._current: _Pending | None = None
+        self._pending: list[Pending] = []
+        self._current: Pending | None = None
         self._stashed_grads: list[torch.Tensor | None] | None = None
         self._step_rng = rng.capture()
         self._closed = False
@@ -229,6 +203,11 @@ class Guard:
     def folder(self) -> Path | None:
         """The run folder, or None when recording is off."""
         return getattr(self.store, "folder", None)
+
+    @property
+    def host_reads(self) -> int:
+        """Host reads of step statistics made so far (one per step under the defaults)."""
+        return self.steps.host_reads
 
     def watch(self, *, loss: torch.Tensor | float | None = None, batch: Any = None) -> None:
         """Hand the guard this step's loss and/or batch. Call any time before `optimizer.step()`.
@@ -553,21 +532,11 @@ class Guard:
         """At close: a loss or batch handed to `watch` after the last optimizer step (the run
         died in its first iteration, or before the next step) is checked too, so a NaN that
         never reached an optimizer step is not lost. One host read, only when there is one."""
-        if self.first_nonfinite is not None or (self._loss is None and not self.batch_probe._parts):
+        if self.first_nonfinite is not None:
             return
-        stats = StepStats(step=self.step)
-        packet = Packet(self._device)
-        if self._loss is not None:
-            packet.add("loss", self._loss)
-        size, vec = self.batch_probe.collect()
-        if vec is not None:
-            packet.add("batch", vec)
-        slots = packet.decode(self._read(packet.tensor()))
-        if "loss" in slots:
-            stats.loss = slots["loss"][0]
+        stats = self.steps.leftover(self.step, self._device, self._loss)
         self._loss = None
-        self.batch_probe.decode(slots.get("batch", []), size, stats)
-        if stats.nonfinite_signals() or stats.nonfinite_samples:
+        if stats is not None and (stats.nonfinite_signals() or stats.nonfinite_samples):
             found = self._locate(stats)
             found["signals"] = found["signals"] or ["data"]
             self.first_nonfinite = found
@@ -610,30 +579,10 @@ class Guard:
         if self._check_loaded:
             self._check_loaded = False
             loaded, flags = self._loaded_flags()
-        every = cfg.watch.update_ratio_every
-        grads, layout = self.probe.pre_step(snapshot_update=every > 0 and self.step % every == 0)
-        pre = Packet(self._device)
-        if self._loss is not None:
-            pre.add("loss", self._loss)
-        if grads is not None:
-            pre.add("grad", grads)
-        act_names: list[str] = []
-        if self.act_probe:
-            act_names, acts = self.act_probe.collect()
-            if acts is not None:
-                pre.add("act", acts)
-        if loaded:
-            assert flags is not None
-            pre.add("loaded", flags)
-        batch = self.batch_probe.take()
-        batch.add_to(pre)
-        scale = self.recovery.scale_tensor()
-        if scale is not None:
-            pre.add("scale", scale)
-        self._current = _Pending(
-            step=self.step, lr=_lr(optimizer), pre=pre, grad_layout=layout,
-            act_names=act_names, batch=batch, rng=self._step_rng, loaded=loaded,
-        )
+        self._current, grads = self.steps.begin(
+            self.step, _lr(optimizer), self._device, self._loss, self.recovery.scale_tensor(),
+            loaded, flags, self._step_rng)
+        pre = self._current.pre
         self._loss = None
         self._watch_calls = 0
         replaying = self.replay is not None and self.first_nonfinite is None
@@ -649,8 +598,7 @@ class Guard:
             return
         # Acting policies decide before the update, and a replay needs the parameters as they
         # were before it: read the pre-step statistics now.
-        values = self._read(pre.host_tensor())
-        stats = self._decode_pre(self._current, values)
+        stats = self.steps.read_pre(self._current)
         alarms = self._detect(stats, "pre", self._current.rng)
         if replaying and self.first_nonfinite is not None:
             self._pinpoint(stats, self._current)
@@ -691,7 +639,7 @@ class Guard:
         self.failing_stats = stats
         self.store.write_finding(found)
 
-    def _pinpoint(self, stats: StepStats, cur: _Pending) -> None:
+    def _pinpoint(self, stats: StepStats, cur: Pending) -> None:
         """Refine the first non-finite finding by replaying this step before its update."""
         assert self.replay is not None and self.first_nonfinite is not None
         if self.first_nonfinite.get("phase") == "checkpoint":
@@ -724,15 +672,12 @@ class Guard:
             for p, g in zip(self.params, self._stashed_grads, strict=True):
                 p.grad = g
             self._stashed_grads = None
-        cur.post = Packet(self._device)
-        cur.post_layout = self.probe.post_step(cur.post)
+        copying = self.steps.end(cur)
         self.step += 1
         self._pending.append(cur)
-        if cur.stats is None and self._device.type == "cuda":
-            # `observe` on a GPU: no stall. This step's packet is copied to pinned host memory
-            # without waiting and read one step later (its copy long done), or at close.
-            cur.pre.start_copy()
-            cur.post.start_copy()
+        if copying:
+            # `observe` on a GPU: no stall. This step's packet is on its way to pinned host
+            # memory; it is read one step later (its copy long done), or at close.
             if len(self._pending) > self.config.watch.read_every:
                 older, self._pending = self._pending[:-1], self._pending[-1:]
                 self._flush(older, live_last=False)
@@ -751,13 +696,7 @@ class Guard:
 
     # ------------------------------------------------------------------ reading and deciding
 
-    def _read(self, t: torch.Tensor) -> list[float]:
-        """The one host read: a device tensor to a Python list."""
-        self.host_reads += 1
-        values: list[float] = t.tolist()
-        return values
-
-    def _flush(self, pending: list[_Pending] | None = None, live_last: bool = True) -> None:
+    def _flush(self, pending: list[Pending] | None = None, live_last: bool = True) -> None:
         """Read `pending` steps (default: every pending step) at once, then detect and record
         them in step order. `live_last`: the newest of them is the step that just ended (its
         gradients and parameters are still those it measured)."""
@@ -765,77 +704,29 @@ class Guard:
             pending, self._pending = self._pending, []
         if not pending:
             return
-        packets: list[Packet] = []
-        for p in pending:
-            assert p.post is not None
-            packets += [p.pre, p.post] if p.stats is None else [p.post]
-        per_packet = iter(read_packets(packets, self._read))
-        decoded: list[tuple[_Pending, StepStats, bool]] = []
-        for p in pending:
-            # Only the newest step's gradients and parameters are still live: the extra read
-            # that tells an overflowing norm from a non-finite value is only possible there.
-            live = live_last and p is pending[-1]
-            stats = p.stats
-            fresh = stats is None
-            if stats is None:
-                stats = self._decode_pre(p, next(per_packet), live=live)
-            assert p.post is not None
-            self.probe.decode_post(p.post.decode(next(per_packet)), p.post_layout, stats)
-            if live:
-                self.probe.resolve_post_overflow(stats)  # an extra read only on an inf norm
-            decoded.append((p, stats, fresh))
-        newest = decoded[-1][1]
-        params_finite_now = not any(
-            s.startswith(("param", "optimizer")) for s in newest.seal()
-        )
-        for k, (_, stats, _) in enumerate(decoded[:-1]):
-            # Older buffered steps (read_every > 1): their parameters were finite after the
-            # update if they are finite now, or if the next step's forward gave a finite loss
-            # with them; then their infinite norms were overflows (StepStats.assume_overflow).
-            next_loss = decoded[k + 1][1].loss
-            if params_finite_now or (next_loss is not None and math.isfinite(next_loss)):
-                stats.assume_overflow()
-        for p, stats, fresh in decoded:
+        observing = self.config.policy == "observe"
+        for p, stats, fresh in self.steps.read_steps(pending, live_last):
             if p.device_skip:
                 self._device_skipped(p, stats)
-            if fresh:
-                self._detect(stats, "pre", p.rng)
-            alarms = self._detect(stats, "post", p.rng)
+            if fresh and observing:  # both phases in one pass: nothing acts on the pre ones
+                alarms = self._detect(stats, "both", p.rng)
+            else:
+                if fresh:
+                    self._detect(stats, "pre", p.rng)
+                alarms = self._detect(stats, "post", p.rng)
             # Recorded before acting: `raise` and a rollback give-up stop inside `_act`.
             self._record(stats, p)
-            if self.config.policy != "observe" and self._decide(stats, alarms, post=True):
+            if not observing and self._decide(stats, alarms, post=True):
                 self._act(stats, alarms, post=True)
-
-    def _decode_pre(self, p: _Pending, values: list[float], live: bool = True) -> StepStats:
-        """The pre-update slots of `p`, read on the host, as a StepStats (`p.stats`)."""
-        stats = StepStats(step=p.step, lr=p.lr)
-        slots = p.pre.decode(values)
-        if "loss" in slots:
-            stats.loss = slots["loss"][0]
-        self.probe.decode_pre(slots.get("grad", []), p.grad_layout, stats)
-        stats.activations = dict(zip(p.act_names, slots.get("act", []), strict=True))
-        if p.loaded:
-            self._loaded_finding(p.step, p.loaded, slots["loaded"])
-        if self.act_probe and p.act_names:
-            dtypes = {self.act_probe.dtypes[m] for m in p.act_names if m in self.act_probe.dtypes}
-            stats.act_limit = min((dtype_max(d) for d in dtypes), default=None)
-        if "scale" in slots:
-            stats.amp_scale = slots["scale"][0]
-        if "found_inf" in slots:
-            p.found_inf = bool(slots["found_inf"][0])
-        self.batch_probe.decode_taken(slots, p.batch, stats)
-        if self.batch_probe.dropped is not None:
-            stats.dropped_samples, self.batch_probe.dropped = self.batch_probe.dropped, None
-        if live and any(math.isinf(stats.grad_norms[i]) for i in stats.nonfinite_grads):
-            self.probe.resolve_overflow(stats)  # rare: an extra read only here
-        p.stats = stats
-        return stats
 
     def _detect(
         self, stats: StepStats, phase: str, step_rng: dict[str, Any] | None = None
     ) -> list[Alarm]:
+        """Run the detectors of `phase` (`pre`, `post`, or `both`: pre then post, for a step
+        read after its update where nothing acts between the two) on `stats`; record their
+        alarms on the guard and the step."""
         alarms: list[Alarm] = []
-        if phase == "pre":
+        if phase != "post":
             alarms += self.recovery.check_amp(stats)
             if stats.amp_skipped and stats.activations:
                 # The activations include the forward of a step the GradScaler skipped on an
@@ -843,14 +734,13 @@ class Guard:
                 stats.activations = {m: v for m, v in stats.activations.items()
                                      if math.isfinite(v)}
                 stats._signals = None
-        stats.seal()  # final for this phase (decoding unseals): scan for non-finite once
-        for d in self.detectors:
-            if d.phase == phase:
-                alarms += d.check(stats)
+        signals = stats.seal()  # final for this phase (decoding unseals): scan once
+        for d in self._by_phase[phase]:
+            alarms += d.check(stats)
         for a in alarms:
             if a.kind == "spike":
                 self._explain_spike(stats, a)
-        if stats.nonfinite_signals():
+        if signals:
             if self.first_nonfinite is None:
                 self.first_nonfinite = self._locate(stats)
             if self.failing_stats is None:
@@ -908,7 +798,7 @@ class Guard:
             self._action(stats.step, "raise", f"stopped ({d.why})")
             self.stop(stats, d.why)
 
-    def _device_skipped(self, p: _Pending, stats: StepStats) -> None:
+    def _device_skipped(self, p: Pending, stats: StepStats) -> None:
         """Record what the fused optimizer did with the `found_inf` flag of step `p` (read a
         step late on a GPU): a discarded update is a `skip` action; too many in a row stop the
         run, as the host-side `skip` does."""
@@ -989,7 +879,7 @@ class Guard:
         self.spikes.append({"step": stats.step, **found})
         alarm.message += carried_by(found)
 
-    def _record(self, stats: StepStats, p: _Pending) -> None:
+    def _record(self, stats: StepStats, p: Pending) -> None:
         self._last_stats = stats
         self._losses.observe(stats.loss, stats.skipped,
                              troubled=self.first_nonfinite is not None or self._recovered_from)
@@ -1001,7 +891,6 @@ class Guard:
         # Keep the steps up to the first non-finite value: what led into it is the story.
         if self.first_nonfinite is None or stats.step <= self.first_nonfinite["step"] + 1:
             self.history.append(stats)
-            del self.history[:-64]
         write_step(self.store, stats, len(self.params), self.config.watch.per_parameter)
 
     def _build_report(self) -> Report:
@@ -1046,55 +935,8 @@ class Guard:
         nothing was recovered from."""
         return self._losses.verdict() if self._recovered_from else None
 
-    @staticmethod
-    def _open_store(out: str | None, if_exists: str = "refuse") -> NullStore:
-        if out == "":
-            return NullStore()
-        if out is None:
-            return RunStore(_unique_folder(Path("nanguard_runs")))
-        folder = Path(out)
-        if (folder / DB_NAME).exists():
-            if if_exists == "refuse":
-                raise ValueError(
-                    f"the run folder {out!r} already holds a run; pick another out=, or set "
-                    "GuardConfig(record=RecordConfig(if_exists='overwrite' or 'resume'))")
-            if if_exists == "overwrite":
-                for name in (DB_NAME, f"{DB_NAME}-wal", f"{DB_NAME}-shm", "report.json",
-                             "nanguard_error.txt"):
-                    (folder / name).unlink(missing_ok=True)
-        return RunStore(folder)
-
-
-def _watched_buffers(model: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
-    """The model's floating-point buffers that hold no infinity when the guard is built.
-
-    BatchNorm running statistics must stay finite (an inf running variance makes every eval
-    NaN); a causal attention mask legitimately holds -inf and is left out. A NaN is never
-    intended, so a buffer holding one is watched (and reported as loaded state). One host
-    read, here only."""
-    named = [(n, b) for n, b in model.named_buffers() if b.is_floating_point() and b.numel()]
-    if not named:
-        return [], []
-    with torch.no_grad():
-        has_inf = torch.stack([torch.isinf(local(b)).any().cpu() for _, b in named]).tolist()
-    kept = [(n, b) for (n, b), inf in zip(named, has_inf, strict=True) if not inf]
-    return [n for n, _ in kept], [b for _, b in kept]
-
-
-def _unique_folder(base: Path) -> Path:
-    """`base/<time>-<pid>`, with a numeric suffix if that exists: two guards started in the
-    same second (a GAN's two optimizers, a sweep loop, two processes) never share a folder.
-    The folder is created here (mkdir is atomic), so the name is taken."""
-    stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    base.mkdir(parents=True, exist_ok=True)
-    for k in range(10_000):
-        folder = base / (stem if k == 0 else f"{stem}-{k}")
-        try:
-            folder.mkdir()
-            return folder
-        except FileExistsError:
-            continue
-    raise ValueError(f"cannot find a free run folder under {str(base)!r}; pass out=")
+    # The store a new guard records to; `integrations.replay.record_nothing` swaps it.
+    _open_store = staticmethod(open_store)
 
 
 def _lr(optimizer: torch.optim.Optimizer) -> float | None:

@@ -30,7 +30,7 @@ def record_nothing() -> None:
     """In a re-run (this module's process, a resume point's child): any guard the script
     builds itself records nothing, so the user's run folders are never touched (the first run
     already recorded them)."""
-    Guard._open_store = staticmethod(  # type: ignore[method-assign]
+    Guard._open_store = staticmethod(
         lambda out, if_exists="refuse": NullStore())
 
 

@@ -48,15 +48,6 @@ def _amp_state() -> tuple[tuple[str, torch.dtype], ...]:
                  if torch.is_autocast_enabled(d))
 
 
-def _rng_state() -> dict[str, Any]:
-    """`rng.capture_step()` without its `torch.cuda.is_available()` (on the hot path: once per
-    step); the same dict, for `rng.restore`."""
-    state: dict[str, Any] = {"torch": torch.default_generator.get_state()}
-    if torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
 @contextlib.contextmanager
 def _amp(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
     """Autocast as it was when the call was recorded (off for the devices it was off for)."""

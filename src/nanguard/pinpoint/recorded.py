@@ -68,9 +68,9 @@ from nanguard.pinpoint.recipe import (
     _amp_state,
     _flat_versions,
     _live,
-    _rng_state,
     _weak,
 )
+from nanguard.watch import rng
 
 __all__ = ["ClosureRecipe", "MicroRecipes", "NotReplayable", "Recipe", "StepRecorder",
            "mark_replayed_loss", "replay_forward"]
@@ -170,7 +170,7 @@ class StepRecorder:
         if len(w.calls) >= _MAX_CALLS:
             w.dropped = True
             return
-        w.calls.append(RootCall(module, args, {}, _flat_versions(args, {}), _rng_state(),
+        w.calls.append(RootCall(module, args, {}, _flat_versions(args, {}), rng.capture_step(),
                                 _amp_state()))
 
     def saw_output(self, module: nn.Module, kwargs: dict[str, Any], output: Any) -> None:
@@ -276,7 +276,7 @@ class StepRecorder:
         (`first_call`, before anything else draws random numbers): a `ClosureRecipe`."""
         w, self._window = self._window, _Window()
         if closure and first_call is not None:
-            return ClosureRecipe(first_call, _rng_state(), _amp_state())
+            return ClosureRecipe(first_call, rng.capture_step(), _amp_state())
         if closure:
             return ("the optimizer takes a closure it calls itself (not a torch.optim "
                     "optimizer: its forward runs inside step())")

@@ -322,6 +322,47 @@ def _shut(writer: Writer, db: sqlite3.Connection) -> None:
         writer.error = writer.error or exc
 
 
+def open_store(out: str | None, if_exists: str = "refuse") -> NullStore:
+    """The store a new guard records to: `out=""` records nothing (a `NullStore`), None a
+    new folder `nanguard_runs/<time>-<pid>[-N]`, else the folder `out`.
+
+    Raises:
+        ValueError: `out` already holds a run and `if_exists` is `refuse`, or it cannot be
+            written.
+    """
+    if out == "":
+        return NullStore()
+    if out is None:
+        return RunStore(unique_folder(Path("nanguard_runs")))
+    folder = Path(out)
+    if (folder / DB_NAME).exists():
+        if if_exists == "refuse":
+            raise ValueError(
+                f"the run folder {out!r} already holds a run; pick another out=, or set "
+                "GuardConfig(record=RecordConfig(if_exists='overwrite' or 'resume'))")
+        if if_exists == "overwrite":
+            for name in (DB_NAME, f"{DB_NAME}-wal", f"{DB_NAME}-shm", "report.json",
+                         "nanguard_error.txt"):
+                (folder / name).unlink(missing_ok=True)
+    return RunStore(folder)
+
+
+def unique_folder(base: Path) -> Path:
+    """`base/<time>-<pid>`, with a numeric suffix if that exists: two guards started in the
+    same second (a GAN's two optimizers, a sweep loop, two processes) never share a folder.
+    The folder is created here (mkdir is atomic), so the name is taken."""
+    stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    base.mkdir(parents=True, exist_ok=True)
+    for k in range(10_000):
+        folder = base / (stem if k == 0 else f"{stem}-{k}")
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+    raise ValueError(f"cannot find a free run folder under {str(base)!r}; pass out=")
+
+
 def open_run(folder: str | os.PathLike[str]) -> sqlite3.Connection:
     """Open a recorded run. Raises ValueError with a one-line message if it is not one."""
     path = Path(folder)

@@ -72,15 +72,12 @@ class Taken:
     micro: list[_Micro] | None = None
 
     def add_to(self, packet: Packet) -> None:
-        """Add the fingerprints and the row sums to the step's packet (nothing if no batch)."""
+        """Add the fingerprints and the row sums to the step's packet as its one slot `batch`:
+        the `size` fingerprints, then each micro-batch's row sums in order (nothing if no
+        batch)."""
         if self.hashes is None or self.micro is None:
             return
-        packet.add("batch", self.hashes)
-        j = 0
-        for m in self.micro:
-            for r in m.rows:
-                packet.add(f"batch_rows.{j}", r)
-                j += 1
+        packet.add_vectors("batch", [self.hashes, *(r for m in self.micro for r in m.rows)])
 
 
 class BatchProbe:
@@ -140,12 +137,17 @@ class BatchProbe:
                 f = f.to(device)
             # h * 1000003 + f, as `_combine` defines it, masked once in `take`.
             h = f if h is None else torch.add(f, h, alpha=1000003)
-            if t.is_floating_point() or t.is_complex():
+            if t.is_floating_point():
                 checked.append((k, t))
-                flat = t if t.dim() == 2 else t.reshape(size, -1)
-                r = (torch.view_as_real(flat) if t.is_complex() else flat).sum(
-                    dim=tuple(range(1, flat.dim() + t.is_complex())), dtype=torch.float64)
-                rows.append(r if r.device == device else r.to(device))
+                # The common 2-D batch tensor: one row sum as it is (no reshape, no dim tuple).
+                r = (t.sum(dim=1, dtype=torch.float64) if t.dim() == 2
+                     else t.reshape(size, -1).sum(dim=1, dtype=torch.float64))
+            elif t.is_complex():
+                checked.append((k, t))
+                r = torch.view_as_real(t.reshape(size, -1)).sum(dim=(1, 2), dtype=torch.float64)
+            else:
+                continue
+            rows.append(r if r.device == device else r.to(device))
         assert h is not None
         micro = _Micro(size, len(tensors), h, checked, rows)
         if accumulate and self._parts and self._parts[-1].n == micro.n:
@@ -164,7 +166,8 @@ class BatchProbe:
             return Taken()
         h = parts[0].hashes if len(parts) == 1 else torch.cat(
             [p.hashes.to(parts[0].hashes.device) for p in parts])
-        return Taken(size=h.numel(), n=parts[0].n, hashes=h & _MASK, micro=parts)
+        return Taken(size=h.numel(), n=parts[0].n, hashes=torch.bitwise_and(h, _mask(h.device)),
+                     micro=parts)
 
     def collect(self) -> tuple[int, torch.Tensor | None]:
         """`take`, with the NaN rows and per-tensor flags computed exactly on the device: (number
@@ -180,19 +183,23 @@ class BatchProbe:
 
     @staticmethod
     def decode_taken(slots: dict[str, list[float]], taken: Taken, stats: StepStats) -> None:
-        """Fill `stats` from the host copy of the slots `Taken.add_to` added. The quiet step
-        costs one C-level sum per tensor: finite, no NaN row."""
+        """Fill `stats` from the host copy of the slot `Taken.add_to` added. The quiet step
+        costs one C-level sum over every row sum: finite, no NaN row."""
         if not taken.size or taken.micro is None:
             return
-        stats.sample_hashes = list(map(int, slots["batch"]))
+        values = slots["batch"]
+        size = taken.size
+        stats.sample_hashes = list(map(int, values[:size]))
         stats.batch_tensors = taken.n
+        if math.isfinite(sum(values[size:])):
+            return  # the quiet step: every row of every tensor is finite
         bad_rows: set[int] = set()
         bad_tensors: set[int] = set()
-        j = offset = 0
+        pos, offset = size, 0
         for m in taken.micro:
             for k, t in m.checked:
-                sums = slots[f"batch_rows.{j}"]
-                j += 1
+                sums = values[pos : pos + m.size]
+                pos += m.size
                 if math.isfinite(sum(sums)):
                     continue
                 rows = [i for i, v in enumerate(sums) if not math.isfinite(v)]
@@ -251,6 +258,18 @@ def _confirm(t: torch.Tensor, size: int, rows: list[int]) -> list[int]:
     picked = t.reshape(size, -1)[rows]
     finite: list[bool] = torch.isfinite(picked).all(dim=1).tolist()
     return [r for r, ok in zip(rows, finite, strict=True) if not ok]
+
+
+_MASKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _mask(device: torch.device) -> torch.Tensor:
+    """`_MASK` as a 0-dim int64 tensor on `device`, made once (a Python int operand is wrapped
+    into a new tensor at every call)."""
+    m = _MASKS.get(device)
+    if m is None:
+        m = _MASKS[device] = torch.tensor(_MASK, dtype=torch.int64, device=device)
+    return m
 
 
 def _combine(h: torch.Tensor, f: torch.Tensor) -> torch.Tensor:

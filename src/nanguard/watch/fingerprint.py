@@ -40,10 +40,12 @@ def sample_sums(tensor: torch.Tensor) -> torch.Tensor:
     t = tensor.detach() if tensor.requires_grad else tensor
     if t.dim() == 0:
         t = t.reshape(1)
-    t = t.contiguous()
-    if t.dtype == torch.bool:
+    if not t.is_contiguous():
+        t = t.contiguous()
+    dtype = t.dtype
+    if dtype == torch.bool:
         t = t.to(torch.uint8)
-    if t.is_complex():
+    elif t.is_complex():
         t = torch.view_as_real(t)
     size = t.element_size()
     bits = t.view(_INT_VIEW[size])
@@ -51,8 +53,8 @@ def sample_sums(tensor: torch.Tensor) -> torch.Tensor:
         bits = bits.reshape(t.shape[0], -1)
     # Products in 32-bit integers (wrapping) for elements of up to 4 bytes: one temporary of
     # the batch's size instead of two 64-bit copies; the row sums come out as int64.
-    wide = torch.int64 if size == 8 else torch.int32
-    return (bits * _weights(bits.shape[1], bits.device, wide)).sum(dim=1, dtype=torch.int64)
+    w = _weights(bits.shape[1], bits.device, torch.int64 if size == 8 else torch.int32)
+    return torch.mul(bits, w).sum(dim=1, dtype=torch.int64)
 
 
 def sample_fingerprints(tensor: torch.Tensor) -> torch.Tensor:

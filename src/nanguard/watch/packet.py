@@ -75,6 +75,18 @@ class Packet:
         self._slots[name] = (True, len(self._scalars), len(scalars), len(self._scalars))
         self._scalars += scalars
 
+    def add_vectors(self, name: str, vectors: Sequence[torch.Tensor]) -> None:
+        """Add several 1-D tensors as the one slot `name` (read back as their values one
+        after the other): a probe with many small vectors pays one slot, not one each."""
+        assert name not in self._slots, f"slot {name!r} added twice"
+        start, k = self._n_vector, len(self._vectors)
+        for v in vectors:
+            if v.device != self.device:
+                v = v.to(self.device)
+            self._vectors.append(v)
+            self._n_vector += v.numel()
+        self._slots[name] = (False, start, self._n_vector - start, k)
+
     def _add_vector(self, name: str, values: torch.Tensor) -> None:
         flat = values if values.dim() == 1 else values.reshape(-1)  # probes hand detached values
         if flat.device != self.device:
@@ -88,7 +100,14 @@ class Packet:
         if name not in self._slots:
             return None
         scalar, start, n, k = self._slots[name]
-        return torch.stack(self._scalars[k : k + n]) if scalar else self._vectors[k]
+        if scalar:
+            return torch.stack(self._scalars[k : k + n])
+        parts: list[torch.Tensor] = []
+        seen = 0
+        while seen < n or not parts:  # the vectors of an `add_vectors` slot, in order
+            parts.append(self._vectors[k + len(parts)])
+            seen += parts[-1].numel()
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def __contains__(self, name: str) -> bool:
         return name in self._slots

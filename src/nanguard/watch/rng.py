@@ -36,9 +36,11 @@ def capture() -> dict[str, Any]:
 
 
 def capture_step() -> dict[str, Any]:
-    """The torch RNG states only (CPU and every initialized CUDA device): the per-step capture."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    """The torch RNG states only (CPU and every initialized CUDA device): the per-step capture.
+    (No `torch.cuda.is_available()`: it costs more than the capture; a CUDA that is not
+    available is never initialized.)"""
+    state: dict[str, Any] = {"torch": torch.default_generator.get_state()}
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from nanguard.watch.norms import NormPlan, Norms, _is_dtensor, _values, local, norm_values
 from nanguard.watch.packet import Packet
@@ -33,6 +34,9 @@ def _any_nonfinite(norms: dict[int, float], key: str, overflowed: set[tuple[str,
         return False
     return any(not math.isfinite(v) for i, v in norms.items() if (key, i) not in overflowed)
 
+
+# Packet slots of `post_step`'s groups when they are measured one by one (else one `post`).
+_SLOT = {"param": "param", "buffer": "buffer"}
 
 # Optimizer state entries that are tensors shaped like the parameter, by meaning.
 FIRST_MOMENT_KEYS = ("momentum_buffer", "exp_avg")
@@ -125,15 +129,21 @@ class StepStats:
     def grad_norm(self) -> float:
         """Global gradient L2 norm, computed in float64 on the host (no overflow). Once sealed,
         computed once (the detectors, the policy and the record all ask for it)."""
-        v = self._once("grad_norm", lambda: self._global(self.grad_norms))
-        assert v is not None
-        return v
+        if self._signals is not None:  # sealed: a dict lookup (asked ~10 times a step)
+            v = self._derived.get("grad_norm")
+            if v is None:
+                v = self._derived["grad_norm"] = self._global(self.grad_norms)
+            return v
+        return self._global(self.grad_norms)
 
     @property
     def param_norm(self) -> float:
-        v = self._once("param_norm", lambda: self._global(self.param_norms))
-        assert v is not None
-        return v
+        if self._signals is not None:
+            v = self._derived.get("param_norm")
+            if v is None:
+                v = self._derived["param_norm"] = self._global(self.param_norms)
+            return v
+        return self._global(self.param_norms)
 
     @property
     def momentum_norm(self) -> float | None:
@@ -274,18 +284,20 @@ class StepProbe:
 
     def post_step(self, packet: Packet, second_moments: bool = True
                   ) -> list[tuple[str, list[int]]]:
-        """Runs right after `optimizer.step()`: adds to `packet` the parameter norms (slot
-        `param`), optimizer-state norms (one slot per state key; second moments only when
-        `second_moments`), buffer norms (`buffer`) and, on sampled steps, the update norm
-        (`update`). Returns the layout: (slot, parameter or buffer indices) per slot."""
+        """Runs right after `optimizer.step()`: adds to `packet` the parameter norms,
+        optimizer-state norms (per state key; second moments only when `second_moments`) and
+        buffer norms, all from one norm call (slot `post`; with a `NormPlan`, one slot each:
+        `param`, `state.<key>`, `buffer`), and, on sampled steps, the update norm (`update`).
+        Returns the layout: (`param`, a state key, `buffer` or `update`; the parameter or
+        buffer indices) in slot order, what `decode_post` reads back."""
         # No autograd records for the parameters' reductions (the hook runs in the user's grad
         # mode): one context instead of a `detach()` per parameter.
         with torch.no_grad():
             return self._post_step(packet, second_moments)
 
     def _post_step(self, packet: Packet, second_moments: bool) -> list[tuple[str, list[int]]]:
-        packet.add("param", self._norms(self.params))
-        layout: list[tuple[str, list[int]]] = [("param", list(range(len(self.params))))]
+        groups: list[tuple[str, list[int], list[torch.Tensor]]] = [
+            ("param", list(range(len(self.params))), self.params)]
         by_key: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
         state_of = self.optimizer.state
         for i, p in enumerate(self.params):
@@ -301,12 +313,18 @@ class StepProbe:
                     ids, tensors = by_key.setdefault(key, ([], []))
                     ids.append(i)
                     tensors.append(value)
-        for key, (ids, tensors) in by_key.items():
-            packet.add(f"state.{key}", self._norms(tensors))
-            layout.append((key, ids))
+        groups += [(key, ids, tensors) for key, (ids, tensors) in by_key.items()]
         if self.buffers:
-            packet.add("buffer", norm_values(self.buffers))
-            layout.append(("buffer", list(range(len(self.buffers)))))
+            groups.append(("buffer", list(range(len(self.buffers))), self.buffers))
+        if self._plan_for is self.params and self._plan is not None:
+            # Many small CPU tensors: the plan's one kernel per shape, per aligned group.
+            for key, _, tensors in groups:
+                packet.add(_SLOT.get(key, f"state.{key}"), self._norms(tensors))
+        else:
+            # One norm call for the parameters, every optimizer-state key and the buffers
+            # (one dispatch, one slot): `post`, the groups' norms one after the other.
+            packet.add("post", norm_values([t for _, _, ts in groups for t in ts]))
+        layout = [(key, ids) for key, ids, _ in groups]
         if self._with_update:
             assert self._update_buf is not None
             # In place: no transient parameter-sized allocation.
@@ -333,15 +351,23 @@ class StepProbe:
     ) -> None:
         """Fill `stats` from the host copy of the slots `post_step` added."""
         stats._signals = None
+        fused = slots.get("post")
+        pos = 0
         for key, ids in layout:
-            if key == "param":
-                stats.param_norms = dict(zip(ids, slots["param"], strict=True))
-            elif key == "update":
+            if key == "update":
                 stats.update_norm = slots["update"][0]
-            elif key == "buffer":
-                stats.buffer_norms = dict(zip(ids, slots["buffer"], strict=True))
+                continue
+            if fused is not None:
+                values, pos = fused[pos : pos + len(ids)], pos + len(ids)
             else:
-                stats.state_norms[key] = dict(zip(ids, slots[f"state.{key}"], strict=True))
+                values = slots[_SLOT.get(key, f"state.{key}")]
+            norms = dict(zip(ids, values, strict=True))
+            if key == "param":
+                stats.param_norms = norms
+            elif key == "buffer":
+                stats.buffer_norms = norms
+            else:
+                stats.state_norms[key] = norms
 
     def resolve_post_overflow(self, stats: StepStats) -> None:
         """Same as `resolve_overflow`, for parameter and optimizer-state norms after the step.
@@ -392,3 +418,19 @@ class StepProbe:
                 stats.grad_norms[i] = float(torch.linalg.vector_norm(g))
                 stats.nonfinite_grads.discard(i)
                 stats.overflowed.add(i)
+
+
+def watched_buffers(model: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
+    """The model's floating-point buffers that hold no infinity when the guard is built.
+
+    BatchNorm running statistics must stay finite (an inf running variance makes every eval
+    NaN); a causal attention mask legitimately holds -inf and is left out. A NaN is never
+    intended, so a buffer holding one is watched (and reported as loaded state). One host
+    read, here only."""
+    named = [(n, b) for n, b in model.named_buffers() if b.is_floating_point() and b.numel()]
+    if not named:
+        return [], []
+    with torch.no_grad():
+        has_inf = torch.stack([torch.isinf(local(b)).any().cpu() for _, b in named]).tolist()
+    kept = [(n, b) for (n, b), inf in zip(named, has_inf, strict=True) if not inf]
+    return [n for n, _ in kept], [b for _, b in kept]
