@@ -32,7 +32,8 @@ class ActivationProbe:
     def __init__(self, model: nn.Module) -> None:
         self.names: list[str] = []
         self.dtypes: dict[str, torch.dtype] = {}
-        self._current: dict[str, torch.Tensor] = {}
+        self._current: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        """This step's (min, max) of each module's output, on the device."""
         self._seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], weakref.ref[Any]] = {}
         self._handles: list[RemovableHandle] = []
         self.enabled = True
@@ -62,14 +63,15 @@ class ActivationProbe:
             self._seen[key] = weakref.ref(output)
             with torch.no_grad():
                 # aminmax reads the tensor once without the full-size copy that abs() makes;
-                # a NaN propagates into both.
+                # a NaN propagates into both. The abs-max is taken for every module at once in
+                # `collect` (two ops a step, not two per module).
                 # Kept in the output's dtype: `collect` learns the dtype from it, so the hook
                 # writes no Python state that torch.compile would guard on (a recompile).
                 lo, hi = torch.aminmax(output.detach())
-                m = torch.maximum(hi, -lo)
-            prev = self._current.get(name)
-            # A module called several times in one step keeps its largest output.
-            self._current[name] = m if prev is None else torch.maximum(prev, m)
+                prev = self._current.get(name)
+                if prev is not None:  # called several times in one step: its widest range
+                    lo, hi = torch.minimum(prev[0], lo), torch.maximum(prev[1], hi)
+            self._current[name] = (lo, hi)
 
         return hook
 
@@ -80,10 +82,12 @@ class ActivationProbe:
             return [], None
         names = list(self._current)
         for n in names:
-            self.dtypes[n] = self._current[n].dtype
-        values = torch.stack([self._current[n] for n in names])  # promotes mixed dtypes
+            self.dtypes[n] = self._current[n][1].dtype
+        # Stacks promote mixed dtypes (float16 and float32 under autocast) exactly.
+        his = torch.stack([self._current[n][1] for n in names])
+        los = torch.stack([self._current[n][0] for n in names])
         self._current = {}
-        return names, values
+        return names, torch.maximum(his, torch.neg(los))
 
     def close(self) -> None:
         for h in self._handles:
