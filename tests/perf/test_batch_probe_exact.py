@@ -118,3 +118,34 @@ def test_packet_path_decodes_to_the_reference() -> None:
         assert got.batch_tensors == want.batch_tensors
         if micro[0] is batches[-1]:  # `huge`: overflowing rows are no NaN rows; the NaN row is one
             assert got.nonfinite_samples == [2] and got.nonfinite_tensors == [0, 1]
+
+
+def test_fingerprint_is_the_modular_weighted_sum() -> None:
+    """`sample_sums` (one integer `torch.mv` on the CPU) equals its definition computed another
+    way: exact int64 products summed, reduced modulo 2**32 (signed) for elements of up to 4
+    bytes; for 8-byte elements the int64 products' wrapping sum."""
+    from nanguard.watch.fingerprint import _weights, sample_sums
+
+    g = torch.Generator().manual_seed(1)
+    cases = [torch.randn(16, 5, 3, generator=g), torch.randn(16, 3, generator=g).half(),
+             torch.randint(0, 255, (16, 7), dtype=torch.uint8, generator=g),
+             torch.rand(16, 4, generator=g) > 0.5,
+             torch.randn(16, 2, dtype=torch.complex64, generator=g),
+             torch.randn(16, 150_000, generator=g),  # an image-sized row: no temporary
+             torch.randint(-2**62, 2**62, (16, 9), generator=g), torch.randn(16, 4).double()]
+    views = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+    for t in cases:
+        got = sample_sums(t)
+        u = t.to(torch.uint8) if t.dtype == torch.bool else t
+        u = torch.view_as_real(u) if u.is_complex() else u
+        size = u.element_size()
+        bits = u.contiguous().view(views[size]).reshape(16, -1).to(torch.int64)
+        w = (torch.arange(bits.shape[1], dtype=torch.int64) * 2654435761 + 97531) | 1
+        if size <= 4:
+            w = w & 0x7FFFFFFF
+            want = (bits * w).sum(dim=1) % (1 << 32)  # int64 wrapping keeps it modulo 2**32
+            want = torch.where(want >= 1 << 31, want - (1 << 32), want)
+        else:
+            want = (bits * w).sum(dim=1)  # int64 wrapping, the definition's modulus
+        assert torch.equal(got.to(torch.int64), want), t.dtype
+        assert _weights(bits.shape[1], t.device, got.dtype).dtype == got.dtype

@@ -1,4 +1,5 @@
-"""benchmarks/host_cost.py runs and prints its JSON line (a smoke test: no timing asserted)."""
+"""benchmarks/host_cost.py and benchmarks/batch_probe.py run and print their JSON line (smoke
+tests: no timing asserted)."""
 
 from __future__ import annotations
 
@@ -6,21 +7,38 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "host_cost.py"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, mod)  # its dataclasses look it up
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_host_cost_quick(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spec = importlib.util.spec_from_file_location("host_cost", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "host_cost", mod)  # its dataclasses look it up
-    spec.loader.exec_module(mod)
+    mod = _load("host_cost", monkeypatch)
     assert mod.main(["--quick", "--workloads", "logreg,blocks", "--steps", "3"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(result) == {"logreg", "blocks", "steps"}
     assert result["blocks"]["store_bytes_per_step"] > 0
+
+
+def test_batch_probe_quick(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mod = _load("batch_probe", monkeypatch)
+    assert mod.main(["--quick"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result) == {"tabular 8x4", "images 2x3x8x8"}
+    for row in result.values():
+        assert row["before_ms"] > 0 and row["now_ms"] > 0 and row["forward_ms"] > 0
