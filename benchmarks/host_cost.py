@@ -10,6 +10,13 @@ same seed on the same batches:
                     step (the default watch, SQLite run store on, as users get it)
     clip_grad_norm  + torch.nn.utils.clip_grad_norm_ after backward (the yardstick of issue 12)
 
+and two that say where the default's cost goes (ablations, not ways to run nanguard):
+
+    no_batch        default, but guard.watch(loss=...) only: no batch fingerprints or NaN rows
+    norm_floor      no guard: only the norm passes the default watch makes every step (the
+                    gradients before the update; parameters and optimizer state after it) and
+                    one host read of them: the floor of watching every value every step
+
 on three workloads:
 
     logreg   textbook logistic regression: nn.Linear(20, 1), batch 64, BCE-with-logits, SGD
@@ -60,7 +67,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 from nanguard import Guard, GuardConfig, RecordConfig
 
-CONFIGS = ("plain", "default", "clip_grad_norm")
+CONFIGS = ("plain", "default", "clip_grad_norm", "no_batch", "norm_floor")
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -148,7 +155,7 @@ def make_runner(name: str, wl: Workload, out: Path) -> Runner:
     model, opt = wl.build()
     params = [p for p in model.parameters() if p.requires_grad]
     guard = None
-    if name == "default":
+    if name in ("default", "no_batch"):
         guard = Guard(model, opt, out=out / name,
                       config=GuardConfig(record=RecordConfig(summary=False)))
 
@@ -156,11 +163,18 @@ def make_runner(name: str, wl: Workload, out: Path) -> Runner:
         x, y = batch
         loss = wl.loss(model(x), y)
         if guard is not None:
-            guard.watch(loss=loss, batch=(x, y))
+            guard.watch(loss=loss, batch=(x, y) if name == "default" else None)
         loss.backward()
         if name == "clip_grad_norm":
             torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if name == "norm_floor":
+            pre = torch._foreach_norm([p.grad for p in params], 2, dtype=torch.float32)
         opt.step()
+        if name == "norm_floor":
+            state = [v for p in params for k, v in opt.state[p].items()
+                     if k != "step" and isinstance(v, torch.Tensor) and v.shape == p.shape]
+            post = torch._foreach_norm(params + state, 2, dtype=torch.float32)
+            torch.stack([*pre, *post]).tolist()
         opt.zero_grad(set_to_none=True)
 
     return Runner(name, step, guard, [], [])
@@ -255,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                 "default_cpu_added_ms": round(s["default"]["cpu_added"] * 1e3, 4),
                 "clip_added_ms": round(s["clip_grad_norm"]["added"] * 1e3, 4),
                 "clip_cpu_added_ms": round(s["clip_grad_norm"]["cpu_added"] * 1e3, 4),
+                "no_batch_added_ms": round(s["no_batch"]["added"] * 1e3, 4),
+                "norm_floor_added_ms": round(s["norm_floor"]["added"] * 1e3, 4),
             }
             for label, key in (("wall", "added"), ("cpu", "cpu_added")):
                 clip = s["clip_grad_norm"][key]

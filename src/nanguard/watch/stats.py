@@ -35,9 +35,6 @@ def _any_nonfinite(norms: dict[int, float], key: str, overflowed: set[tuple[str,
     return any(not math.isfinite(v) for i, v in norms.items() if (key, i) not in overflowed)
 
 
-# Packet slots of `post_step`'s groups when they are measured one by one (else one `post`).
-_SLOT = {"param": "param", "buffer": "buffer"}
-
 # Optimizer state entries that are tensors shaped like the parameter, by meaning.
 FIRST_MOMENT_KEYS = ("momentum_buffer", "exp_avg")
 SECOND_MOMENT_KEYS = ("exp_avg_sq", "square_avg", "sum")
@@ -288,7 +285,7 @@ class StepProbe:
         optimizer-state norms (per state key; second moments only when `second_moments`) and
         buffer norms, all from one norm call (slot `post`; with a `NormPlan`, one slot each:
         `param`, `state.<key>`, `buffer`), and, on sampled steps, the update norm (`update`).
-        Returns the layout: (`param`, a state key, `buffer` or `update`; the parameter or
+        Returns the layout: (`param`, `state.<key>`, `buffer` or `update`; the parameter or
         buffer indices) in slot order, what `decode_post` reads back."""
         # No autograd records for the parameters' reductions (the hook runs in the user's grad
         # mode): one context instead of a `detach()` per parameter.
@@ -313,13 +310,15 @@ class StepProbe:
                     ids, tensors = by_key.setdefault(key, ([], []))
                     ids.append(i)
                     tensors.append(value)
-        groups += [(key, ids, tensors) for key, (ids, tensors) in by_key.items()]
+        # Named `state.<key>` (slot and layout alike): a state key called `param` or `update`
+        # (a custom optimizer's) cannot be taken for the parameters or the update norm.
+        groups += [(f"state.{key}", ids, tensors) for key, (ids, tensors) in by_key.items()]
         if self.buffers:
             groups.append(("buffer", list(range(len(self.buffers))), self.buffers))
         if self._plan_for is self.params and self._plan is not None:
             # Many small CPU tensors: the plan's one kernel per shape, per aligned group.
-            for key, _, tensors in groups:
-                packet.add(_SLOT.get(key, f"state.{key}"), self._norms(tensors))
+            for slot, _, tensors in groups:
+                packet.add(slot, self._norms(tensors))
         else:
             # One norm call for the parameters, every optimizer-state key and the buffers
             # (one dispatch, one slot): `post`, the groups' norms one after the other.
@@ -360,14 +359,14 @@ class StepProbe:
             if fused is not None:
                 values, pos = fused[pos : pos + len(ids)], pos + len(ids)
             else:
-                values = slots[_SLOT.get(key, f"state.{key}")]
+                values = slots[key]
             norms = dict(zip(ids, values, strict=True))
             if key == "param":
                 stats.param_norms = norms
             elif key == "buffer":
                 stats.buffer_norms = norms
             else:
-                stats.state_norms[key] = norms
+                stats.state_norms[key[len("state."):]] = norms
 
     def resolve_post_overflow(self, stats: StepStats) -> None:
         """Same as `resolve_overflow`, for parameter and optimizer-state norms after the step.
