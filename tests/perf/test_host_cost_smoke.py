@@ -42,3 +42,25 @@ def test_batch_probe_quick(
     assert set(result) == {"tabular 8x4", "images 2x3x8x8"}
     for row in result.values():
         assert row["before_ms"] > 0 and row["now_ms"] > 0 and row["forward_ms"] > 0
+
+
+def test_ab_inprocess_quick(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This checkout against itself, renamed: the loader makes a second, independent package."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    mod = _load("ab_inprocess", monkeypatch)
+    src = BENCHMARKS.parent / "src"
+    try:
+        assert mod.main(["--before", str(src), "--rounds", "2", "--warmup", "1",
+                         "--workloads", "logreg"]) == 0
+        before = sys.modules["nanguard_before"]
+        assert before.Guard is not mod.nanguard.Guard
+        assert Path(before.__file__).parent.name == "nanguard_before"
+    finally:
+        for name in [n for n in sys.modules if n.split(".")[0] == "nanguard_before"]:
+            del sys.modules[name]
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result) == {"logreg"} and result["logreg"]["plain_ms"] > 0
+    with pytest.raises(SystemExit):
+        mod.main(["--before", str(BENCHMARKS)])  # no nanguard package there: a usage error
