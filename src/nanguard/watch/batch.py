@@ -268,10 +268,11 @@ _MASKS: dict[torch.device, torch.Tensor] = {}
 
 def _mask(device: torch.device) -> torch.Tensor:
     """`_MASK` as a 0-dim int64 tensor on `device`, made once (a Python int operand is wrapped
-    into a new tensor at every call)."""
+    into a new tensor at every call). Filled on the device: `torch.tensor(..., device=cuda)`
+    would copy from pageable host memory, a synchronizing call."""
     m = _MASKS.get(device)
     if m is None:
-        m = _MASKS[device] = torch.tensor(_MASK, dtype=torch.int64, device=device)
+        m = _MASKS[device] = torch.full((), _MASK, dtype=torch.int64, device=device)
     return m
 
 
