@@ -63,8 +63,8 @@ class ActivationProbe:
             self._seen[key] = weakref.ref(output)
             with torch.no_grad():
                 # aminmax reads the tensor once without the full-size copy that abs() makes;
-                # a NaN propagates into both. The abs-max is taken for every module at once in
-                # `collect` (two ops a step, not two per module).
+                # a NaN propagates into both. The abs-max, max(hi, -lo), is taken for every
+                # module at once in `collect` (a neg and a maximum a step, not per module).
                 # Kept in the output's dtype: `collect` learns the dtype from it, so the hook
                 # writes no Python state that torch.compile would guard on (a recompile).
                 lo, hi = torch.aminmax(output.detach())

@@ -96,7 +96,8 @@ def dumps(state: dict[str, Any]) -> bytes:
 
 def loads(blob: bytes) -> dict[str, Any]:
     """What `dumps` wrote (or, for stores of older versions, a `torch.save` blob, read with
-    `weights_only=True`: never code). Raises ValueError on bytes that are neither."""
+    `weights_only=True`: never code). Raises ValueError on a damaged blob of `dumps`'s format
+    (anything else is handed to `torch.load`, which raises its own error)."""
     if not blob.startswith(_MAGIC):
         state: dict[str, Any] = torch.load(io.BytesIO(blob), weights_only=True)
         return state
@@ -123,7 +124,7 @@ def loads(blob: bytes) -> dict[str, Any]:
         if "python" in head:
             version, gauss, size = head["python"]
             words = np.frombuffer(take(size), dtype=np.uint32)
-            out["python"] = (version, tuple(int(w) for w in words), gauss)
+            out["python"] = (version, tuple(words.tolist()), gauss)
         if "numpy" in head:
             kind, npos, has_gauss, cached, size = head["numpy"]
             keys = np.frombuffer(take(size), dtype=np.uint32).copy()

@@ -122,25 +122,25 @@ class StepStats:
             d[name] = compute()
         return d[name]
 
+    def _sealed_global(self, name: str, norms: dict[int, float]) -> float:
+        """`_global(norms)`, kept under `name` once sealed (a dict lookup, no closure: these
+        are asked ~10 times a step by the detectors, the policy and the record)."""
+        if self._signals is None:
+            return self._global(norms)
+        v = self._derived.get(name)
+        if v is None:
+            v = self._derived[name] = self._global(norms)
+        return v
+
     @property
     def grad_norm(self) -> float:
         """Global gradient L2 norm, computed in float64 on the host (no overflow). Once sealed,
         computed once (the detectors, the policy and the record all ask for it)."""
-        if self._signals is not None:  # sealed: a dict lookup (asked ~10 times a step)
-            v = self._derived.get("grad_norm")
-            if v is None:
-                v = self._derived["grad_norm"] = self._global(self.grad_norms)
-            return v
-        return self._global(self.grad_norms)
+        return self._sealed_global("grad_norm", self.grad_norms)
 
     @property
     def param_norm(self) -> float:
-        if self._signals is not None:
-            v = self._derived.get("param_norm")
-            if v is None:
-                v = self._derived["param_norm"] = self._global(self.param_norms)
-            return v
-        return self._global(self.param_norms)
+        return self._sealed_global("param_norm", self.param_norms)
 
     @property
     def momentum_norm(self) -> float | None:
