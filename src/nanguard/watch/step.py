@@ -88,10 +88,17 @@ class StepWatch:
         self.host_reads = 0
         """Host reads made so far (one per read step; tests hold the hot path to it)."""
 
-    def read(self, t: torch.Tensor) -> list[float]:
-        """The one host read: a device tensor to a Python list."""
+    def read(self, t: torch.Tensor | list[torch.Tensor]) -> list[float]:
+        """The one host read: a device tensor to a Python list. On the CPU, a list of 1-D
+        tensors read one after the other into one list (host memory already: nothing to
+        synchronize, and no copy into one tensor to pay; `packet.read_packets`)."""
         self.host_reads += 1
-        values: list[float] = t.tolist()
+        if isinstance(t, torch.Tensor):
+            values: list[float] = t.tolist()
+            return values
+        values = []
+        for part in t:
+            values += part.tolist()
         return values
 
     def begin(self, step: int, lr: float | None, device: torch.device,
@@ -142,7 +149,7 @@ class StepWatch:
     def read_pre(self, p: Pending) -> StepStats:
         """Read the pre-update packet of the step in progress now (acting policies decide
         before the update; a replay needs the parameters as they were)."""
-        return self.decode_pre(p, self.read(p.pre.host_tensor()))
+        return self.decode_pre(p, read_packets([p.pre], self.read)[0])
 
     def read_steps(self, pending: list[Pending], live_last: bool = True
                    ) -> list[tuple[Pending, StepStats, bool]]:
@@ -221,7 +228,7 @@ class StepWatch:
         size, vec = self.batch_probe.collect()
         if vec is not None:
             packet.add("batch", vec)
-        slots = packet.decode(self.read(packet.tensor()))
+        slots = packet.read(self.read)
         if "loss" in slots:
             stats.loss = slots["loss"][0]
         self.batch_probe.decode(slots.get("batch", []), size, stats)
