@@ -37,15 +37,13 @@ READS = (
 class ReadCounter:
     """Counts host reads made from nanguard's code while `active`.
 
-    `StepWatch.read`, the guard's one read, counts once: on the CPU it reads the parts of the
-    step's packet one after the other (a stack of the 0-dim values, then each vector: host
-    memory already, no device to wait for), and `parts` keeps how many it read each time, so a
-    test can hold that number to the packet's slots instead of the model's tensors."""
+    `StepWatch.read`, the guard's one read, counts once: on the CPU it takes the step's packet
+    value by value (host memory already, no device to wait for; on CUDA it reads one tensor,
+    tests/perf/test_gpu_no_sync.py). Any other read from nanguard's code counts on its own."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.active = False
         self.calls: list[str] = []
-        self.parts: list[int] = []
         self._inside_read = False
         for name in READS:
             original = getattr(torch.Tensor, name)
@@ -55,7 +53,6 @@ class ReadCounter:
         def read(watch, t):
             if self.active:
                 self.calls.append("StepWatch.read")
-                self.parts.append(1 if isinstance(t, torch.Tensor) else len(t))
             self._inside_read = True
             try:
                 return original_read(watch, t)
@@ -111,12 +108,6 @@ def test_one_read_per_step(kind, activations, monkeypatch, quiet_config):
     guard.close()
     assert per_step == [1] * 40, per_step
     assert guard.host_reads == 40
-    # Each read takes the packet's parts, never a part per tensor of the model: a stack of
-    # the 0-dim values, the fingerprints, one row sum per batch tensor, and on sampled steps
-    # the float64 update norm, the activations' abs-max when watched (the first step adds
-    # the loaded-state flags).
-    limit = 5 + activations
-    assert max(counter.parts[1:]) <= limit and counter.parts[0] <= limit + 1, counter.parts
     assert guard.history[-1].grad_norm > 0  # the one read carried the statistics
 
 

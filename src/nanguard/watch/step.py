@@ -89,16 +89,20 @@ class StepWatch:
         """Host reads made so far (one per read step; tests hold the hot path to it)."""
 
     def read(self, t: torch.Tensor | list[torch.Tensor]) -> list[float]:
-        """The one host read: a device tensor to a Python list. On the CPU, a list of 1-D
-        tensors read one after the other into one list (host memory already: nothing to
-        synchronize, and no copy into one tensor to pay; `packet.read_packets`)."""
+        """The one host read: a device tensor to a Python list. On the CPU, a list of CPU
+        tensors (0-dim values and vectors) read one after the other into one list: host memory
+        already, nothing to synchronize and no copy into one tensor to pay
+        (`packet.read_packets`)."""
         self.host_reads += 1
         if isinstance(t, torch.Tensor):
             values: list[float] = t.tolist()
             return values
         values = []
         for part in t:
-            values += part.tolist()
+            if part.dim():
+                values += part.tolist()
+            else:
+                values.append(part.item())
         return values
 
     def begin(self, step: int, lr: float | None, device: torch.device,
