@@ -16,6 +16,11 @@ and two that say where the default's cost goes (ablations, not ways to run nangu
     norm_floor      no guard: only the norm passes the default watch makes every step (the
                     gradients before the update; parameters and optimizer state after it) and
                     one host read of them: the floor of watching every value every step
+    op_floor        no guard: every tensor op the default watch makes on a quiet step (the
+                    norm passes, the loss, the batch's fingerprints and row sums, the RNG
+                    state) and the host read, in a few lines of straight-line Python: what
+                    the default costs with its bookkeeping (decoding, detectors, the record,
+                    the hooks) taken away
 
 on three workloads:
 
@@ -66,8 +71,9 @@ except ImportError:  # running from a checkout without `pip install -e .`
     import nanguard
 
 from nanguard import Guard, GuardConfig, RecordConfig
+from nanguard.watch.fingerprint import sample_sums
 
-CONFIGS = ("plain", "default", "clip_grad_norm", "no_batch", "norm_floor")
+CONFIGS = ("plain", "default", "clip_grad_norm", "no_batch", "norm_floor", "op_floor")
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -167,17 +173,43 @@ def make_runner(name: str, wl: Workload, out: Path) -> Runner:
         loss.backward()
         if name == "clip_grad_norm":
             torch.nn.utils.clip_grad_norm_(params, 1.0)
-        if name == "norm_floor":
+        if name == "op_floor":
+            vectors = _batch_ops(x, y)
+            torch.get_rng_state()  # the step's RNG state, kept for a replay
+        if name in ("norm_floor", "op_floor"):
             pre = torch._foreach_norm([p.grad for p in params], 2, dtype=torch.float32)
         opt.step()
-        if name == "norm_floor":
+        if name in ("norm_floor", "op_floor"):
             state = [v for p in params for k, v in opt.state[p].items()
                      if k != "step" and isinstance(v, torch.Tensor) and v.shape == p.shape]
             post = torch._foreach_norm(params + state, 2, dtype=torch.float32)
+        if name == "norm_floor":
             torch.stack([*pre, *post]).tolist()
+        if name == "op_floor":
+            # Read as the guard reads on the CPU: each 0-dim value, then each vector.
+            [t.item() for t in (loss.detach(), *pre, *post)]
+            [v.tolist() for v in vectors]
         opt.zero_grad(set_to_none=True)
 
     return Runner(name, step, guard, [], [])
+
+
+_MASK = torch.tensor((1 << 52) - 1)
+
+
+def _batch_ops(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    """The device ops `BatchProbe.observe` and `take` make for a batch (x, y): each tensor's
+    fingerprint, combined in int64 and masked once; one row sum per floating-point tensor."""
+    h: torch.Tensor | None = None
+    rows = []
+    for t in (x, y):
+        f = sample_sums(t)
+        h = f.to(torch.int64) if h is None else torch.add(f, h, alpha=1000003)
+        if t.is_floating_point():
+            rows.append(t.sum(dim=1, dtype=torch.float32) if t.dim() == 2
+                        else t.reshape(t.shape[0], -1).sum(dim=1, dtype=torch.float32))
+    assert h is not None
+    return [torch.bitwise_and(h, _MASK), *rows]
 
 
 def run(wl: Workload, steps: int, warmup: int, seed: int, out: Path) -> dict[str, Runner]:
@@ -271,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                 "clip_cpu_added_ms": round(s["clip_grad_norm"]["cpu_added"] * 1e3, 4),
                 "no_batch_added_ms": round(s["no_batch"]["added"] * 1e3, 4),
                 "norm_floor_added_ms": round(s["norm_floor"]["added"] * 1e3, 4),
+                "op_floor_added_ms": round(s["op_floor"]["added"] * 1e3, 4),
             }
             for label, key in (("wall", "added"), ("cpu", "cpu_added")):
                 clip = s["clip_grad_norm"][key]

@@ -10,6 +10,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
+
+from nanguard import Guard, GuardConfig, RecordConfig
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -31,6 +34,33 @@ def test_host_cost_quick(
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(result) == {"logreg", "blocks", "steps"}
     assert result["blocks"]["store_bytes_per_step"] > 0
+    assert all(isinstance(result[w]["op_floor_added_ms"], float) for w in ("logreg", "blocks"))
+
+
+@pytest.mark.parametrize("label_dtype", [torch.float32, torch.int64])
+def test_op_floor_computes_what_the_guard_records(
+    label_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The floor is honest: its batch ops give the fingerprints the guard records and the row
+    sums the guard reads (a NaN row shows in both)."""
+    mod = _load("host_cost", monkeypatch)
+    torch.manual_seed(0)
+    x = torch.randn(16, 5)
+    x[3, 2] = float("nan")
+    y = (torch.randint(0, 3, (16,)) if label_dtype == torch.int64
+         else torch.randn(16, 1))
+    hashes, *rows = mod._batch_ops(x, y)
+    model = torch.nn.Linear(5, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard(model, opt, out="", config=GuardConfig(record=RecordConfig(summary=False)))
+    guard.watch(loss=model(torch.nan_to_num(x)).sum(), batch=(x, y))
+    model(torch.nan_to_num(x)).sum().backward()
+    opt.step()
+    guard.close()
+    stats = guard.history[-1]
+    assert stats.sample_hashes == hashes.tolist()
+    assert len(rows) == (2 if label_dtype == torch.float32 else 1)
+    assert [i for i, v in enumerate(rows[0].tolist()) if v != v] == stats.nonfinite_samples == [3]
 
 
 def test_batch_probe_quick(
