@@ -7,8 +7,10 @@ side, interleaved, on the same tensors:
     before   the per-tensor product and int64 sum (a temporary the size of the batch) and a
              float64 row sum: what nanguard did up to issue 12's third pass
     now      `BatchProbe` as it is: one integer matrix-vector product per tensor on the CPU
-             (no temporary) and a float32 row sum (float64 only for float64 data)
+             (no temporary) and a float32 row sum (float64 only for float64 data); a small
+             CPU batch's per-tensor sums are combined on the host
 
+each read to a host list, as the guard's one read does, timed
 against the time of one forward pass of a small model on the same batch (so the cost reads as
 a fraction of a training step). Reported: median ms per batch and the ratio before / now.
 
@@ -38,6 +40,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 
 from nanguard.watch.batch import BatchProbe
 from nanguard.watch.fingerprint import _INT_VIEW, _weights
+from nanguard.watch.packet import Packet, host_values
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -59,15 +62,21 @@ def before(batch: Batch) -> torch.Tensor:
     return torch.cat([h & ((1 << 52) - 1), *rows]) if rows else h
 
 
+def before_read(batch: Batch) -> list[float]:
+    out: list[float] = before(batch).tolist()
+    return out
+
+
 _PROBE = BatchProbe()
 
 
-def now(batch: Batch) -> torch.Tensor:
+def now(batch: Batch) -> list[float]:
+    """The batch's slot of the step's packet, read on the host as the guard reads it."""
     probe = _PROBE
     probe.observe(batch)
-    taken = probe.take()
-    assert taken.hashes is not None and taken.micro is not None
-    return torch.cat([taken.hashes, *taken.micro[0].rows])
+    packet = Packet(torch.device("cpu"))
+    probe.take().add_to(packet)
+    return packet.read(host_values)["batch"]
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -104,13 +113,12 @@ def main(argv: list[str] | None = None) -> int:
                      if len(shape) == 4 else nn.Linear(shape[1], 64))
         y = torch.randint(0, 10, (shape[0],), generator=g)
         batch = (x, y)
-        for t in before(batch), now(batch):  # warm-up; the two agree on the NaN rows' verdict
-            assert t.shape[0] > 0
+        assert len(before(batch)) > 0 and len(now(batch)) > 0  # warm-up
         times: dict[str, list[float]] = {"forward": [], "before": [], "now": []}
         with torch.no_grad():
             for _ in range(rounds):
                 times["forward"].append(timed(partial(model, x)))
-                times["before"].append(timed(partial(before, batch)))
+                times["before"].append(timed(partial(before_read, batch)))
                 times["now"].append(timed(partial(now, batch)))
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         ratio = med["before"] / med["now"]

@@ -9,7 +9,7 @@ import torch
 
 from nanguard.watch.batch import BatchProbe, _combine, batch_tensors
 from nanguard.watch.fingerprint import sample_fingerprints
-from nanguard.watch.packet import Packet
+from nanguard.watch.packet import Packet, host_values
 from nanguard.watch.stats import StepStats
 
 
@@ -111,7 +111,7 @@ def test_packet_path_decodes_to_the_reference() -> None:
         packet = Packet(torch.device("cpu"))
         taken.add_to(packet)
         got = StepStats(step=0)
-        BatchProbe.decode_taken(packet.decode(packet.tensor().tolist()), taken, got)
+        BatchProbe.decode_taken(packet.read(host_values), taken, got)  # as the guard reads
         assert got.sample_hashes == want.sample_hashes
         assert got.nonfinite_samples == want.nonfinite_samples, micro
         assert got.nonfinite_tensors == want.nonfinite_tensors

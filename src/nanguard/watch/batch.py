@@ -47,14 +47,24 @@ class _Micro:
     size: int
     n: int
     """Number of its tensors (those sharing the leading dimension)."""
-    hashes: torch.Tensor
-    """Unmasked int64 fingerprints (see `sample_sums`), [size]."""
+    hashes: torch.Tensor | None
+    """Unmasked int64 fingerprints (see `sample_sums`), [size]; None when `sums` holds them
+    uncombined (a small CPU batch: combined on the host)."""
     checked: list[tuple[int, torch.Tensor]]
     """(index, detached tensor) of its floating-point / complex tensors, kept by reference
     (for `exact` and `_confirm`)."""
     rows: list[torch.Tensor]
     """One row sum [size] per checked tensor (float32; float64 for float64 data): non-finite on
     a row holding a NaN / Inf, or on a row of finite values whose sum overflows."""
+    sums: list[torch.Tensor] | None = None
+    """Each tensor's `sample_sums` (int32 or int64), when `hashes` is None."""
+
+    def device_hashes(self) -> torch.Tensor:
+        """The unmasked int64 fingerprints on the device (`hashes`, or `sums` combined)."""
+        if self.hashes is None:
+            assert self.sums is not None
+            self.hashes = _combined(self.sums)
+        return self.hashes
 
 
 @dataclass
@@ -67,16 +77,27 @@ class Taken:
     n: int = 0
     """Tensors per sample."""
     hashes: torch.Tensor | None = None
-    """Masked int64 fingerprints, [size]."""
+    """Masked int64 fingerprints, [size]; None while each micro-batch's per-tensor sums travel
+    uncombined, for the host to combine (`add_to`)."""
     micro: list[_Micro] | None = None
 
     def add_to(self, packet: Packet) -> None:
-        """Add the fingerprints and the row sums to the step's packet as its one slot `batch`:
-        the `size` fingerprints, then each micro-batch's row sums in order (nothing if no
-        batch)."""
-        if self.hashes is None or self.micro is None:
+        """Add the fingerprints and the row sums to the step's packet as its one slot `batch`
+        (nothing if no batch): the `size` fingerprints, then each micro-batch's row sums in
+        order. A CPU packet of small micro-batches carries each tensor's sums instead of the
+        fingerprints (micro-batch by micro-batch), read exactly as integers and combined by
+        `decode_taken`: three fewer tensor ops a step than combining them here."""
+        if self.micro is None:
             return
-        packet.add_vectors("batch", [self.hashes, *(r for m in self.micro for r in m.rows)])
+        rows = [r for m in self.micro for r in m.rows]
+        if self.hashes is None and packet.device.type == "cpu":
+            packet.add_vectors("batch", [f for m in self.micro for f in m.sums or ()] + rows)
+            return
+        if self.hashes is None:  # a float64 packet holds 52-bit integers exactly, not int64
+            h = torch.cat([m.device_hashes() for m in self.micro]) if len(self.micro) > 1 \
+                else self.micro[0].device_hashes()
+            self.hashes = torch.bitwise_and(h, _mask(h.device))
+        packet.add_vectors("batch", [self.hashes, *rows])
 
 
 class BatchProbe:
@@ -125,20 +146,14 @@ class BatchProbe:
         size = tensors[0].shape[0]
         tensors = [t for t in tensors if t.shape[0] == size]
         device = tensors[0].device
-        h: torch.Tensor | None = None
+        sums: list[torch.Tensor] = []
         checked: list[tuple[int, torch.Tensor]] = []
         rows: list[torch.Tensor] = []
         for k, t in enumerate(tensors):
             if t.requires_grad:
                 t = t.detach()
             f = sample_sums(t)
-            if f.device != device:
-                f = f.to(device)
-            # h * 1000003 + f in int64, as `_combine` defines it, masked once in `take`.
-            if h is None:
-                h = f if f.dtype == torch.int64 else f.to(torch.int64)
-            else:
-                h = torch.add(f, h, alpha=1000003)  # h is int64: f is promoted
+            sums.append(f if f.device == device else f.to(device))
             if t.is_floating_point():
                 checked.append((k, t))
                 acc = torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -152,8 +167,10 @@ class BatchProbe:
             else:
                 continue
             rows.append(r if r.device == device else r.to(device))
-        assert h is not None
-        micro = _Micro(size, len(tensors), h, checked, rows)
+        if device.type == "cpu" and size <= _HOST_COMBINE_MAX:
+            micro = _Micro(size, len(tensors), None, checked, rows, sums)
+        else:
+            micro = _Micro(size, len(tensors), _combined(sums), checked, rows)
         if accumulate and self._parts and self._parts[-1].n == micro.n:
             # Another micro-batch of the same step (gradient accumulation, the last one
             # possibly smaller): the step's samples are the micro-batches one after the other,
@@ -168,9 +185,13 @@ class BatchProbe:
         self.step_batches, self.batches = self.batches, []
         if not parts:
             return Taken()
-        h = parts[0].hashes if len(parts) == 1 else torch.cat(
-            [p.hashes.to(parts[0].hashes.device) for p in parts])
-        return Taken(size=h.numel(), n=parts[0].n, hashes=torch.bitwise_and(h, _mask(h.device)),
+        size = sum(p.size for p in parts)
+        if all(p.hashes is None for p in parts):  # combined on the host (`Taken.add_to`)
+            return Taken(size=size, n=parts[0].n, micro=parts)
+        device = parts[0].device_hashes().device
+        h = parts[0].device_hashes() if len(parts) == 1 else torch.cat(
+            [p.device_hashes().to(device) for p in parts])
+        return Taken(size=size, n=parts[0].n, hashes=torch.bitwise_and(h, _mask(h.device)),
                      micro=parts)
 
     def collect(self) -> tuple[int, torch.Tensor | None]:
@@ -178,11 +199,13 @@ class BatchProbe:
         of samples, one float64 vector of fingerprints, NaN-row flags and per-tensor flags) or
         (0, None). For a read outside the step's packet (`Guard.close`)."""
         taken = self.take()
-        if taken.hashes is None:
+        if taken.micro is None:
             return 0, None
-        assert taken.micro is not None
         bad, flags = _exact_flags(taken.micro)
         h = taken.hashes
+        if h is None:
+            h = torch.cat([m.device_hashes() for m in taken.micro])
+            h = torch.bitwise_and(h, _mask(h.device))
         return taken.size, torch.cat([h, bad.to(h.device), flags.to(h.device)]).to(torch.float64)
 
     @staticmethod
@@ -193,13 +216,18 @@ class BatchProbe:
             return
         values = slots["batch"]
         size = taken.size
-        stats.sample_hashes = list(map(int, values[:size]))
+        if taken.hashes is None:  # each tensor's sums, exact integers: combine them here
+            stats.sample_hashes = _host_hashes(values, taken.micro)
+            start = size * taken.n
+        else:
+            stats.sample_hashes = list(map(int, values[:size]))
+            start = size
         stats.batch_tensors = taken.n
-        if math.isfinite(sum(values[size:])):
+        if math.isfinite(sum(values[start:])):
             return  # the quiet step: every row of every tensor is finite
         bad_rows: set[int] = set()
         bad_tensors: set[int] = set()
-        pos, offset = size, 0
+        pos, offset = start, 0
         for m in taken.micro:
             for k, t in m.checked:
                 sums = values[pos : pos + m.size]
@@ -229,10 +257,43 @@ class BatchProbe:
         stats.nonfinite_tensors = [i for i, v in enumerate(flags) if v]
 
 
+_HOST_COMBINE_MAX = 4096
+"""Largest CPU micro-batch whose per-tensor sums the host combines: a Python product and sum
+per sample and tensor costs less than the three tensor ops it replaces (int64 conversion, add,
+mask) up to a few thousand samples."""
+
+
+def _combined(sums: list[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's `sample_sums` combined into unmasked int64 fingerprints, on the device:
+    h * 1000003 + f in wrapping int64, as `_combine` defines it (masked once, later)."""
+    h = sums[0] if sums[0].dtype == torch.int64 else sums[0].to(torch.int64)
+    for f in sums[1:]:
+        h = torch.add(f, h, alpha=1000003)  # h is int64: f is promoted
+    return h
+
+
+def _host_hashes(values: list[float], micro: list[_Micro]) -> list[int]:
+    """The masked fingerprints of micro-batches whose per-tensor sums were read uncombined
+    (`Taken.add_to`): what `_combined` and the mask compute, in Python integers. Exact: int64
+    wrapping is arithmetic modulo 2**64, and 2**52 divides it, so the low 52 bits of the
+    unbounded result (`&` on a negative int keeps two's complement bits) are the same."""
+    out: list[int] = []
+    pos = 0
+    for m in micro:
+        h = values[pos : pos + m.size]
+        pos += m.size
+        for _ in range(m.n - 1):
+            f = values[pos : pos + m.size]
+            pos += m.size
+            h = [a * 1000003 + b for a, b in zip(h, f, strict=True)]
+        out += [int(v) & _MASK for v in h]
+    return out
+
+
 def _exact_flags(parts: list[_Micro]) -> tuple[torch.Tensor, torch.Tensor]:
     """(NaN-row flags [samples], per-tensor flags [n]) of `parts`, element by element (device
     ops; no read)."""
-    device = parts[0].hashes.device
+    device = parts[0].device_hashes().device
     rows: list[torch.Tensor] = []
     flags = torch.zeros(parts[0].n, dtype=torch.bool, device=device)
     for p in parts:

@@ -175,6 +175,22 @@ def _assemble(packets: Sequence[Packet]) -> torch.Tensor:
     return torch.cat(parts, out=out)
 
 
+def host_values(t: torch.Tensor | list[torch.Tensor]) -> list[float]:
+    """A read's values as one Python list: a tensor's `tolist()`; for a list of CPU tensors
+    (`_cpu_parts`), each 0-dim value's `item()` and each vector's `tolist()`, one after the
+    other (integer tensors give exact Python ints)."""
+    if isinstance(t, torch.Tensor):
+        values: list[float] = t.tolist()
+        return values
+    values = []
+    for part in t:
+        if part.dim():
+            values += part.tolist()
+        else:
+            values.append(part.item())
+    return values
+
+
 def _cpu_parts(packets: Sequence[Packet]) -> list[torch.Tensor]:
     """The CPU packets' values as tensors whose host values, one after the other, are
     `_assemble`'s layout: every 0-dim value, then each vector as it is. On the CPU a tensor

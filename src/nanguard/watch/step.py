@@ -27,7 +27,7 @@ from nanguard.config import WatchConfig
 from nanguard.watch.activations import ActivationProbe, dtype_max
 from nanguard.watch.batch import BatchProbe, Taken
 from nanguard.watch.norms import Norms
-from nanguard.watch.packet import Packet, read_packets
+from nanguard.watch.packet import Packet, host_values, read_packets
 from nanguard.watch.stats import StepProbe, StepStats
 
 __all__ = ["Pending", "StepWatch"]
@@ -92,18 +92,9 @@ class StepWatch:
         """The one host read: a device tensor to a Python list. On the CPU, a list of CPU
         tensors (0-dim values and vectors) read one after the other into one list: host memory
         already, nothing to synchronize and no copy into one tensor to pay
-        (`packet.read_packets`)."""
+        (`packet.read_packets`, `packet.host_values`)."""
         self.host_reads += 1
-        if isinstance(t, torch.Tensor):
-            values: list[float] = t.tolist()
-            return values
-        values = []
-        for part in t:
-            if part.dim():
-                values += part.tolist()
-            else:
-                values.append(part.item())
-        return values
+        return host_values(t)
 
     def begin(self, step: int, lr: float | None, device: torch.device,
               loss: torch.Tensor | None, scale: torch.Tensor | None,
