@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 import torch
 
 from nanguard.watch.batch import BatchProbe, _combine, batch_tensors
@@ -118,6 +119,31 @@ def test_packet_path_decodes_to_the_reference() -> None:
         assert got.batch_tensors == want.batch_tensors
         if micro[0] is batches[-1]:  # `huge`: overflowing rows are no NaN rows; the NaN row is one
             assert got.nonfinite_samples == [2] and got.nonfinite_tensors == [0, 1]
+
+
+def test_host_and_device_combination_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small CPU micro-batch's fingerprints are combined on the host, a large one's on the
+    device; a step holding both (the last micro-batch of an epoch is smaller) and a packet off
+    the CPU give the same fingerprints as the reference."""
+    import nanguard.watch.batch as batch_mod
+
+    monkeypatch.setattr(batch_mod, "_HOST_COMBINE_MAX", 8)  # 16 samples: device; 5: host
+    a = _batches()[0]
+    b = (a[0][:5], a[1][:5])
+    want = [int(v) for v in torch.cat([_reference(a)[:16], _reference(b)[:5]]).tolist()]
+    for micro in ([a, b], [b, b]):
+        probe = BatchProbe()
+        for m in micro:
+            probe.observe(m)
+        taken = probe.take()
+        assert (taken.hashes is None) == (micro[0] is b)  # both small: left to the host
+        packet = Packet(torch.device("cpu"))
+        taken.add_to(packet)
+        got = StepStats(step=0)
+        BatchProbe.decode_taken(packet.read(host_values), taken, got)
+        expected = want if micro[0] is a else want[16:] * 2
+        assert got.sample_hashes == expected
+        assert got.nonfinite_samples == ([3, 7, 19] if micro[0] is a else [3, 8])
 
 
 def test_fingerprint_is_the_modular_weighted_sum() -> None:

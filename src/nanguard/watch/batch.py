@@ -59,6 +59,12 @@ class _Micro:
     sums: list[torch.Tensor] | None = None
     """Each tensor's `sample_sums` (int32 or int64), when `hashes` is None."""
 
+    @property
+    def device(self) -> torch.device:
+        t = self.hashes if self.hashes is not None else self.sums[0] if self.sums else None
+        assert t is not None, "a micro-batch has fingerprints or sums"
+        return t.device
+
     def device_hashes(self) -> torch.Tensor:
         """The unmasked int64 fingerprints on the device (`hashes`, or `sums` combined)."""
         if self.hashes is None:
@@ -188,7 +194,7 @@ class BatchProbe:
         size = sum(p.size for p in parts)
         if all(p.hashes is None for p in parts):  # combined on the host (`Taken.add_to`)
             return Taken(size=size, n=parts[0].n, micro=parts)
-        device = parts[0].device_hashes().device
+        device = parts[0].device
         h = parts[0].device_hashes() if len(parts) == 1 else torch.cat(
             [p.device_hashes().to(device) for p in parts])
         return Taken(size=size, n=parts[0].n, hashes=torch.bitwise_and(h, _mask(h.device)),
@@ -293,7 +299,7 @@ def _host_hashes(values: list[float], micro: list[_Micro]) -> list[int]:
 def _exact_flags(parts: list[_Micro]) -> tuple[torch.Tensor, torch.Tensor]:
     """(NaN-row flags [samples], per-tensor flags [n]) of `parts`, element by element (device
     ops; no read)."""
-    device = parts[0].device_hashes().device
+    device = parts[0].device
     rows: list[torch.Tensor] = []
     flags = torch.zeros(parts[0].n, dtype=torch.bool, device=device)
     for p in parts:
