@@ -6,16 +6,19 @@ buffer norms) adds its small device values under a name: a tensor, or a list of 
 (what `_foreach_norm` returns, one per tensor measured). `read_packets` reads one or more
 packets (a step's pre- and post-update packets, or the steps buffered by `read_every`) with
 one host read and as few ops as it can, because on a small model each tiny op's dispatch (a
-few microseconds) is what a step pays: every 0-dim value of the packets goes into ONE
+few microseconds) is what a step pays. On a GPU every 0-dim value of the packets goes into ONE
 `torch.stack`, and that stack and the packets' vectors are concatenated by ONE `torch.cat`
 into a float64 tensor (`out=`: float64 holds every fingerprint, below 2**52, and every float32
-norm exactly; no conversion of its own). The host decodes the read list back by
-name with `decode`, so no reader depends on where another probe's values sit.
+norm exactly; no conversion of its own), copied to the host once. On the CPU the packet is
+host memory already: its values are read where they are (`host_values`: `item()` for each
+0-dim value, `tolist()` for each vector), with no stack and no cat to pay. The host decodes the
+read list back by name with `decode`, so no reader depends on where another probe's values
+sit.
 
 On CUDA, `start_copy()` copies the packet into pinned host memory with `non_blocking=True` and
 records an event; `host_tensor()` reads it once the event says the copy is complete. Under the
 `observe` policy the guard starts the copy at the end of step t and reads it at step t+1, so
-`optimizer.step()` never waits for the device. On the CPU the copy is the read itself.
+`optimizer.step()` never waits for the device.
 """
 
 from __future__ import annotations
