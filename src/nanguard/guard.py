@@ -45,12 +45,14 @@ from nanguard.errors import NanguardError
 from nanguard.integrations import distributed
 from nanguard.pinpoint.step_replay import activations_paused, carried_by, replay_batches
 from nanguard.policy import device_skip, make_policy, wants_to_act
-from nanguard.record import ending
+from nanguard.record import ending, process
+from nanguard.record.events import Event, Events, Listener
 from nanguard.record.report import Report, build_report
 from nanguard.record.rows import write_step
 from nanguard.record.store import open_store
 from nanguard.recover.policy import Recovery
 from nanguard.recover.verdict import LossWatch
+from nanguard.show import live
 from nanguard.watch import loads, rng, saturation
 from nanguard.watch.activations import ActivationProbe, dtype_max
 from nanguard.watch.batch import BatchProbe
@@ -82,6 +84,14 @@ class Guard:
             step boundary itself with `before_update()` / `after_update()` (Lightning runs the
             training step as an optimizer closure: a step pre-hook would run before the
             gradients exist).
+        on_alarm: called with an `Event` for every alarm, as it is recorded (its `notable`
+            says whether it opened or escalated an episode: what the live log shows). On the
+            CPU and under acting policies that is inside the `optimizer.step()` of the step
+            that raised it; under `observe` on a GPU, one step later. An exception inside it
+            is logged once and the callback dropped; training goes on.
+        on_action: the same for every action (skip, rollback, raise, give_up, ...).
+        on_finding: the same for the first non-finite finding: when it is pinpointed in
+            process, and at `close()` with its top cause on a failed run.
 
     Raises:
         ValueError: on arguments that cannot work (unknown policy, not a module, an unwritable
@@ -101,6 +111,9 @@ class Guard:
         scaler: Any = None,
         config: GuardConfig | None = None,
         hook_optimizer: bool = True,
+        on_alarm: Listener | None = None,
+        on_action: Listener | None = None,
+        on_finding: Listener | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -174,6 +187,14 @@ class Guard:
         self._losses = LossWatch()  # the loss level before any trouble, and since
         self._recovered_from = False  # a skip or rollback was recorded
         self.report: Report | None = None
+        self.events = Events(quiet_steps=max(cfg.detect.lead_window, 10))
+        self.events.summary_follows = cfg.record.summary
+        """Every alarm, action and finding as it happens; `add_listener` subscribes."""
+        live.ensure_handler()
+        self.events.add(live.log_event)
+        for fn, kind in ((on_alarm, "alarm"), (on_action, "action"), (on_finding, "finding")):
+            if fn is not None:
+                self.add_listener(fn, only=kind)
         self._resumed: dict[str, Any] = {}  # run log from before a resume (`load_state_dict`)
         self.recovery = Recovery(self, scheduler=scheduler, scaler=scaler)
         self.policy = make_policy(cfg.policy, cfg.acting_on, cfg.recover.max_consecutive_skips)
@@ -181,6 +202,7 @@ class Guard:
         self.store.write_meta(
             version=__version__, policy=cfg.policy, model=type(model).__name__,
             optimizer=type(optimizer).__name__, started=time.time(),
+            process=process.identity(),  # `nanguard report` tells running from died by it
         )
         self._write_params()
         self.store.write_rng(0, rng.dumps(self._step_rng))
@@ -198,6 +220,23 @@ class Guard:
         ending.acquire()
 
     # ------------------------------------------------------------------ public face
+
+    def add_listener(self, listener: Listener, *, only: str | None = None) -> None:
+        """Call `listener(event)` with every later `Event` (or, with `only`, those of one type:
+        `alarm`, `action`, `finding`, `episode_end`), as it happens; errors inside it are
+        contained (see `on_alarm`). Exporters and framework adapters subscribe this way."""
+        if not callable(listener):
+            raise ValueError(f"a listener must be callable, got {type(listener).__name__}")
+        if only is None:
+            self.events.add(listener)
+            return
+
+        def typed(event: Event) -> None:
+            if event.type == only:
+                listener(event)
+
+        typed.__qualname__ = getattr(listener, "__qualname__", type(listener).__name__)
+        self.events.add(typed)
 
     @property
     def folder(self) -> Path | None:
@@ -332,11 +371,13 @@ class Guard:
                 self.store.flush()  # a writer failure in the last batch: degraded, not lost
             except Exception as exc:  # noqa: BLE001 - still write the report below
                 self._stand_down(exc, "close")
+        self.events.tick(self.step, final=True)
         report = self._build_report()
         if self.folder is not None:
             report.write(self.folder)
         self.store.close()
         self.report = report
+        self._say_finding(report)
         if self.config.record.summary:
             from nanguard.show.summary import print_summary
 
@@ -396,7 +437,15 @@ class Guard:
         if self.folder is not None:
             report.write(self.folder)
         self.report = report
+        self._say_finding(report)
         return report
+
+    def _say_finding(self, report: Report) -> None:
+        """The finding event of a failed run, with its top cause (at close, after a refine)."""
+        if report.status == "failed" and report.first_nonfinite is not None:
+            self.events.finding(report.first_nonfinite,
+                                report.diagnosis[0] if report.diagnosis else None,
+                                notable=not self.events.summary_follows)
 
     def run_log(self) -> dict[str, Any]:
         """What this run has seen, as plain data: the first non-finite finding, alarms, actions,
@@ -638,6 +687,7 @@ class Guard:
         self.first_nonfinite = found
         self.failing_stats = stats
         self.store.write_finding(found)
+        self.events.finding(found)
 
     def _pinpoint(self, stats: StepStats, cur: Pending) -> None:
         """Refine the first non-finite finding by replaying this step before its update."""
@@ -660,6 +710,7 @@ class Guard:
                                      if v is not None or k == "reproduced"})
         self.first_nonfinite["signals"] = signals
         self.store.write_finding(self.first_nonfinite)
+        self.events.finding(self.first_nonfinite)
 
     def _post(self) -> None:
         cur = self._current
@@ -750,6 +801,8 @@ class Guard:
             self.store.write_rng(stats.step, rng.dumps(step_rng))
         self.alarms += alarms
         stats.alarms += alarms
+        for a in alarms:
+            self.events.alarm(a.to_dict())
         return alarms
 
     def _decide(self, stats: StepStats, alarms: list[Alarm], post: bool = False) -> bool:
@@ -840,6 +893,7 @@ class Guard:
         self.actions.append({"step": step, "action": action, "detail": detail})
         self._recovered_from |= action in ("skip", "rollback")
         self.store.write_action(step, action, detail)
+        self.events.action(step, action, detail)
 
     _action = record_action
 
@@ -847,6 +901,7 @@ class Guard:
         """Record an alarm raised outside the detectors (e.g. recovery's `amp_collapse`)."""
         self.alarms.append(alarm)
         self.store.write_alarm(alarm.to_dict())
+        self.events.alarm(alarm.to_dict())
 
     # ------------------------------------------------------------------ recording
 
@@ -892,6 +947,7 @@ class Guard:
         if self.first_nonfinite is None or stats.step <= self.first_nonfinite["step"] + 1:
             self.history.append(stats)
         write_step(self.store, stats, len(self.params), self.config.watch.per_parameter)
+        self.events.tick(stats.step, bool(stats.nonfinite_signals()))
 
     def _build_report(self) -> Report:
         from nanguard.explain import diagnose
@@ -927,7 +983,8 @@ class Guard:
                  "closed": self._closed, "entry": self.run_entry,
                  "ended": {"how": ended, "error": message},
                  **({"recovery": recovery} if recovery else {}),
-                 **({"internal_error": self.error} if self.error else {})},
+                 **({"internal_error": self.error} if self.error else {}),
+                 **({"listener_errors": self.events.errors} if self.events.errors else {})},
         )
 
     def _recovery_verdict(self) -> dict[str, Any] | None:

@@ -86,7 +86,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"nanguard report: HTML report in {path}", file=sys.stderr)
     # A CI gate can trust it: only a run that was watched and ended healthy, warned or
     # recovered passes; failed, crashed, interrupted, died, degraded and unwatched do not.
-    return 0 if all(r.status in OK_STATUSES for r in reports) else 1
+    # A run still training passes while nothing non-finite has been seen in it.
+    return 0 if all(r.status in OK_STATUSES or (r.status == "running"
+                                                and r.first_nonfinite is None)
+                    for r in reports) else 1
 
 
 def _print_one(console: Console, folder_arg: str, report: Any) -> None:

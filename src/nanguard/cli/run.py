@@ -20,6 +20,9 @@ check; the verdict is printed and written to report.json (run.preflight), and tr
 untouched. --preflight-only stops after the verdict: exit 1 for an error-level finding, 0 for
 none, 2 when the preflight could not run (a CI gate).
 
+While the script trains, each alarm episode (as it starts and as it escalates), each action
+and the finding are logged to stderr as they happen (logger `nanguard`; --quiet, --log-level).
+
 Options go before SCRIPT; everything after SCRIPT is the script's own. The script's output and
 exit code are kept; otherwise the exit code is 0 for the statuses healthy, warned and
 recovered, and 1 for failed, crashed, unwatched, degraded, interrupted (or stopped by --policy
@@ -66,6 +69,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--preflight-only", action="store_true",
                    help="run the preflight and stop: exit 1 on an error-level finding, else 0 "
                         "(2: it could not run)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no live lines while the script trains (alarms, actions, the finding "
+                        "go to the run folder only; the closing summary still prints)")
+    p.add_argument("--log-level", default=None, type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   help="what the live lines on stderr show (logger `nanguard`; default "
+                        "WARNING: each alarm episode as it starts and escalates, actions, "
+                        "the finding; DEBUG: every alarm)")
     p.add_argument("script", help="the training script (a .py file)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     p.set_defaults(func=run)
@@ -79,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--fork-every must be >= 0, got {args.fork_every}")
     if args.activations_every < 0:
         raise ValueError(f"--activations-every must be >= 0, got {args.activations_every}")
+    from nanguard.show.live import set_level
+
+    set_level(args.log_level, quiet=args.quiet)
     return run_script(RunOptions(
         script=args.script, args=list(args.args), out=args.out, policy=args.policy,
         replay_budget=args.replay_budget, fork_every=args.fork_every, merge_wait=args.merge_wait,

@@ -192,6 +192,8 @@ def run(opts: RunOptions) -> int:
 
     late = _late_finding(disc, outcome, rank)
     for w in disc.watched:
+        if w.guard is not None:  # the closing summary below prints the finding
+            w.guard.events.summary_follows = opts.summary
         _settle_in_process(w)
     reports = _close(disc, outcome)
     if late is not None:

@@ -1,7 +1,7 @@
 """report.json: the stable summary of a run. Keys are documented in README.md; extend, never rename.
 
 status          see STATUSES: "healthy" | "warned" | "failed" | "recovered" | "unwatched" |
-                "degraded" | "crashed" | "interrupted" | "died"
+                "degraded" | "crashed" | "interrupted" | "died" | "running"
 steps           number of optimizer steps recorded
 alarms          [{step, kind, signal, value, message}]
 first_nonfinite null | {step, phase, module, op, source, samples, rank, signals, param};
@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanguard.record.process import alive
 from nanguard.record.store import dec, open_run, step_count
 
 REPORT_NAME = "report.json"
@@ -43,6 +44,7 @@ STATUSES = {
     "interrupted": "SIGINT / SIGTERM ended the training; nothing non-finite was seen before",
     "died": "the process ended without closing the guard (SIGKILL, out of memory): no "
             "report.json was written; this one is rebuilt from run.db",
+    "running": "the process that records it is still training (read from run.db so far)",
 }
 """Every status report.json can hold, and what it promises."""
 
@@ -134,7 +136,9 @@ def build_report(
     if failed is None:
         failed = first_nonfinite is not None and not recovering
     stopped = stopped or ended == "stopped"
-    if stopped or (first_nonfinite is not None and (failed or not recovering)):
+    if ended == "running":
+        status = "running"  # what it has seen so far is all there in the other keys
+    elif stopped or (first_nonfinite is not None and (failed or not recovering)):
         status = "failed"
     elif first_nonfinite is not None or recovering:
         # (recovering with no finding of its own: it rolled back or skipped for another
@@ -184,6 +188,9 @@ def load_report(folder: str | os.PathLike[str]) -> Report:
             raise ValueError(f"{str(report_path)!r} is not a nanguard report")
         known = set(Report.__dataclass_fields__)
         return Report(**{k: v for k, v in data.items() if k in known})
+    parts = _parts_in_progress(path)
+    if parts:
+        return _combine_parts(parts)
     db = open_run(path)
     try:
         steps = step_count(db)  # compacted steps included (record/compact.py)
@@ -218,8 +225,40 @@ def load_report(folder: str | os.PathLike[str]) -> Report:
         db.close()
     run = {k: json.loads(v) for k, v in meta.items()}
     run["closed"] = False
-    # Never closed: the process died (SIGKILL, out of memory) before it could write the
-    # report; what it recorded is all there is, and it cannot be called healthy.
+    # Not closed: still training (its process is alive on this host), or it died (SIGKILL,
+    # out of memory) before it could write the report; what it recorded is all there is,
+    # and it cannot be called healthy.
+    ended = "running" if alive(run.get("process")) else "died"
     return build_report(steps=steps, alarms=alarms, actions=actions, first_nonfinite=first,
-                        run=run, ended="died",
+                        run=run, ended=ended,
                         degraded="internal_error" in run)
+
+
+def _parts_in_progress(path: Path) -> list[Path]:
+    """`nanguard run` keeps each optimizer's (and rank's) record in a folder of its own while
+    the script trains and lays the run folder out at the end: those part folders, when `path`
+    has no record of its own yet."""
+    from nanguard.record.store import DB_NAME
+
+    if (path / DB_NAME).is_file():
+        return []
+    return sorted(p.parent for pattern in ("optimizer-*/" + DB_NAME, "rank-*/" + DB_NAME,
+                                           "rank-*/optimizer-*/" + DB_NAME)
+                  for p in path.glob(pattern))
+
+
+def _combine_parts(parts: list[Path]) -> Report:
+    """One report over the parts of a run in progress: running while any part is, the
+    earliest first non-finite value, every alarm and action."""
+    reports = [load_report(p) for p in parts]
+    if len(reports) == 1:
+        return reports[0]
+    firsts = [r.first_nonfinite for r in reports if r.first_nonfinite is not None]
+    alarms = sorted((a for r in reports for a in r.alarms), key=lambda a: a["step"])
+    actions = sorted((a for r in reports for a in r.actions), key=lambda a: a["step"])
+    running = any(r.status == "running" for r in reports)
+    return build_report(steps=max(r.steps for r in reports), alarms=alarms, actions=actions,
+                        first_nonfinite=min(firsts, key=lambda f: f["step"]) if firsts else None,
+                        ended="running" if running else "died",
+                        run={"parts": {str(p): r.status for p, r in zip(parts, reports,
+                                                                         strict=True)}})

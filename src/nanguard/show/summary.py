@@ -13,7 +13,7 @@ from nanguard.watch.stats import StepStats
 
 _STATUS_STYLE = {"healthy": "green", "warned": "yellow", "failed": "red", "recovered": "cyan",
                  "crashed": "red", "degraded": "magenta", "unwatched": "magenta",
-                 "interrupted": "yellow", "died": "red"}
+                 "interrupted": "yellow", "died": "red", "running": "blue"}
 _SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -43,6 +43,10 @@ def headline(report: Report) -> str:
         return f"{report.status}: non-finite at step {first.get('step', 0)}, before any update"
     if report.status == "unwatched":
         return f"{report.status}: no training step was watched"
+    if report.status == "running":
+        seen = f", {len(report.alarms)} alarm(s) so far" if report.alarms else ""
+        bad = "; non-finite values seen" if first else ""
+        return f"running: {report.steps} step{'' if report.steps == 1 else 's'} recorded{seen}{bad}"
     return f"{report.status} after {report.steps} step{'' if report.steps == 1 else 's'}"
 
 

@@ -1,0 +1,216 @@
+"""Events: what the run tells the person (and their programs) while it goes.
+
+Every alarm, action and finding the guard records is also an `Event`, handed as it happens to
+the event listeners: the live log lines (`nanguard.show.live`), the user's `Guard(on_alarm=...,
+on_action=..., on_finding=...)` callbacks and the exporters streaming into a tracker.
+
+An *episode* groups the alarms of one trouble: it opens with the first alarm after a quiet
+stretch and stays open while alarms keep coming (closing after `quiet_steps` steps without
+one). Inside it an alarm is `notable` only when it is more severe than any before it (spike ->
+cascade -> forecast -> overflow -> non-finite): that is what the live log shows, so a NaN that
+persists for a thousand steps is one line (plus a count when the episode ends), never a flood.
+Programs that want every alarm get every alarm; `notable` says which ones the log showed.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("nanguard")
+
+EVENT_TYPES = ("alarm", "action", "finding", "episode_end")
+
+# How grave each alarm kind is: an episode's line repeats only when it gets graver.
+SEVERITY = {
+    "vanishing": 1, "saturation": 1, "amp_collapse": 2, "spike": 2, "divergence": 3,
+    "cascade": 3, "forecast": 4, "overflow": 5, "nonfinite": 6,
+}
+# Actions that are routine bookkeeping (the GradScaler's own overflow skips): logged at DEBUG.
+ROUTINE_ACTIONS = ("amp_skip",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """One thing the run has to say, as it happens. Keys follow report.json where they exist."""
+
+    type: str
+    """One of EVENT_TYPES: `alarm`, `action`, `finding` or `episode_end` (an episode closed:
+    how long, how many alarms, how many steps were non-finite)."""
+    step: int
+    """0-based training step it belongs to (optimizer steps completed before it)."""
+    kind: str
+    """The alarm kind (`spike`, `nonfinite`, ...), the action (`skip`, `rollback`, `raise`,
+    `give_up`, ...), the finding's cause (or its phase when no cause is known yet)."""
+    signal: str = ""
+    """What was measured (`grad_norm`, `loss`, ...) for an alarm; the op for a finding."""
+    value: float | None = None
+    """The number that raised an alarm; None for other events."""
+    message: str = ""
+    """One line a person can read."""
+    notable: bool = True
+    """Worth a line in the live log: an alarm that opens an episode or makes it graver; a
+    finding not about to be printed in a closing summary anyway."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """The full record: the alarm, action or finding as report.json holds it."""
+
+    @property
+    def level(self) -> int:
+        """The `logging` level the live log uses for it."""
+        if self.type == "alarm":
+            return logging.ERROR if self.kind in ("nonfinite", "overflow") else logging.WARNING
+        if self.type == "action":
+            if self.kind in ROUTINE_ACTIONS:
+                return logging.DEBUG
+            return logging.ERROR if self.kind in ("raise", "give_up") else logging.WARNING
+        if self.type == "episode_end":  # a NaN that persisted: its count is worth a line
+            return logging.WARNING if (self.value or 0) > 1 else logging.INFO
+        return logging.ERROR  # a finding
+
+
+Listener = Callable[[Event], Any]
+
+
+class Episodes:
+    """Decides which alarms are notable (see the module docstring) and when an episode ends.
+
+    Args:
+        quiet_steps: steps without an alarm that close an episode.
+    """
+
+    quiet_steps: int
+    start: int | None  # first step of the open episode (None: no episode open)
+    last: int  # last step with an alarm in it
+    worst: int  # severity of the gravest alarm so far in it
+    count: int  # alarms in it
+    nonfinite_steps: set[int]  # steps of it holding a non-finite value
+
+    def __init__(self, quiet_steps: int = 20) -> None:
+        self.quiet_steps = quiet_steps
+        self.start = None
+        self.last = -1
+        self.worst = 0
+        self.count = 0
+        self.nonfinite_steps = set()
+
+    def see(self, step: int, kind: str) -> bool:
+        """Take one alarm; True when it opens an episode or makes it graver."""
+        rank = SEVERITY.get(kind, 2)
+        notable = self.start is None or rank > self.worst
+        if self.start is None:
+            self.start, self.worst, self.count = step, 0, 0
+            self.nonfinite_steps = set()
+        self.worst = max(self.worst, rank)
+        self.count += 1
+        self.last = max(self.last, step)
+        if kind == "nonfinite":
+            self.nonfinite_steps.add(step)
+        return notable
+
+    def tick(self, step: int, nonfinite: bool = False, final: bool = False) -> Event | None:
+        """Step `step` is over (`nonfinite`: it still holds a NaN/Inf, alarmed or not, which
+        keeps the episode open): the `episode_end` event when the open episode ends with it
+        (`quiet_steps` steps without an alarm or a non-finite value, or `final`: the run is
+        closing)."""
+        if self.start is not None and nonfinite:
+            self.nonfinite_steps.add(step)
+            self.last = max(self.last, step)
+        if self.start is None or not (final or step - self.last >= self.quiet_steps):
+            return None
+        start, last, nf = self.start, self.last, len(self.nonfinite_steps)
+        self.start = None
+        span = f"steps {start}-{last}" if last > start else f"step {start}"
+        text = (f"{'the run ended inside' if final else 'quiet again after'} the episode of "
+                f"{span}: {self.count} alarm(s)")
+        if nf > 1:
+            text += f", non-finite values in {nf} of its steps"
+        return Event(type="episode_end", step=last, kind="nonfinite" if nf else "episode",
+                     value=float(nf), message=text,
+                     data={"start": start, "end": last, "alarms": self.count,
+                           "nonfinite_steps": nf, "open_at_close": final})
+
+
+class Events:
+    """Hands each event to every listener; a listener that raises is dropped (its traceback
+    logged once at ERROR) and training goes on, like any other error inside a monitor hook.
+
+    Args:
+        quiet_steps: see `Episodes`.
+    """
+
+    episodes: Episodes
+    listeners: list[Listener]
+    errors: list[dict[str, Any]]
+    """Listeners dropped after an error: `{listener, step, error}` (in report.json
+    `run.listener_errors`)."""
+    summary_follows: bool
+    """A closing summary prints the finding: its closing event is then not `notable`."""
+
+    def __init__(self, quiet_steps: int = 20) -> None:
+        self.episodes = Episodes(quiet_steps)
+        self.listeners = []
+        self.errors = []
+        self.summary_follows = False
+
+    def add(self, listener: Listener) -> None:
+        """Subscribe `listener(event)` to every later event."""
+        if not callable(listener):
+            raise ValueError(f"an event listener must be callable, got {type(listener).__name__}")
+        self.listeners.append(listener)
+
+    def alarm(self, alarm: dict[str, Any]) -> Event:
+        """An alarm was recorded (a dict with report.json's alarm keys)."""
+        notable = self.episodes.see(int(alarm["step"]), str(alarm["kind"]))
+        event = Event(type="alarm", step=int(alarm["step"]), kind=str(alarm["kind"]),
+                      signal=str(alarm.get("signal", "")), value=alarm.get("value"),
+                      message=str(alarm.get("message", "")), notable=notable, data=dict(alarm))
+        self.emit(event)
+        return event
+
+    def action(self, step: int, action: str, detail: str) -> None:
+        """An action was taken (skip, rollback, raise, give_up, ...)."""
+        self.emit(Event(type="action", step=step, kind=action, message=detail,
+                        data={"step": step, "action": action, "detail": detail}))
+
+    def finding(self, finding: dict[str, Any], cause: dict[str, Any] | None = None,
+                *, notable: bool = True) -> None:
+        """Where the first non-finite value came from (and, once explained, its top cause);
+        `notable` False when a closing summary prints it anyway."""
+        where = " ".join(x for x in (
+            f"phase {finding['phase']}" if finding.get("phase") else "",
+            f"op {finding['op']}" if finding.get("op") else "",
+            f"in {finding['module']!r}" if finding.get("module") else "",
+            f"at {finding['source']}" if finding.get("source") else "",
+            f"samples {finding['samples'][:8]}" if finding.get("samples") else "",
+        ) if x)
+        text = f"first non-finite value at step {finding.get('step')}: {where or 'located'}"
+        if cause:
+            text += (f"; cause {cause.get('cause')} ({cause.get('confidence', 0):.0%})"
+                     f"; fix: {cause.get('fix')}")
+        self.emit(Event(type="finding", step=int(finding.get("step") or 0),
+                        kind=str((cause or {}).get("cause") or finding.get("phase") or ""),
+                        signal=str(finding.get("op") or ""), message=text, notable=notable,
+                        data={"first_nonfinite": finding, "cause": cause}))
+
+    def tick(self, step: int, nonfinite: bool = False, final: bool = False) -> None:
+        """After each recorded step (and at close, `final`): end a quiet episode."""
+        event = self.episodes.tick(step, nonfinite, final)
+        if event is not None:
+            self.emit(event)
+
+    def emit(self, event: Event) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener(event)
+            except Exception as exc:  # noqa: BLE001 - a listener never breaks training
+                self.listeners.remove(listener)
+                name = getattr(listener, "__qualname__", None) or type(listener).__name__
+                self.errors.append({"listener": name, "step": event.step,
+                                    "error": f"{type(exc).__name__}: {exc}"})
+                log.error("nanguard: event listener %s raised at step %d and was removed; "
+                          "training goes on\n%s", name, event.step,
+                          "".join(traceback.format_exception(type(exc), exc,
+                                                             exc.__traceback__)).rstrip())
