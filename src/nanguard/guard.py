@@ -46,9 +46,9 @@ from nanguard.integrations import distributed
 from nanguard.pinpoint.step_replay import activations_paused, carried_by, replay_batches
 from nanguard.policy import device_skip, make_policy, wants_to_act
 from nanguard.record import ending, process
-from nanguard.record.events import Event, Events, Listener
+from nanguard.record.events import EVENT_TYPES, Event, Events, Listener
 from nanguard.record.report import Report, build_report
-from nanguard.record.rows import write_step
+from nanguard.record.rows import step_signals, write_step
 from nanguard.record.store import open_store
 from nanguard.recover.policy import Recovery
 from nanguard.recover.verdict import LossWatch
@@ -223,12 +223,15 @@ class Guard:
 
     def add_listener(self, listener: Listener, *, only: str | None = None) -> None:
         """Call `listener(event)` with every later `Event` (or, with `only`, those of one type:
-        `alarm`, `action`, `finding`, `episode_end`), as it happens; errors inside it are
-        contained (see `on_alarm`). Exporters and framework adapters subscribe this way."""
+        `alarm`, `action`, `finding`, `episode_end`, or `step`: each recorded step's signals,
+        which only `only="step"` delivers), as it happens; errors inside it are contained (see
+        `on_alarm`). Exporters and framework adapters subscribe this way."""
         if not callable(listener):
             raise ValueError(f"a listener must be callable, got {type(listener).__name__}")
-        if only is None:
-            self.events.add(listener)
+        if only not in (None, *EVENT_TYPES):
+            raise ValueError(f"unknown event type {only!r}; use one of {', '.join(EVENT_TYPES)}")
+        if only in (None, "step"):
+            self.events.add(listener, steps=only == "step")
             return
 
         def typed(event: Event) -> None:
@@ -948,6 +951,8 @@ class Guard:
             self.history.append(stats)
         write_step(self.store, stats, len(self.params), self.config.watch.per_parameter)
         self.events.tick(stats.step, bool(stats.nonfinite_signals()))
+        if self.events.step_listeners:
+            self.events.step(stats.step, step_signals(stats))
 
     def _build_report(self) -> Report:
         from nanguard.explain import diagnose

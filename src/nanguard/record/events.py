@@ -22,7 +22,7 @@ from typing import Any
 
 log = logging.getLogger("nanguard")
 
-EVENT_TYPES = ("alarm", "action", "finding", "episode_end")
+EVENT_TYPES = ("alarm", "action", "finding", "episode_end", "step")
 
 # How grave each alarm kind is: an episode's line repeats only when it gets graver.
 SEVERITY = {
@@ -38,8 +38,9 @@ class Event:
     """One thing the run has to say, as it happens. Keys follow report.json where they exist."""
 
     type: str
-    """One of EVENT_TYPES: `alarm`, `action`, `finding` or `episode_end` (an episode closed:
-    how long, how many alarms, how many steps were non-finite)."""
+    """One of EVENT_TYPES: `alarm`, `action`, `finding`, `episode_end` (an episode closed:
+    how long, how many alarms, how many steps were non-finite) or `step` (a recorded step's
+    signals in `data`, NaN kept; only to listeners that asked for steps)."""
     step: int
     """0-based training step it belongs to (optimizer steps completed before it)."""
     kind: str
@@ -68,6 +69,8 @@ class Event:
             return logging.ERROR if self.kind in ("raise", "give_up") else logging.WARNING
         if self.type == "episode_end":  # a NaN that persisted: its count is worth a line
             return logging.WARNING if (self.value or 0) > 1 else logging.INFO
+        if self.type == "step":
+            return logging.DEBUG
         return logging.ERROR  # a finding
 
 
@@ -143,6 +146,9 @@ class Events:
 
     episodes: Episodes
     listeners: list[Listener]
+    step_listeners: list[Listener]
+    """Listeners of `step` events (the per-step signals): none on most runs, and then the
+    step costs nothing more."""
     errors: list[dict[str, Any]]
     """Listeners dropped after an error: `{listener, step, error}` (in report.json
     `run.listener_errors`)."""
@@ -152,14 +158,21 @@ class Events:
     def __init__(self, quiet_steps: int = 20) -> None:
         self.episodes = Episodes(quiet_steps)
         self.listeners = []
+        self.step_listeners = []
         self.errors = []
         self.summary_follows = False
 
-    def add(self, listener: Listener) -> None:
-        """Subscribe `listener(event)` to every later event."""
+    def add(self, listener: Listener, *, steps: bool = False) -> None:
+        """Subscribe `listener(event)` to every later event but `step` ones (`steps`: to the
+        `step` events only)."""
         if not callable(listener):
             raise ValueError(f"an event listener must be callable, got {type(listener).__name__}")
-        self.listeners.append(listener)
+        (self.step_listeners if steps else self.listeners).append(listener)
+
+    def step(self, step: int, signals: dict[str, float]) -> None:
+        """A step was recorded: its signals (NaN and Inf as they are) to the step listeners."""
+        self._emit(Event(type="step", step=step, kind="step", notable=False, data=signals),
+                   self.step_listeners)
 
     def alarm(self, alarm: dict[str, Any]) -> Event:
         """An alarm was recorded (a dict with report.json's alarm keys)."""
@@ -202,11 +215,15 @@ class Events:
             self.emit(event)
 
     def emit(self, event: Event) -> None:
-        for listener in list(self.listeners):
+        """Hand `event` to every listener (not the step listeners)."""
+        self._emit(event, self.listeners)
+
+    def _emit(self, event: Event, listeners: list[Listener]) -> None:
+        for listener in list(listeners):
             try:
                 listener(event)
             except Exception as exc:  # noqa: BLE001 - a listener never breaks training
-                self.listeners.remove(listener)
+                listeners.remove(listener)
                 name = getattr(listener, "__qualname__", None) or type(listener).__name__
                 self.errors.append({"listener": name, "step": event.step,
                                     "error": f"{type(exc).__name__}: {exc}"})

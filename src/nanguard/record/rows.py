@@ -13,7 +13,20 @@ from nanguard.record.store import NullStore
 from nanguard.record.writer import PerParam, batch_hash
 from nanguard.watch.stats import StepStats
 
-__all__ = ["batch_hash", "write_step"]
+__all__ = ["SIGNALS", "batch_hash", "step_signals", "write_step"]
+
+SIGNALS = ("loss", "grad_norm", "param_norm", "update_ratio", "momentum_norm", "act_max", "lr",
+           "amp_scale")
+"""The per-step signals a step listener gets (those measured this step), with `nonfinite` and
+`skipped` as 0/1."""
+
+
+def step_signals(stats: StepStats) -> dict[str, float]:
+    """The step's signals for live exporters and framework loggers (NaN and Inf kept)."""
+    out = {k: float(v) for k in SIGNALS if (v := getattr(stats, k)) is not None}
+    out["nonfinite"] = 1.0 if stats.nonfinite_signals() else 0.0
+    out["skipped"] = 1.0 if stats.skipped else 0.0
+    return out
 
 
 def write_step(store: NullStore, stats: StepStats, n_params: int, per_parameter: bool) -> None:
