@@ -15,7 +15,7 @@ pytest.importorskip("lightning")
 
 from lightning_rig import BATCH, ParamRecorder, Regressor, loader, make_data, trainer  # noqa: E402
 
-from nanguard import GuardConfig, NanguardError, RecordConfig  # noqa: E402
+from nanguard import GuardConfig, RecordConfig  # noqa: E402
 from nanguard.config import RecoverConfig  # noqa: E402
 from nanguard.integrations.lightning import NanguardCallback  # noqa: E402
 
@@ -145,14 +145,44 @@ def test_skip_with_step_scheduler_and_clipping(tmp_path):
     assert t.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** 2)
 
 
-def test_raise_stops_fit_with_the_report(tmp_path):
+def test_raise_stops_fit_with_the_report(tmp_path, caplog):
+    """`raise` stops the Lightning way: fit() returns (no traceback), the failing update is
+    not applied, the report is written and a log line says why."""
     cb = NanguardCallback(policy="raise", out=tmp_path / "run", config=QUIET)
-    with pytest.raises(NanguardError) as info:
-        _fit([cb], make_data(BATCH * STEPS, 2 * BATCH))
-    assert info.value.report.first_nonfinite["step"] == 2
+    rec = ParamRecorder()
+    with caplog.at_level("ERROR", logger="nanguard"):
+        model, t = _fit([cb, rec], make_data(BATCH * STEPS, 2 * BATCH))
+    assert t.should_stop and t.global_step < STEPS
+    assert cb.report is not None and cb.report.first_nonfinite["step"] == 2
+    assert cb.stopped and "stopped training at step 2" in cb.stopped
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["status"] == "failed"
     assert [a["action"] for a in report["actions"]] == ["raise"]
+    assert any("trainer.should_stop" in r.getMessage() for r in caplog.records)
+    # The NaN batch's update was discarded: the parameters stay finite.
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_signals_reach_the_trainers_logger(tmp_path):
+    """The step signals (NaN kept) and alarm counts land in the user's CSVLogger."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    cb = NanguardCallback(out=tmp_path / "run", config=QUIET)
+    logger = CSVLogger(tmp_path / "logs", name="x", version=0)
+    _fit([cb], make_data(BATCH * STEPS, 5 * BATCH), logger=logger, log_every_n_steps=1)
+    rows = list(csv.DictReader(open(tmp_path / "logs" / "x" / "version_0" / "metrics.csv")))
+    grad = {int(r["step"]): r["nanguard/grad_norm"] for r in rows if r.get("nanguard/grad_norm")}
+    assert len(grad) >= STEPS - 2
+    assert float(grad[1]) > 0
+    nonfinite = {int(r["step"]): float(r["nanguard/nonfinite"]) for r in rows
+                 if r.get("nanguard/nonfinite")}
+    first = min(s for s, v in nonfinite.items() if v == 1.0)
+    # Lightning's step column counts completed steps: the row logged after step 5 is 5 or 6.
+    assert first in (5, 6)
+    assert any(r.get("nanguard/loss", "").lower() == "nan" for r in rows)
+    assert sum(float(r.get("nanguard/alarms") or 0) for r in rows) >= 1
 
 
 def test_error_in_training_is_recorded_as_crashed(tmp_path):

@@ -139,3 +139,34 @@ def test_bad_options_refused_at_construction():
         NanguardCallback(polcy="skip")
     with pytest.raises(ValueError, match="policy"):
         NanguardCallback(policy="skipp")
+
+
+def test_raise_stops_train_the_trainers_way(tmp_path, caplog):
+    """`raise` ends train() without a traceback: the report is written, the failing update is
+    not applied, control.should_training_stop is set and a log line says why."""
+    steps, bad_step = 6, 2
+    cb = NanguardCallback(policy="raise", out=tmp_path / "run", config=QUIET)
+    with caplog.at_level("ERROR", logger="nanguard"):
+        model, trainer = train(tmp_path, steps, Embeds(BATCH * steps, bad_step * BATCH), [cb])
+    assert trainer.state.global_step == bad_step + 1  # the Trainer stopped after that step
+    assert cb.stopped and f"stopped training at step {bad_step}" in cb.stopped
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["status"] == "failed" and report["first_nonfinite"]["step"] == bad_step
+    assert [a["action"] for a in report["actions"]] == ["raise"]
+    assert any("should_training_stop" in r.getMessage() for r in caplog.records)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_signals_join_the_trainers_logs(tmp_path):
+    """on_log: nanguard's signals in state.log_history, the NaN loss kept (the Trainer's own
+    `loss` is filtered by logging_nan_inf_filter)."""
+    steps, bad_step = 5, 2
+    cb = NanguardCallback(out=tmp_path / "run", config=QUIET)
+    _, trainer = train(tmp_path, steps, Embeds(BATCH * steps, bad_step * BATCH), [cb])
+    logs = {e["step"]: e for e in trainer.state.log_history if "nanguard/grad_norm" in e}
+    assert sorted(logs) == list(range(1, steps + 1))
+    # The entry logged after step k (global_step k + 1) holds step k's signals.
+    assert logs[bad_step + 1]["nanguard/nonfinite"] == 1.0
+    assert math.isnan(logs[bad_step + 1]["nanguard/loss"])
+    assert logs[bad_step]["nanguard/nonfinite"] == 0.0
+    assert sum(e["nanguard/alarms"] for e in logs.values()) >= 1

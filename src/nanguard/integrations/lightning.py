@@ -20,6 +20,13 @@ step boundary itself:
   clipping and the update that follow are no-ops;
 - a step post-hook on the optimizer (right after the update) -> `guard.after_update()`; when the
   GradScaler skipped the update, `on_train_batch_end` does it instead;
+- `on_train_batch_end`: the step's signals (`nanguard/loss`, `nanguard/grad_norm`, ...,
+  `nanguard/nonfinite`, `nanguard/alarms`: alarms since the last batch) go to the trainer's
+  loggers through `LightningModule.log_dict` (on_step, rank zero, NaN kept), so CSVLogger,
+  TensorBoardLogger, WandbLogger show them beside the user's own metrics;
+- `raise` stops training the Lightning way: the guard writes the report, the update of that
+  step is discarded, `trainer.should_stop` is set and a line says why; `fit()` returns (no
+  traceback) and `callback.report` holds the report;
 - `on_fit_end` / `on_exception`: `guard.close()` (report.json, summary).
 
 Several optimizers (a GAN under manual optimization): one Guard per optimizer, each watching the
@@ -39,18 +46,24 @@ Nothing here is imported by `import nanguard`; importing this module imports Lig
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from nanguard.errors import NanguardError
 from nanguard.guard import Guard
 from nanguard.integrations.options import check_options, guard_setup
 from nanguard.record import ending
+from nanguard.record.events import Event
 from nanguard.record.report import Report
+
+log = logging.getLogger("nanguard")
 
 try:  # the unified package first, the standalone one else
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -105,6 +118,11 @@ class NanguardCallback(Callback):
         self._handles: list[Any] = []
         self._world = 1
         self._rank = 0
+        self._trainer: Trainer | None = None
+        self._signals: dict[str, dict[str, float]] = {}  # part prefix -> its last step's
+        self._alarms = 0  # alarms since the signals were last logged
+        self.stopped: str | None = None
+        """Why nanguard stopped training (the `raise` policy), None while it has not."""
 
     @property
     def guard(self) -> Guard | None:
@@ -126,6 +144,7 @@ class NanguardCallback(Callback):
             raise ValueError("replay= computes one loss: it cannot serve several optimizers; "
                              "leave it out (each optimizer still gets its own guard)")
         self._world, self._rank = trainer.world_size, trainer.global_rank
+        self._trainer = trainer
         opts = dict(self.options)
         out, cfg = guard_setup(self.out, opts.pop("config", None), self._world, self._rank,
                                self._state, "NanguardCallback")
@@ -155,6 +174,9 @@ class NanguardCallback(Callback):
             self._modules.append(name or type(module).__name__)
             self._by_opt[id(optimizer)] = guard
             self._handles.append(optimizer.register_step_post_hook(self._after_step))
+            prefix = f"nanguard/optimizer-{i}/" if several else "nanguard/"
+            guard.add_listener(self._keeper(prefix), only="step")
+            guard.add_listener(self._count_alarm, only="alarm")
         if several:
             self.guards[0].couple(*self.guards[1:])
         if self._state is not None:
@@ -202,7 +224,14 @@ class NanguardCallback(Callback):
         self._open = guard
         if guard not in self._order:
             self._order.append(guard)
-        guard.before_update()
+        try:
+            guard.before_update()
+        except NanguardError as exc:  # `raise`: this update must not happen either
+            self._open = None
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None  # the optimizer leaves a parameter without .grad untouched
+            self._stop(exc)
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Step post-hook of each optimizer: right after the update."""
@@ -211,13 +240,46 @@ class NanguardCallback(Callback):
     def _finish_step(self) -> None:
         guard, self._open = self._open, None
         if guard is not None:
-            guard.after_update()
+            try:
+                guard.after_update()
+            except NanguardError as exc:
+                self._stop(exc)
+
+    def _stop(self, exc: NanguardError) -> None:
+        """The `raise` policy stopped training (the guard closed and wrote its report): stop
+        the Trainer the way Lightning stops (`should_stop`: fit ends after this batch)."""
+        self.stopped = str(exc)
+        self.report = exc.report
+        if self._trainer is not None:
+            self._trainer.should_stop = True
+        log.error("%s; stopping the Trainer (trainer.should_stop)%s", exc,
+                  f", report in {exc.report.run.get('folder')}"
+                  if exc.report is not None and exc.report.run.get("folder") else "")
+
+    def _keeper(self, prefix: str) -> Callable[[Event], None]:
+        """A step listener keeping the part's last recorded step's signals."""
+        def keep(event: Event) -> None:
+            self._signals[prefix] = event.data
+        return keep
+
+    def _count_alarm(self, event: Event) -> None:
+        self._alarms += 1
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         """Runs after the optimizer step and the per-step LR scheduler step. Closes the step
-        when the optimizer did not run (the GradScaler skipped an overflow step)."""
+        when the optimizer did not run (the GradScaler skipped an overflow step), then logs
+        the last recorded step's signals through the trainer's loggers (rank zero, on_step;
+        Lightning applies `log_every_n_steps`)."""
         self._finish_step()
+        if not self._signals or not trainer.loggers:  # no logger: nothing to log to
+            return
+        metrics = {f"{prefix}{k}": v for prefix, signals in self._signals.items()
+                   for k, v in signals.items()}
+        metrics["nanguard/alarms"] = float(self._alarms)
+        self._signals, self._alarms = {}, 0
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, logger=True,
+                           rank_zero_only=True, batch_size=1)
 
     # ------------------------------------------------------------------ the end
 

@@ -21,6 +21,14 @@ What the Trainer hides and how the callback gets it:
 - Skipping. The Trainer has no skip flag; `skip` removes the gradients in `on_pre_optimizer_step`,
   so the coming `optimizer.step()` changes nothing (no update, no Adam step count); the LR
   scheduler steps as usual, and the gradients are given back before `zero_grad`.
+- The logs. `on_log` adds the last recorded step's signals (`nanguard/loss`, `nanguard/grad_norm`,
+  ..., NaN kept where `logging_nan_inf_filter` hides the loss's) and `nanguard/alarms` (alarms
+  since the last log) to the logs and to that entry of `state.log_history`. Reporting
+  integrations (`report_to`) that run before this callback miss them: `NanguardTrainer` puts its
+  callback first, so W&B, TensorBoard or MLflow get them too.
+- `raise` stops training the Trainer's way: the guard writes the report, the step's update is
+  discarded, `control.should_training_stop` is set and a line says why; `train()` returns (no
+  traceback) and `callback.report` holds the report.
 - The end. `on_train_end` closes the guard. The Trainer has no exception event: a `train()`
   that raises leaves the guard to its at-exit close, or use `NanguardTrainer`, which closes it
   with `ended="error"` (or `interrupted`) at once.
@@ -43,6 +51,7 @@ Importing this module imports transformers; `import nanguard` does not.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import warnings
 from pathlib import Path
@@ -53,10 +62,14 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from nanguard.errors import NanguardError
 from nanguard.guard import Guard
 from nanguard.integrations.options import check_options, guard_setup
 from nanguard.record import ending
+from nanguard.record.events import Event
 from nanguard.record.report import Report
+
+log = logging.getLogger("nanguard")
 
 
 class NanguardCallback(TrainerCallback):
@@ -93,6 +106,10 @@ class NanguardCallback(TrainerCallback):
         callback cannot find it itself (`NanguardTrainer` sets it)."""
         self._hook: Any = None
         self._in_step = False
+        self._signals: dict[str, float] = {}  # the last recorded step's
+        self._alarms = 0  # alarms since the last on_log
+        self.stopped: str | None = None
+        """Why nanguard stopped training (the `raise` policy), None while it has not."""
         self._world = 1
         self._rank = 0
 
@@ -118,6 +135,8 @@ class NanguardCallback(TrainerCallback):
                       hook_optimizer=False, **opts)
         guard.run_entry = "transformers"
         self.guard = guard
+        guard.add_listener(self._keep_signals, only="step")
+        guard.add_listener(self._count_alarm, only="alarm")
         if resumed is not None:
             guard.load_state_dict(resumed["guard"])
         self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
@@ -146,13 +165,51 @@ class NanguardCallback(TrainerCallback):
         if self.guard is None or self.guard.closed:
             return
         self._in_step = True
-        self.guard.before_update()
+        try:
+            self.guard.before_update()
+        except NanguardError as exc:  # `raise`: this update must not happen either
+            self._in_step = False
+            for p in self.guard.params:
+                p.grad = None  # the optimizer leaves a parameter without .grad untouched
+            self._stop(exc, control)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Runs right after `optimizer.step()`, before the scheduler step and `zero_grad`."""
         if self._in_step and self.guard is not None:
             self._in_step = False
-            self.guard.after_update()
+            try:
+                self.guard.after_update()
+            except NanguardError as exc:
+                self._stop(exc, control)
+
+    def _stop(self, exc: NanguardError, control: Any) -> None:
+        """The `raise` policy stopped training (the guard closed and wrote its report): the
+        Trainer ends after this step (`should_training_stop`), as its own callbacks stop it."""
+        self.stopped = str(exc)
+        self.report = exc.report
+        control.should_training_stop = True
+        log.error("%s; stopping the Trainer (control.should_training_stop)%s", exc,
+                  f", report in {exc.report.run.get('folder')}"
+                  if exc.report is not None and exc.report.run.get("folder") else "")
+
+    def _keep_signals(self, event: Event) -> None:
+        self._signals = event.data
+
+    def _count_alarm(self, event: Event) -> None:
+        self._alarms += 1
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               **kwargs: Any) -> None:
+        """Runs each time the Trainer logs (every `logging_steps`), after `state.log_history`
+        took the entry: the last recorded step's signals and the alarm count join both."""
+        if logs is None or not self._signals or "loss" not in logs and "grad_norm" not in logs:
+            return  # not a training log (an evaluation's, the final summary)
+        extra = {f"nanguard/{k}": v for k, v in self._signals.items()}
+        extra["nanguard/alarms"] = float(self._alarms)
+        self._alarms = 0
+        logs.update(extra)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(extra)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -236,6 +293,9 @@ class NanguardTrainerMixin:
             raise ValueError("pass nanguard= or a NanguardCallback in callbacks=, not both")
         self.nanguard_callback: NanguardCallback = found[0]
         self.nanguard_callback.loss_from_trainer = True
+        # First among the callbacks: the reporting integrations' on_log see its signals.
+        handler.callbacks.remove(found[0])
+        handler.callbacks.insert(0, found[0])
         self._wrap_compute_loss()
 
     def _wrap_compute_loss(self) -> None:
