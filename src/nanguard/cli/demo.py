@@ -25,6 +25,8 @@ from nanguard.errors import NanguardError
 from nanguard.guard import Guard
 from nanguard.record.report import Report
 from nanguard.scenarios.cascade import train_cascade
+from nanguard.show.live import muted
+from nanguard.show.progress import waiting
 
 # Policies compared on failing seeds. `skip` acts on the early warnings too, so it can step
 # around the spike that starts the cascade instead of waiting for the NaN.
@@ -148,32 +150,36 @@ def run(args: argparse.Namespace) -> int:
     example: tuple[int, Report] | None = None  # the first failing seed, explained below
     healthy: list[float] = []  # final losses of the seeds that never failed
     recovered: list[float] = []  # ...and of the failing ones under skip and rollback
-    for seed in range(args.seeds):
-        report, losses = _train(seed, args.steps, out / f"seed-{seed}")
-        first = report.first_nonfinite
-        if first is None:
-            healthy.append(_final(losses))
-            warn = "-" if report.first_warning is None else str(report.first_warning)
-            table.add_row(str(seed), report.status, warn, *["-"] * 6)
-            continue
-        failed += 1
-        example = example or (seed, report)
-        if report.lead_steps is not None:
-            leads.append(report.lead_steps)
-        raised, outcomes = _policy_outcomes(seed, args.steps, out)
-        recovered += [final for _, final in outcomes]
-        table.add_row(
-            str(seed),
-            f"[red]{report.status}[/]",
-            "-" if report.first_warning is None else str(report.first_warning),
-            str(first["step"]),
-            "-" if report.lead_steps is None else f"[bold]{report.lead_steps}[/]",
-            ":".join(
-                str(first.get(k) or "").replace("aten.", "") for k in ("phase", "module", "op")
-            ).rstrip(":"),
-            raised,
-            *(cell for cell, _ in outcomes),
-        )
+    what = (f"training {args.seeds} seeds x {args.steps} steps (each failing one again under "
+            "raise, skip and rollback)")
+    with muted(), waiting(what, total=args.seeds, unit="seeds") as tick:
+        for seed in range(args.seeds):
+            tick(seed)
+            report, losses = _train(seed, args.steps, out / f"seed-{seed}")
+            first = report.first_nonfinite
+            if first is None:
+                healthy.append(_final(losses))
+                warn = "-" if report.first_warning is None else str(report.first_warning)
+                table.add_row(str(seed), report.status, warn, *["-"] * 6)
+                continue
+            failed += 1
+            example = example or (seed, report)
+            if report.lead_steps is not None:
+                leads.append(report.lead_steps)
+            raised, outcomes = _policy_outcomes(seed, args.steps, out)
+            recovered += [final for _, final in outcomes]
+            table.add_row(
+                str(seed),
+                f"[red]{report.status}[/]",
+                "-" if report.first_warning is None else str(report.first_warning),
+                str(first["step"]),
+                "-" if report.lead_steps is None else f"[bold]{report.lead_steps}[/]",
+                ":".join(
+                    str(first.get(k) or "").replace("aten.", "") for k in ("phase", "module", "op")
+                ).rstrip(":"),
+                raised,
+                *(cell for cell, _ in outcomes),
+            )
     console.print(table)
     console.print(
         "warn@ / nan@: step of the first warning and of the first non-finite value; "

@@ -23,6 +23,7 @@ from nanguard.cli.main import UserError
 from nanguard.explain import Evidence, diagnose
 from nanguard.record.report import load_report
 from nanguard.record.store import open_run
+from nanguard.show.progress import waiting
 from nanguard.watch import rng
 
 
@@ -102,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     if step < 0 or step >= max(report.steps, 1):
         raise UserError(f"--step {step} is outside the run's {report.steps} steps")
     console = Console()
-    with armed(int(step)) as a:
+    with waiting(f"re-running the script to step {step} under the op checker"), \
+            armed(int(step)) as a:
         _rerun(meta, start_rng)
     if not a.ran:
         console.print(f"the re-run never reached step {step}")

@@ -70,6 +70,7 @@ from nanguard.integrations.replay import record_nothing
 from nanguard.integrations.resume import ResumePoints
 from nanguard.pinpoint.recorded import NotReplayable
 from nanguard.record.report import REPORT_NAME, Report
+from nanguard.show.progress import waiting
 from nanguard.watch import rng
 
 OK_STATUSES = ("healthy", "warned", "recovered")
@@ -220,8 +221,12 @@ def run(opts: RunOptions) -> int:
                       "(phase checkpoint): no op produced it"}
         else:
             late_step = disc.steps_started if late is not None and late[0] is target else None
-            replay = _replay(script, opts.args, target, initial_rng, opts.replay_budget,
-                             global_step=late_step, points=points)
+            assert target.guard is not None and target.guard.first_nonfinite is not None
+            with waiting(f"re-running step {target.guard.first_nonfinite['step']} under the "
+                         "op checker to pinpoint where the first non-finite value came from "
+                         f"(--replay-budget {opts.replay_budget:g} s)"):
+                replay = _replay(script, opts.args, target, initial_rng, opts.replay_budget,
+                                 global_step=late_step, points=points)
             if replay.get("origin"):
                 reports[target.index] = _refine(target, replay["origin"])
         if replay["status"] != "in-process" and target.in_process:

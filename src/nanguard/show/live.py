@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from nanguard.record.events import Event
@@ -130,3 +132,15 @@ def set_level(level: str | int | None = None, *, quiet: bool = False) -> None:
             raise ValueError(f"unknown log level {level!r}; use DEBUG, INFO, WARNING, ERROR "
                              "or CRITICAL")
         log.setLevel(name)
+
+
+@contextmanager
+def muted() -> Iterator[None]:
+    """No live lines inside the block (the demo trains many guards and prints its own table);
+    the level is restored after."""
+    old = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(old)
