@@ -103,8 +103,8 @@ def _terminal_handler() -> logging.Handler:
     from rich.console import Console
     from rich.logging import RichHandler
 
-    handler = RichHandler(console=Console(stderr=True), show_path=False, markup=False,
-                          rich_tracebacks=False)
+    handler = RichHandler(console=Console(stderr=True), show_time=False, show_path=False,
+                          markup=False, rich_tracebacks=False)
     handler.setFormatter(logging.Formatter("nanguard: %(message)s"))
     return handler
 
