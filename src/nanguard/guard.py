@@ -45,7 +45,7 @@ from nanguard.errors import NanguardError
 from nanguard.integrations import distributed
 from nanguard.pinpoint.step_replay import activations_paused, carried_by, replay_batches
 from nanguard.policy import device_skip, make_policy, wants_to_act
-from nanguard.record import ending, process
+from nanguard.record import ending
 from nanguard.record.events import EVENT_TYPES, Event, Events, Listener
 from nanguard.record.report import Report, build_report
 from nanguard.record.rows import step_signals, write_step
@@ -202,7 +202,6 @@ class Guard:
         self.store.write_meta(
             version=__version__, policy=cfg.policy, model=type(model).__name__,
             optimizer=type(optimizer).__name__, started=time.time(),
-            process=process.identity(),  # `nanguard report` tells running from died by it
         )
         self._write_params()
         self.store.write_rng(0, rng.dumps(self._step_rng))

@@ -69,8 +69,12 @@ def _run_info(root: Path, folder: Path) -> dict[str, Any]:
             data = json.loads((folder / REPORT_NAME).read_text())
             info["status"], info["steps"] = data.get("status"), data.get("steps")
         else:
+            from nanguard.record.report import load_report
             from nanguard.show.series import step_range
 
+            # No report.json yet: `running` while its process lives, else `died` (as `nanguard
+            # report` says it).
+            info["status"] = load_report(folder).status
             lo, hi = step_range(folder)
             info["steps"] = max(0, hi - lo + 1)
     except (OSError, ValueError) as exc:

@@ -1,6 +1,6 @@
 """Which process writes a run, so that a reader can tell a run still training from one that died.
 
-The guard writes `process` into run.db's meta when it opens the store: the host, the pid and
+The run store writes `process` into run.db's meta when it opens: the host, the pid and
 what makes that pid unique over time (the kernel's boot id and the process's start tick, where
 /proc has them). A run with no report.json is `running` while that very process is alive on
 this host, and `died` once it is gone (a pid reused by another process does not count).

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from nanguard.record.compact import Compactor, step_count
+from nanguard.record.process import identity
 from nanguard.record.writer import STEP_ROW, PerParam, StoreError, Writer, enc, from_rows
 
 __all__ = ["DB_NAME", "SCHEMA", "STEP_ROW", "NullStore", "RunStore", "StoreError",
@@ -221,6 +222,8 @@ class RunStore(NullStore):
         # Runs at close(), when the store is garbage-collected, or at interpreter exit: a run
         # that never closes still writes its last steps, and a dropped store ends its thread.
         self._finalizer = weakref.finalize(self, _shut, self._writer, self.db)
+        # Who writes it: a reader tells a run still training (`running`) from one that died.
+        self.write_meta(process=identity())
 
     @property
     def error(self) -> BaseException | None:  # type: ignore[override]
