@@ -58,6 +58,9 @@ def _skip_run(out: Path, fsdp: bool) -> Path:
     assert time.monotonic() - started < 90
     assert r.returncode == 0, r.stderr[-3000:]
     assert "done: 16 steps on 2 ranks" in r.stdout
+    # Live lines while it trains, each rank saying what it saw.
+    assert "nanguard: rank 1: step 6 nonfinite" in r.stderr, r.stderr[-3000:]
+    assert "nanguard: rank 0: step 6 action skip" in r.stderr
     rep = _check_merged(out)
     assert rep["status"] == "recovered"
     for rank in (0, 1):
