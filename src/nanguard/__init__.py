@@ -4,10 +4,9 @@ Watch every step at near-zero cost, warn before the NaN, pinpoint the op that pr
 explain it, recover when asked, and record the run.
 """
 
-__version__ = "0.1.0"
-
-from nanguard.audit.preflight import preflight  # noqa: E402
-from nanguard.config import (  # noqa: E402
+from nanguard._version import __version__  # noqa: F401 - the public version
+from nanguard.audit.preflight import preflight
+from nanguard.config import (
     AmpConfig,
     ClipConfig,
     DetectConfig,
@@ -16,10 +15,10 @@ from nanguard.config import (  # noqa: E402
     RecoverConfig,
     WatchConfig,
 )
-from nanguard.detect.alarm import Alarm  # noqa: E402
-from nanguard.errors import NanguardError  # noqa: E402
-from nanguard.guard import Guard  # noqa: E402
-from nanguard.record.report import Report, load_report  # noqa: E402
+from nanguard.detect.alarm import Alarm
+from nanguard.errors import NanguardError
+from nanguard.guard import Guard
+from nanguard.record.report import Report, load_report
 
 __all__ = [
     "Alarm",

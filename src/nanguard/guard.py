@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanguard import __version__
+from nanguard._version import __version__
 from nanguard.config import GuardConfig
 from nanguard.detect import Alarm, default_detectors
 from nanguard.detect.detectors import Detector
@@ -142,8 +142,13 @@ class Guard:
         self.run_entry = "api"
         """How the user runs nanguard: `api` (this class) or `run` (`nanguard run`, set by the
         runner); the diagnosis words its fixes for that entry point."""
+        self.script_clip: float | None = None
+        """`nanguard run`: the `max_norm` of the script's own `clip_grad_norm_` (0 when off);
+        the diagnosis weighs its fixes by it."""
+        self.preflight: dict[str, Any] | None = None
+        """`nanguard run --preflight`: its verdict, for the diagnosis."""
         self.error: dict[str, Any] | None = None
-        """Set when nanguard stood down after an error in its own hooks (see `_stand_down`)."""
+        """Set when nanguard stood down after an error in its own hooks (see `stand_down`)."""
 
         self.params: list[torch.Tensor] = []
         self.param_names: list[str] = []
@@ -196,7 +201,7 @@ class Guard:
             if fn is not None:
                 self.add_listener(fn, only=kind)
         self._resumed: dict[str, Any] = {}  # run log from before a resume (`load_state_dict`)
-        self.recovery = Recovery(self, scheduler=scheduler, scaler=scaler)
+        self.recovery = Recovery(RecoveryLink(self), scheduler=scheduler, scaler=scaler)
         self.policy = make_policy(cfg.policy, cfg.acting_on, cfg.recover.max_consecutive_skips)
 
         self.store.write_meta(
@@ -206,7 +211,7 @@ class Guard:
         self._write_params()
         self.store.write_rng(0, rng.dumps(self._step_rng))
         # Its hooks first: it disarms before this guard's pre-hook (and any replay) runs.
-        self.saturation = saturation.attach(self)
+        self.saturation = saturation.attach(self, cfg.detect.saturation_every)
         self._handles = [
             *([optimizer.register_step_pre_hook(self._pre_hook),
                optimizer.register_step_post_hook(self._post_hook)] if hook_optimizer else []),
@@ -267,7 +272,7 @@ class Guard:
         try:
             self._watch(loss, batch)
         except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
-            self._stand_down(exc, "watch")
+            self.stand_down(exc, "watch")
 
     def watch_micro_batch(self, batch: Any) -> None:
         """Hand the guard another micro-batch of the step being watched (gradient
@@ -279,7 +284,7 @@ class Guard:
         try:
             self.batch_probe.observe(batch, accumulate=True)
         except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
-            self._stand_down(exc, "watch")
+            self.stand_down(exc, "watch")
 
     def _watch(self, loss: torch.Tensor | float | None, batch: Any) -> None:
         # With a GradScaler, watch() calls without a step in between are steps the scaler
@@ -363,7 +368,7 @@ class Guard:
             raise ValueError(f"unknown ending {ended!r}; use one of: {', '.join(ending.ENDINGS)}")
         self._closed = True
         self._ended = (ended, error)
-        self._remove_hooks()
+        self.detach()
         atexit.unregister(self._atexit)
         ending.release()
         if self.error is None:
@@ -372,7 +377,7 @@ class Guard:
                 self._check_leftover()
                 self.store.flush()  # a writer failure in the last batch: degraded, not lost
             except Exception as exc:  # noqa: BLE001 - still write the report below
-                self._stand_down(exc, "close")
+                self.stand_down(exc, "close")
         self.events.tick(self.step, final=True)
         report = self._build_report()
         if self.folder is not None:
@@ -386,7 +391,9 @@ class Guard:
             print_summary(report, self.history)
         return report
 
-    def _remove_hooks(self) -> None:
+    def detach(self) -> None:
+        """Remove every hook of this guard, closing nothing (a forked child that goes on with
+        the script leaves the store and the run folder to its parent)."""
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -395,7 +402,7 @@ class Guard:
         if self.act_probe:
             self.act_probe.close()
 
-    def _stand_down(self, exc: BaseException, where: str) -> None:
+    def stand_down(self, exc: BaseException, where: str) -> None:
         """An error inside nanguard's own code: record it (traceback in the run folder and in
         run.db), say so once, remove every hook and leave training exactly as it would run
         without nanguard. The report's status becomes `degraded` (unless a non-finite value
@@ -408,7 +415,7 @@ class Guard:
             self._stashed_grads = None
         self._current = None
         self._pending = []
-        self._remove_hooks()
+        self.detach()
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         self.error = {"step": self.step, "where": where,
                       "error": f"{type(exc).__name__}: {exc}"}
@@ -493,9 +500,9 @@ class Guard:
             "healthy_grad_norm": healthy,
             "history": self._resumed.get("history", []) + [s.record() for s in self.history],
             "lead_window": self.config.detect.lead_window,
-            "script_clip": getattr(self, "script_clip", None),
+            "script_clip": self.script_clip,
             "entry": getattr(self, "run_entry", "api"),
-            "preflight": getattr(self, "preflight", None),
+            "preflight": self.preflight,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -608,7 +615,7 @@ class Guard:
         except NanguardError:
             raise
         except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
-            self._stand_down(exc, "optimizer step pre-hook")
+            self.stand_down(exc, "optimizer step pre-hook")
 
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Runs inside `optimizer.step()`, right after the update. Fails open like `_pre_hook`."""
@@ -619,7 +626,7 @@ class Guard:
         except NanguardError:
             raise
         except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
-            self._stand_down(exc, "optimizer step post-hook")
+            self.stand_down(exc, "optimizer step post-hook")
 
     def _pre(self, optimizer: torch.optim.Optimizer) -> None:
         cfg = self.config
@@ -639,7 +646,8 @@ class Guard:
         replaying = self.replay is not None and self.first_nonfinite is None
         if cfg.policy == "observe" and not replaying and cfg.clip is None:
             return
-        if not replaying and cfg.clip is None and device_skip.applies(self, grads):
+        if not replaying and cfg.clip is None and device_skip.applies(
+                cfg, self.optimizer, grads, scaler_watched=self.recovery.amp is not None):
             # `skip` on the non-finite values alone, with a fused optimizer: the verdict goes to
             # the optimizer as its `found_inf` flag, no host read; recorded at the read.
             assert grads is not None
@@ -955,7 +963,7 @@ class Guard:
 
     def _build_report(self) -> Report:
         from nanguard.explain import diagnose
-        from nanguard.explain.context import evidence_from_guard
+        from nanguard.explain.context import evidence_from_log
 
         ended, message = getattr(self, "_ended", ("ok", None))
         recovery = self._recovery_verdict()
@@ -964,7 +972,7 @@ class Guard:
             recovery["updates_skipped"] = sum(a["action"] == "skip" for a in self.actions)
             recovery.update(self.recovery.cost() or {})
 
-        causes = diagnose(evidence_from_guard(self))
+        causes = diagnose(evidence_from_log(self.run_log()))
         return build_report(
             steps=self.step,
             alarms=[a.to_dict() for a in self.alarms],
@@ -998,6 +1006,47 @@ class Guard:
 
     # The store a new guard records to; `integrations.replay.record_nothing` swaps it.
     _open_store = staticmethod(open_store)
+
+
+class RecoveryLink:
+    """What recovery may use of its guard (`nanguard.recover.policy.GuardLink`), over a weak
+    reference: recovery never keeps a dropped guard alive, and never imports this module."""
+
+    config: GuardConfig
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def __init__(self, guard: Guard) -> None:
+        self._guard = weakref.proxy(guard)
+        self.config = guard.config
+        self.model = guard.model
+        self.optimizer = guard.optimizer
+
+    @property
+    def step(self) -> int:
+        return int(self._guard.step)
+
+    @property
+    def active(self) -> bool:
+        try:
+            return not self._guard.closed and self._guard.error is None
+        except ReferenceError:
+            return False
+
+    def record_action(self, step: int, action: str, detail: str) -> None:
+        self._guard.record_action(step, action, detail)
+
+    def record_alarm(self, alarm: Alarm) -> None:
+        self._guard.record_alarm(alarm)
+
+    def discard_update(self, stats: StepStats) -> None:
+        self._guard.discard_update(stats)
+
+    def stop(self, stats: StepStats, why: str) -> None:
+        self._guard.stop(stats, why)
+
+    def spikes(self) -> list[dict[str, Any]]:
+        return list(self._guard.spikes)
 
 
 def _lr(optimizer: torch.optim.Optimizer) -> float | None:

@@ -17,7 +17,7 @@ import nanguard
 from nanguard.config import GuardConfig, RecordConfig
 from nanguard.explain import Evidence, diagnose
 from nanguard.explain import rules as R
-from nanguard.explain.context import evidence_from_guard
+from nanguard.explain.context import evidence_from_log
 from nanguard.pinpoint import find_origin
 
 
@@ -447,6 +447,6 @@ def test_context_reads_the_entry_point(entry: str) -> None:
     if entry == "run":
         guard.run_entry = "run"  # type: ignore[attr-defined]
     try:
-        assert evidence_from_guard(guard).entry == entry
+        assert evidence_from_log(guard.run_log()).entry == entry
     finally:
         guard.close()

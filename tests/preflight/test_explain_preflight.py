@@ -14,7 +14,7 @@ from torch import nn
 
 from nanguard import Guard
 from nanguard.explain import diagnose
-from nanguard.explain.context import evidence_from_guard
+from nanguard.explain.context import evidence_from_log
 from nanguard.explain.evidence import Evidence
 
 
@@ -112,8 +112,8 @@ def test_evidence_reads_the_guards_preflight(tmp_path: Path) -> None:
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with Guard(model, opt, out=str(tmp_path / "a")) as guard:
-        assert evidence_from_guard(guard).preflight is None
+        assert evidence_from_log(guard.run_log()).preflight is None
         guard.preflight = _preflight([], diverge=0.3)  # type: ignore[attr-defined]
-        assert evidence_from_guard(guard).preflight == guard.preflight  # type: ignore[attr-defined]
+        assert evidence_from_log(guard.run_log()).preflight == guard.preflight  # type: ignore[attr-defined]
         guard.preflight = {"ran": False, "reason": "x"}  # type: ignore[attr-defined]
-        assert evidence_from_guard(guard).preflight is None
+        assert evidence_from_log(guard.run_log()).preflight is None

@@ -3,17 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nanguard.explain.evidence import Evidence
-
-if TYPE_CHECKING:
-    from nanguard.guard import Guard
-
-
-def evidence_from_guard(guard: Guard) -> Evidence:
-    """Evidence for `diagnose` from a live guard: `evidence_from_log(guard.run_log())`."""
-    return evidence_from_log(guard.run_log())
 
 
 def evidence_from_log(log: Mapping[str, Any]) -> Evidence:

@@ -278,7 +278,7 @@ class Discovery:
                 d.script_clip = float(max_norm)
                 for w in d.watched:
                     if w.guard is not None:
-                        w.guard.script_clip = float(max_norm)  # type: ignore[attr-defined]
+                        w.guard.script_clip = float(max_norm)
             return clip(parameters, max_norm, *args, **kwargs)
 
         torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
@@ -350,7 +350,7 @@ class Discovery:
         self._manual.enabled = self._manual._pending = False
         for w in self.watched:
             if w.guard is not None:
-                w.guard._remove_hooks()
+                w.guard.detach()
         self.remove()
 
     def _stand_down(self, exc: BaseException, where: str) -> None:
@@ -360,7 +360,7 @@ class Discovery:
         self.error = {"where": where, "error": f"{type(exc).__name__}: {exc}"}
         guards = [w.guard for w in self.watched if w.guard is not None]
         for guard in guards:
-            guard._stand_down(exc, where)
+            guard.stand_down(exc, where)
         if not guards:
             print(f"nanguard: internal error in {where} ({type(exc).__name__}: {exc}); "
                   "nanguard stands down, training goes on", file=sys.stderr)
@@ -518,7 +518,7 @@ class Discovery:
         w.recipe = self.recorder.boundary(
             w.roots, closure=closure is not None,
             first_call=closure if _calls_closure_first(optimizer) else None)
-        if w.guard is None or w.guard._closed:
+        if w.guard is None or w.guard.closed:
             return None
         result = _run_closure_first(optimizer, args, kwargs)
         loss = self._loss if self._loss_seq > w.loss_seq else None
@@ -563,7 +563,7 @@ class Discovery:
                 w.updates_seen = len(w.starts)
                 continue
             skipped = True
-            if w.guard is not None and not w.guard._closed:
+            if w.guard is not None and not w.guard.closed:
                 batches = self._take_batches(w)
                 loss = self._loss if self._loss_seq > w.loss_seq else None
                 w.loss_seq = self._loss_seq
@@ -669,12 +669,12 @@ class Discovery:
             w.guard.run_entry = "run"  # fixes are phrased as `nanguard run` flags
             # Clipping turned off by the script's own flag never calls clip_grad_norm_.
             off = 0.0 if clip_from_argv(sys.argv[1:]) == 0 else None
-            w.guard.script_clip = (  # type: ignore[attr-defined]
+            w.guard.script_clip = (
                 self.script_clip if self.script_clip is not None else off)
             # A script's optimizers train coupled models (a GAN): they roll back together.
             w.guard.recovery.couple(self._coupling)
             if self.preflight is not None and self.preflight.result is not None:
-                w.guard.preflight = self.preflight.result  # type: ignore[attr-defined]
+                w.guard.preflight = self.preflight.result
             # How to run it again (`nanguard replay`): sys.argv is the script's here.
             w.guard.store.write_meta(script=os.path.abspath(sys.argv[0]), argv=sys.argv[1:],
                                      cwd=os.getcwd(), optimizers=index + 1)

@@ -16,15 +16,11 @@ update), or with alarms in `act_on` (detectors run on the host).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from nanguard.config import GuardConfig
 from nanguard.integrations import distributed
 from nanguard.watch.norms import Norms
-
-if TYPE_CHECKING:
-    from nanguard.guard import Guard
 
 _FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -34,12 +30,12 @@ def supports(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, _FUSED) and bool(optimizer.defaults.get("fused"))
 
 
-def applies(guard: Guard, grads: Norms | None) -> bool:
-    """Whether this step's `skip` can be decided on the device (see the module docstring)."""
-    cfg = guard.config
+def applies(cfg: GuardConfig, optimizer: torch.optim.Optimizer, grads: Norms | None, *,
+            scaler_watched: bool) -> bool:
+    """Whether this step's `skip` can be decided on the device (see the module docstring);
+    `scaler_watched`: a GradScaler is watched (its own skip comes first)."""
     return (cfg.policy == "skip" and set(cfg.acting_on) == {"nonfinite"} and grads is not None
-            and guard.recovery.amp is None and not distributed.active()
-            and supports(guard.optimizer))
+            and not scaler_watched and not distributed.active() and supports(optimizer))
 
 
 def arm(optimizer: torch.optim.Optimizer, loss: torch.Tensor | None, grads: Norms

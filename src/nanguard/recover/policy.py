@@ -5,7 +5,8 @@ costs nothing) unless its policy, config or object was given.
 
 What recovery needs from its guard is `GuardLink` (below), nothing else: the settings, the model
 and optimizer, the step counter, and four actions (record an action, record an alarm, discard
-the coming update, stop the run). `_Link` adapts a `Guard` to it.
+the coming update, stop the run); the Guard hands it one (`guard.RecoveryLink`), so this module
+never imports the Guard.
 
 Several optimizers on one model (e.g. body and head trained apart, one guard each, `rollback`
 policy): each guard's snapshot holds only what its own optimizer trains, so a rollback restores
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -33,9 +34,6 @@ from nanguard.recover.clip import AdaptiveClipper
 from nanguard.recover.ring import SnapshotRing
 from nanguard.recover.rollback import GiveUp, Rollback, trouble_start
 from nanguard.watch.stats import StepStats
-
-if TYPE_CHECKING:
-    from nanguard.guard import Guard
 
 
 class GuardLink(Protocol):
@@ -72,50 +70,6 @@ class GuardLink(Protocol):
         ...
 
 
-class _Link:
-    """`GuardLink` over a `Guard`. Uses `Guard.record_action` / `record_alarm` where the guard
-    has them, else the guard's `_action` and its alarm list and store."""
-
-    def __init__(self, guard: Guard) -> None:
-        self._guard = weakref.proxy(guard)  # no cycle keeps a dropped guard alive
-        self.config = guard.config
-        self.model = guard.model
-        self.optimizer = guard.optimizer
-
-    @property
-    def step(self) -> int:
-        return int(self._guard.step)
-
-    @property
-    def active(self) -> bool:
-        try:
-            g = self._guard
-            return not g.closed and getattr(g, "error", None) is None
-        except ReferenceError:
-            return False
-
-    def record_action(self, step: int, action: str, detail: str) -> None:
-        fn = getattr(self._guard, "record_action", None) or self._guard._action
-        fn(step, action, detail)
-
-    def record_alarm(self, alarm: Alarm) -> None:
-        fn = getattr(self._guard, "record_alarm", None)
-        if fn is not None:
-            fn(alarm)
-            return
-        self._guard.alarms.append(alarm)
-        self._guard.store.write_alarm(alarm.to_dict())
-
-    def discard_update(self, stats: StepStats) -> None:
-        self._guard.discard_update(stats)
-
-    def stop(self, stats: StepStats, why: str) -> None:
-        self._guard.stop(stats, why)
-
-    def spikes(self) -> list[dict[str, Any]]:
-        return list(getattr(self._guard, "spikes", []))
-
-
 # Rolling-back recoveries per model: one rollback takes the other optimizers of the model along.
 _PEERS: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Recovery]] = (
     weakref.WeakKeyDictionary()
@@ -124,13 +78,12 @@ _PEERS: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Recovery]] = (
 
 class Recovery:
     """Args:
-    guard: the guard this serves.
+    link: what it needs of the guard it serves (`GuardLink`).
     scheduler: LR scheduler restored by a rollback (optional).
     scaler: `torch.amp.GradScaler` (optional).
     """
 
-    def __init__(self, guard: Guard, *, scheduler: Any = None, scaler: Any = None) -> None:
-        link: GuardLink = _Link(guard)
+    def __init__(self, link: GuardLink, *, scheduler: Any = None, scaler: Any = None) -> None:
         self.link = link
         cfg = link.config
         self.rollbacker: Rollback | None = None

@@ -31,21 +31,34 @@ import os
 import sys
 import traceback
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import nanguard
 from nanguard.detect.alarm import Alarm
 
-if TYPE_CHECKING:
-    from nanguard.guard import Guard
+
+class Host(Protocol):
+    """What the probe uses of the guard it serves (the Guard is one; this module never imports
+    it)."""
+
+    step: int
+    optimizer: torch.optim.Optimizer
+    error: dict[str, Any] | None
+
+    @property
+    def closed(self) -> bool: ...
+
+    def record_alarm(self, alarm: Alarm) -> None: ...
+
 
 NEAR_ULPS = 16
 """`1 - p` at most this many ulps of 1.0 (float32: 2**-20) is a probability about to round to 1."""
 
-_SKIP_DIRS = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, nanguard))
+# Frames in torch or in nanguard itself are not the user's line (nanguard: this file's package).
+_SKIP_DIRS = (os.path.dirname(torch.__file__ or "") + os.sep,
+              os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
 _aten = torch.ops.aten
 _SOURCES = {_aten.sigmoid.default: "sigmoid", _aten._softmax.default: "softmax",
             _aten.softmax.int: "softmax"}
@@ -111,7 +124,7 @@ class SaturationProbe:
         every: arm for one step every this many steps (>= 1).
     """
 
-    def __init__(self, guard: Guard, every: int) -> None:
+    def __init__(self, guard: Host, every: int) -> None:
         self.every = every
         self._guard = weakref.ref(guard)
         self._mode: _Mode | None = None
@@ -131,7 +144,7 @@ class SaturationProbe:
     def _arm_hook(self, *_: Any) -> None:
         self.step += 1
         guard = self._guard()
-        if (guard is None or guard.closed or getattr(guard, "error", None) is not None
+        if (guard is None or guard.closed or guard.error is not None
                 or self.broken):
             self.remove()
             return
@@ -198,7 +211,7 @@ class SaturationProbe:
             self._hits.append((source, "wrong", "binary_cross_entropy", n_near, n_exact,
                                _user_line()))
 
-    def _alarm(self, guard: Guard, hits: list[tuple[str, str, str, int, int, str]]) -> None:
+    def _alarm(self, guard: Host, hits: list[tuple[str, str, str, int, int, str]]) -> None:
         source, side, log, n_near, n_exact, line = max(hits, key=lambda h: (h[4], h[3]))
         # A sustained condition: said once, again only when it got far worse (exact 0/1 now,
         # or 10x as many entries), not at every armed step.
@@ -242,7 +255,7 @@ def _user_line() -> str:
     return ""
 
 
-def attach(guard: Guard) -> SaturationProbe | None:
-    """The guard's probe, per `guard.config.detect.saturation_every` (None when it is 0)."""
-    every = guard.config.detect.saturation_every
+def attach(guard: Host, every: int) -> SaturationProbe | None:
+    """The guard's probe, armed one step in `every` (`DetectConfig.saturation_every`; None
+    when it is 0)."""
     return SaturationProbe(guard, every) if every else None

@@ -1,0 +1,105 @@
+"""The shape of the code: no import circle anywhere in src/nanguard, and adapters reach the
+Guard through its public face only.
+
+Imports are read from the source (module level, `TYPE_CHECKING` blocks and imports inside
+functions alike: a lazy import still ties two modules together), so a circle shows here before
+it shows as an ImportError at some import order.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "nanguard"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for f in SRC.rglob("*.py"):
+        parts = f.relative_to(SRC.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = f
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    deps.add(sub if sub in mods else node.module)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+        graph[name] = {d for d in deps if d in mods and d != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_in_src() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_the_checker_sees_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_only_the_guard_and_adapters_import_the_guard() -> None:
+    """The core (watch, detect, policy, recover, record, pinpoint, explain, show) never
+    imports the Guard: it gets plain inputs, a narrow link or callbacks."""
+    graph = _graph()
+    users = sorted(m for m, deps in graph.items() if "nanguard.guard" in deps)
+    core = ("watch", "detect", "policy", "recover", "record", "pinpoint", "explain", "show")
+    assert not [m for m in users if (m.split(".") + [""])[1] in core], users
+
+
+def test_adapters_use_the_guards_public_face() -> None:
+    """No `guard._private` access from the integrations or the CLI."""
+    private = re.compile(r"\bguard\._[a-z]\w*")
+    offenders = []
+    for folder in ("integrations", "cli"):
+        for f in (SRC / folder).rglob("*.py"):
+            for i, line in enumerate(f.read_text().splitlines(), 1):
+                if private.search(line):
+                    offenders.append(f"{f.name}:{i}: {line.strip()}")
+    assert offenders == []
