@@ -957,9 +957,11 @@ class Guard:
         if self.first_nonfinite is None or stats.step <= self.first_nonfinite["step"] + 1:
             self.history.append(stats)
         write_step(self.store, stats, len(self.params), self.config.watch.per_parameter)
-        self.events.tick(stats.step, bool(stats.nonfinite_signals()))
-        if self.events.step_listeners:
-            self.events.step(stats.step, step_signals(stats))
+        events = self.events
+        if events.episodes.start is not None:  # an episode is open (a quiet step: nothing)
+            events.tick(stats.step, bool(stats.nonfinite_signals()))
+        if events.step_listeners:
+            events.step(stats.step, step_signals(stats))
 
     def _build_report(self) -> Report:
         from nanguard.explain import diagnose
