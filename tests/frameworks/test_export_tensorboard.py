@@ -153,3 +153,19 @@ def test_stream_refuses(tmp_path):
     with pytest.raises(ValueError, match="closed"):
         stream(guard, log_dir=tmp_path / "tb")
     assert not (tmp_path / "tb").exists()
+
+
+def test_stream_closed_early(tmp_path):
+    """`close()` on the stream mid-run: what it wrote stays, later steps are not written, the
+    guard goes on and closes as usual."""
+    from export_rig import cascade_live
+
+    from nanguard.export.tensorboard import stream
+
+    logdir = tmp_path / "tb"
+    handle, report, _ = cascade_live(tmp_path / "run", lambda g: stream(g, log_dir=logdir),
+                                     lambda h: h.close(), at=12)
+    handle.close()  # again: nothing
+    loss, marks, texts = _read(logdir)
+    assert sorted(loss) == list(range(13)) and (12, "alarms") in texts
+    assert report.steps == 30

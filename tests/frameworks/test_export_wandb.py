@@ -167,3 +167,43 @@ def test_stream_into_active_run(tmp_path, offline):
     assert [json.loads(r["my_loss"]) for r in rows if "my_loss" in r] == [1.0, 2.0]
     check_cascade(wandb_series(rows, "loss"), wandb_series(rows, "nonfinite"))
     assert json.loads(summary["nanguard/top_cause"]) == "optimizer_divergence"
+
+
+EXIT = """
+import sys
+sys.path[:0] = [sys.argv[1]]
+from nanguard import Guard, GuardConfig, RecordConfig
+from nanguard.export import wandb as ng
+from nanguard.scenarios.cascade import make_cascade
+s = make_cascade(0, steps=20, outlier_at=10)
+g = Guard(s.model, s.optimizer, out=sys.argv[2],
+          config=GuardConfig(record=RecordConfig(summary=False)))
+ng.stream(g)
+for x, y in s.batches:
+    loss = s.loss_fn(s.model(x), y)
+    g.watch(loss=loss, batch=(x, y))
+    s.optimizer.zero_grad()
+    loss.backward()
+    s.optimizer.step()
+# no g.close(): the interpreter's exit closes it
+"""
+
+
+def test_stream_guard_left_open_at_exit(tmp_path, offline):
+    """A script that never closes its guard: the stream's exit hook closes it before W&B tears
+    its run down, so the finding, the summary and the finished run are still written."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[2] / "src"
+    proc = subprocess.run([sys.executable, "-c", EXIT, str(src), str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "WANDB_MODE": "offline"})
+    assert proc.returncode == 0, proc.stderr
+    assert "was removed" not in proc.stderr, proc.stderr  # no exporter listener failed
+    [folder] = (tmp_path / "run" / "wandb").glob("offline-run-*")
+    rows, summary, _ = read_wandb(folder, _finished)
+    assert json.loads(summary["nanguard/top_cause"]) == "optimizer_divergence"
+    assert wandb_series(rows, "nonfinite")[19] == 1.0

@@ -9,8 +9,10 @@ the closing report). No tracker is imported here.
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -201,7 +203,10 @@ class Stream:
     of a step already written (the finding, told at close; an episode's end, told once quiet)
     is written at once. When the guard closes, the held texts, the closing report (and the
     diagnosis) are written and `finish` ends what the stream opened. A tracker error drops the
-    listener that met it (logged once by the guard); training goes on.
+    listener that met it (logged once by the guard); training goes on. A guard left open at
+    exit is closed by the stream's own exit hook, which runs before the tracker's (registered
+    earlier, when its run started), so the report still reaches a run the tracker has not torn
+    down yet.
 
     Args:
         guard: the guard to follow; it must not be closed yet.
@@ -215,6 +220,9 @@ class Stream:
         guard.add_listener(self._on_step, only="step")
         guard.add_listener(self._on_event)
         guard.add_listener(self._on_close, only="close")
+        ref = weakref.ref(guard)
+        self._at_exit = lambda: (g := ref()) is not None and g.close()
+        atexit.register(self._at_exit)
 
     @staticmethod
     def check(guard: Guard) -> None:
@@ -263,6 +271,7 @@ class Stream:
             if e.tag in ("diagnosis", "report"):
                 self.write(e.step, {}, {e.tag: e.text})
         self.closed = True
+        atexit.unregister(self._at_exit)
         self.finish(report)
 
     def _take(self, step: int) -> dict[str, str]:
@@ -282,4 +291,5 @@ class Stream:
         for step in sorted(self._held):
             self.write(step, {}, self._take(step))
         self.closed = True
+        atexit.unregister(self._at_exit)
         self.finish(None)
