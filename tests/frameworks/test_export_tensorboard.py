@@ -169,3 +169,31 @@ def test_stream_closed_early(tmp_path):
     loss, marks, texts = _read(logdir)
     assert sorted(loss) == list(range(13)) and (12, "alarms") in texts
     assert report.steps == 30
+
+
+def test_stream_under_raise(tmp_path):
+    """Under `raise` the run stops at the non-finite step (an exception through the user's
+    `with guard:`): that step, its alarms, the raise action and the report still reach the
+    event files as the guard closes."""
+    from export_rig import NAN_AT, SPIKE
+
+    from nanguard.errors import NanguardError
+    from nanguard.export.tensorboard import stream
+    from nanguard.scenarios.cascade import make_cascade
+
+    setup = make_cascade(0, steps=30, outlier_at=SPIKE)
+    guard = Guard(setup.model, setup.optimizer, policy="raise", out=tmp_path / "run",
+                  config=GuardConfig(record=RecordConfig(summary=False)))
+    stream(guard, log_dir=tmp_path / "tb")
+    with pytest.raises(NanguardError), guard:
+        for x, y in setup.batches:
+            loss = setup.loss_fn(setup.model(x), y)
+            guard.watch(loss=loss, batch=(x, y))
+            setup.optimizer.zero_grad()
+            loss.backward()
+            setup.optimizer.step()
+    loss, _, texts = _read(tmp_path / "tb")
+    assert max(loss) == NAN_AT and math.isinf(loss[NAN_AT])  # recorded as the guard closed
+    assert "nonfinite" in texts[(NAN_AT, "alarms")]
+    assert "raise" in texts[(NAN_AT, "actions")]
+    assert "status: failed" in [t for (s, k), t in texts.items() if k == "report"][0]

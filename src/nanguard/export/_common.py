@@ -263,8 +263,7 @@ class Stream:
     def _on_close(self, event: LiveEvent) -> None:
         if self.closed:
             return
-        for step in sorted(self._held):
-            self.write(step, {}, self._take(step))
+        self._drain()
         report = event.data
         at = max(self.last, 0)
         for e in events(report, at):
@@ -288,8 +287,13 @@ class Stream:
         end the tracker run the stream opened. Safe to call more than once."""
         if self.closed:
             return
-        for step in sorted(self._held):
-            self.write(step, {}, self._take(step))
+        self._drain()
         self.closed = True
         atexit.unregister(self._at_exit)
         self.finish(None)
+
+    def _drain(self) -> None:
+        """Write every held text, each at its own step."""
+        while self._held:
+            step = min(self._held)
+            self.write(step, {}, self._take(step))
