@@ -120,6 +120,7 @@ def test_stream_live(tmp_path, offline):
     from nanguard.export.wandb import stream
 
     def during(handle):
+        assert wandb.run is None  # its run is not made the global one: user code keeps its own
         folder = handle.wb.folder
         rows, _, _ = read_wandb(folder, lambda rows, _: any(
             r.get("nanguard/step") == str(NAN_AT) and "nanguard/loss" in r for r in rows))
@@ -129,7 +130,7 @@ def test_stream_live(tmp_path, offline):
     assert folder.parent == tmp_path / "run" / "wandb"  # default: the run folder
     check_cascade(wandb_series(rows, "loss"), wandb_series(rows, "nonfinite"), until=NAN_AT)
     check_cascade_events(_texts(folder, rows), closed=False)
-    assert handle.wb.owned and wandb.run is None  # its own run, not made the global one
+    assert handle.wb.owned
 
     rows, summary, alerts = read_wandb(folder, _finished)
     assert [r["nanguard/loss"] for r in rows if r.get("nanguard/step") == str(NAN_AT)
