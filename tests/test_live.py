@@ -233,3 +233,33 @@ def test_silenced_the_standard_way(tmp_path: Path) -> None:
     finally:
         logger.setLevel(old)
     assert not [x for x in sink if x.startswith("LOG")]
+
+
+def test_step_and_close_listeners(tmp_path: Path) -> None:
+    """`only="step"` gets each recorded step's signals (NaN/Inf kept); `only="close"` gets one
+    `close` event with the report's dict after the finding, and no other listener gets it."""
+    s = make_cascade(0, steps=20, outlier_at=10)
+    guard = Guard(s.model, s.optimizer, config=GuardConfig(record=RecordConfig(
+        out=str(tmp_path / "run"), summary=False)))
+    seen: list[Event] = []
+    guard.add_listener(seen.append)
+    guard.add_listener(seen.append, only="step")
+    guard.add_listener(seen.append, only="close")
+    for x, y in s.batches:
+        loss = s.loss_fn(s.model(x), y)
+        guard.watch(loss=loss, batch=(x, y))
+        s.optimizer.zero_grad()
+        loss.backward()
+        s.optimizer.step()
+    report = guard.close()
+    guard.close()  # a second close tells nobody again
+    steps = [e for e in seen if e.type == "step"]
+    assert [e.step for e in steps] == list(range(20))
+    assert steps[15].data["loss"] == float("inf") and steps[15].data["nonfinite"] == 1.0
+    assert steps[9].data["nonfinite"] == 0.0 and "grad_norm" in steps[9].data
+    assert [e.type for e in seen if e.type == "close"] == ["close"]
+    assert seen[-1].type == "close" and seen[-2].type == "finding"
+    assert seen[-1].kind == report.status == "failed"
+    assert seen[-1].data["first_nonfinite"]["step"] == 15
+    with pytest.raises(ValueError, match="unknown event type"):
+        guard.add_listener(seen.append, only="closing")

@@ -229,13 +229,14 @@ class Guard:
         """Call `listener(event)` with every later `Event` (or, with `only`, those of one type:
         `alarm`, `action`, `finding`, `episode_end`, or `step`: each recorded step's signals,
         which only `only="step"` delivers), as it happens; errors inside it are contained (see
-        `on_alarm`). Exporters and framework adapters subscribe this way."""
+        `on_alarm`). `close` (also only with `only`): once, when `close()` has written the
+        report (its dict in `data`). Exporters and framework adapters subscribe this way."""
         if not callable(listener):
             raise ValueError(f"a listener must be callable, got {type(listener).__name__}")
         if only not in (None, *EVENT_TYPES):
             raise ValueError(f"unknown event type {only!r}; use one of {', '.join(EVENT_TYPES)}")
-        if only in (None, "step"):
-            self.events.add(listener, steps=only == "step")
+        if only in (None, "step", "close"):
+            self.events.add(listener, steps=only == "step", close=only == "close")
             return
 
         def typed(event: Event) -> None:
@@ -385,6 +386,9 @@ class Guard:
         self.store.close()
         self.report = report
         self._say_finding(report)
+        # After the finding: a streaming exporter writes it, then finishes its tracker run.
+        if self.events.close_listeners:
+            self.events.close(self.step, report.to_dict())
         if self.config.record.summary:
             from nanguard.show.summary import print_summary
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 # Module names (within nanguard.cli) that provide subcommands, in help order.
 COMMANDS: tuple[str, ...] = ("run", "demo", "report", "dashboard", "replay", "audit", "scan",
-                             "lint")
+                             "lint", "export")
 
 
 class UserError(Exception):

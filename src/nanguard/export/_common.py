@@ -1,21 +1,28 @@
-"""What every exporter writes, read once from a run folder (run.db + report.json).
+"""What every exporter writes: read once from a run folder (run.db + report.json), or
+taken live from a guard's listeners (`Stream`).
 
 Trackers differ in how they store a value and a text, not in what nanguard has to say: the
 per-step signals (NaN/Inf kept), the 0/1 `nonfinite` and `skipped` markers, and one markdown
 text per event (alarms and actions grouped by step, the first non-finite value, the diagnosis,
-the closing report). This module only reads; no tracker is imported here.
+the closing report). No tracker is imported here.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nanguard.record.report import REPORT_NAME
 from nanguard.record.store import DB_NAME, dec, open_run
+
+if TYPE_CHECKING:
+    from nanguard.guard import Guard
+    from nanguard.record.events import Event as LiveEvent
 
 SIGNALS = ("loss", "grad_norm", "param_norm", "update_ratio", "momentum_norm", "act_max", "lr")
 """Per-step columns of run.db exported as scalars (named `nanguard/<name>`)."""
@@ -170,3 +177,123 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     if diagnosis:
         out["top_cause"] = diagnosis[0]["cause"]
     return out
+
+
+# The text tag each live event type is written under (the after-the-fact names where they exist).
+LIVE_TAGS = {"alarm": "alarms", "action": "actions", "finding": "first_nonfinite",
+             "episode_end": "episodes"}
+
+
+def live_line(event: LiveEvent) -> str:
+    """One markdown line for a live event (the after-the-fact exporters' wording)."""
+    if event.type == "alarm":
+        return f"- **{event.kind}** `{event.signal}` = {event.value}: {event.message}"
+    if event.type == "action":
+        return f"- **{event.kind}**: {event.message}"
+    return f"- {event.message}"
+
+
+class Stream:
+    """Base of the live exporters: subscribes to a guard and hands each tracker what to write.
+
+    A recorded step's signals reach `write` as scalars `nanguard/<signal>` (NaN/Inf as they
+    are, plus the 0/1 `nanguard/nonfinite` and `nanguard/skipped`), together with the texts of
+    the events of that step: the guard announces a step's alarms and actions before the step
+    itself, so they are held until it comes and one text per tag and step is written. An event
+    of a step already written (the finding, told at close; an episode's end, told once quiet)
+    is written at once. When the guard closes, the held texts, the closing report (and the
+    diagnosis) are written and `finish` ends what the stream opened. A tracker error drops the
+    listener that met it (logged once by the guard); training goes on. A guard left open at
+    exit is closed by the stream's own exit hook, which runs before the tracker's (registered
+    earlier, when its run started), so the report still reaches a run the tracker has not torn
+    down yet.
+
+    Args:
+        guard: the guard to follow; it must not be closed yet.
+    """
+
+    def __init__(self, guard: Guard) -> None:
+        self.check(guard)
+        self.last = -1  # last step written
+        self.closed = False
+        self._held: dict[int, dict[str, list[str]]] = {}
+        guard.add_listener(self._on_step, only="step")
+        guard.add_listener(self._on_event)
+        guard.add_listener(self._on_close, only="close")
+        ref = weakref.ref(guard)
+        self._at_exit = lambda: (g := ref()) is not None and g.close()
+        atexit.register(self._at_exit)
+
+    @staticmethod
+    def check(guard: Guard) -> None:
+        """Refuse a closed guard (before a tracker run is opened for it).
+
+        Raises:
+            ValueError: the guard is closed.
+        """
+        if guard.closed:
+            raise ValueError("this Guard is closed: stream a guard before training with it")
+
+    # -- what a tracker implements
+    def write(self, step: int, scalars: dict[str, float], texts: dict[str, str]) -> None:
+        """Write one step's scalars and event texts (tag -> markdown; both may be empty)."""
+        raise NotImplementedError
+
+    def finish(self, report: dict[str, Any] | None) -> None:
+        """The guard closed (`report`: its report.json dict) or `close()` was called (None):
+        flush, and end the tracker run if the stream opened it (never the user's own)."""
+        raise NotImplementedError
+
+    # -- listeners
+    def _on_step(self, event: LiveEvent) -> None:
+        if self.closed:
+            return
+        texts = self._take(event.step)
+        self.write(event.step, {f"nanguard/{k}": float(v) for k, v in event.data.items()}, texts)
+        self.last = max(self.last, event.step)
+
+    def _on_event(self, event: LiveEvent) -> None:
+        tag = LIVE_TAGS.get(event.type)
+        if self.closed or tag is None:
+            return
+        self._held.setdefault(event.step, {}).setdefault(tag, []).append(live_line(event))
+        if event.step <= self.last:  # its step is written already: no reason to wait
+            self.write(event.step, {}, self._take(event.step))
+
+    def _on_close(self, event: LiveEvent) -> None:
+        if self.closed:
+            return
+        self._drain()
+        report = event.data
+        at = max(self.last, 0)
+        for e in events(report, at):
+            if e.tag in ("diagnosis", "report"):
+                self.write(e.step, {}, {e.tag: e.text})
+        self.closed = True
+        atexit.unregister(self._at_exit)
+        self.finish(report)
+
+    def _take(self, step: int) -> dict[str, str]:
+        """The held texts of `step` and any step before it, joined per tag."""
+        out: dict[str, list[str]] = {}
+        for s in sorted(k for k in self._held if k <= step):
+            for tag, lines in self._held.pop(s).items():
+                out.setdefault(tag, []).extend(lines if s == step else
+                                               [f"(step {s}) {ln}" for ln in lines])
+        return {tag: "\n".join(lines) for tag, lines in out.items()}
+
+    def close(self) -> None:
+        """Stop streaming now (the guard's close does it otherwise): write what is held and
+        end the tracker run the stream opened. Safe to call more than once."""
+        if self.closed:
+            return
+        self._drain()
+        self.closed = True
+        atexit.unregister(self._at_exit)
+        self.finish(None)
+
+    def _drain(self) -> None:
+        """Write every held text, each at its own step."""
+        while self._held:
+            step = min(self._held)
+            self.write(step, {}, self._take(step))

@@ -1,19 +1,30 @@
-"""MLflow exporter: a recorded run (run.db + report.json) as an MLflow run.
+"""MLflow exporter: a run as MLflow metrics and tags, live while it trains or after the fact.
 
-    from nanguard.export.mlflow import write_run
-    run_id = write_run("nanguard_runs/x")            # -> nanguard_runs/x/mlruns (file store)
+    from nanguard.export import mlflow as ng_mlflow
+    ng_mlflow.stream(guard)                  # live: into mlflow.active_run(), else a new run
+    ng_mlflow.write_run("nanguard_runs/x")   # recorded: likewise; no run active and no
+                                             # MLFLOW_TRACKING_URI -> nanguard_runs/x/mlruns
     # mlflow ui --backend-store-uri nanguard_runs/x/mlruns   (MLFLOW_ALLOW_FILE_STORE=true)
-    write_run("nanguard_runs/x", tracking_uri="sqlite:///mlflow.db")   # or a server
 
-Written, per optimizer step (one MLflow run; ranks of a merged folder as one run each):
+Which run: the active one (`mlflow.active_run()`, your own `mlflow.start_run()`), or the
+`run_id` given, so nanguard's metrics sit next to yours and that run is left open; else a new
+run, in the experiment `MLFLOW_EXPERIMENT_NAME` (default "nanguard") of the tracking store
+MLflow itself would use (`MLFLOW_TRACKING_URI`, else its default), finished when the guard
+closes. `write_run` with no run active and no `MLFLOW_TRACKING_URI` writes to `RUN/mlruns`.
+
+Written, per optimizer step (ranks of a merged folder as one MLflow run each):
 
 - metrics `nanguard/<signal>` (loss, grad_norm, ...) with NaN and +-Inf as they are;
 - metrics `nanguard/nonfinite` (1.0 where anything watched was non-finite, else 0.0) and
   `nanguard/skipped` (1.0 where the update was discarded);
 - a tag per event, `nanguard.event.<step>.<kind>` (kind: alarms, actions, first_nonfinite,
-  diagnosis, report) holding its markdown text, and run-level tags `nanguard.status`,
-  `nanguard.first_nonfinite_step` / `_phase` / `_module` / `_op`, `nanguard.top_cause`;
-- the artifacts `nanguard/events.md` (every event under its step) and `nanguard/report.json`.
+  diagnosis, report; live also episodes) holding its markdown text, and at the end the run
+  tags `nanguard.status`, `nanguard.first_nonfinite_step` / `_phase` / `_module` / `_op`,
+  `nanguard.top_cause`;
+- at the end the artifacts `nanguard/events.md` (every event under its step) and
+  `nanguard/report.json`.
+
+Live, each step is one `log_batch` (metrics and the step's event tags) as it is recorded.
 
 What MLflow does with non-finite values: the file store keeps NaN and +-Inf; the database
 store (sqlite, MySQL, PostgreSQL, hence a tracking server on one) keeps NaN but turns +-Inf
@@ -21,8 +32,8 @@ into +-1.7976931348623157e308; charts leave NaN out. The `nonfinite` series and 
 keep the step visible either way.
 
 Needs `mlflow-skinny` (or `mlflow`; `pip install nanguard[mlflow]`); imported only when used.
-The default local file store is in maintenance mode in MLflow 3 and refuses to open unless
-`MLFLOW_ALLOW_FILE_STORE=true`: the exporter sets it while it writes to a `file:` URI (and
+The local file store is in maintenance mode in MLflow 3 and refuses to open unless
+`MLFLOW_ALLOW_FILE_STORE=true`: the exporter sets it while it opens a `file:` URI (and
 restores it after); a database URI needs the full `mlflow` package (SQLAlchemy, alembic).
 """
 
@@ -31,51 +42,172 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nanguard.export._common import Event, RunData, load_run, run_parts, summary
+from nanguard.export._common import Event, Stream, load_run, run_parts, summary
+
+if TYPE_CHECKING:
+    from nanguard.guard import Guard
 
 TAG_LIMIT = 5000
 """Longest tag value written (MLflow's own limit is 8000 characters); longer texts are cut."""
 
 
 def write_run(run: str | Path, tracking_uri: str | None = None,
-              experiment: str = "nanguard", run_name: str | None = None) -> list[str]:
-    """Write a run folder's steps and events as MLflow runs.
+              experiment: str | None = None, run_name: str | None = None) -> list[str]:
+    """Write a run folder's steps and events as MLflow runs (into the active run, if any).
 
     Args:
         run: the run folder (holds run.db; report.json when the guard was closed), or a folder
             merged from ranks (`rank-R/` parts: one MLflow run each, named `<name>/rank-R`).
-        tracking_uri: where to write; default the file store `RUN/mlruns`.
-        experiment: MLflow experiment name (created if missing).
-        run_name: MLflow run name; default the run folder's name.
+        tracking_uri: where to write a new run; default `MLFLOW_TRACKING_URI`, else the file
+            store `RUN/mlruns`.
+        experiment: experiment of a new run (created if missing); default
+            `MLFLOW_EXPERIMENT_NAME`, else "nanguard".
+        run_name: name of a new run; default the run folder's name.
 
     Returns:
         The MLflow run ids written, one per part.
 
     Raises:
-        ValueError: `run` is not a nanguard run folder.
+        ValueError: `run` is not a nanguard run folder, or it has several parts and an MLflow
+            run is active.
     """
     parts = run_parts(run)
-    uri = tracking_uri if tracking_uri is not None else (Path(run) / "mlruns").resolve().as_uri()
+    if tracking_uri is None and not os.environ.get("MLFLOW_TRACKING_URI"):
+        tracking_uri = (Path(run) / "mlruns").resolve().as_uri()
     name = run_name or Path(run).resolve().name
-    with _file_store_allowed(uri):
+    ids = []
+    for part, folder in parts:
+        target = _Run(None, tracking_uri, experiment,
+                      name if part is None else f"{name}/{part}", several=len(parts) > 1)
+        data = load_run(folder)
+        try:
+            metrics = [(k, v, row.time, row.step) for row in data.steps
+                       for k, v in row.scalars().items()]
+            target.log(metrics, [(e.step, e.tag, e.text) for e in data.events])
+        except BaseException:
+            target.end(data.report, data.events, "FAILED")
+            raise
+        target.end(data.report, data.events)
+        ids.append(target.run_id)
+    return ids
+
+
+def stream(guard: Guard, run_id: str | None = None, tracking_uri: str | None = None,
+           experiment: str | None = None, run_name: str | None = None) -> MlflowStream:
+    """Write the guard's steps and events to MLflow while it trains.
+
+    Subscribes to the guard's step, event and close listeners: from the next recorded step
+    on, each step's metrics and event tags are logged as it is recorded; the guard's
+    `close()` writes the report (run tags, `nanguard/events.md`, `nanguard/report.json`) and
+    ends the run if the stream started it.
+
+    Args:
+        guard: the guard to follow (not closed).
+        run_id: an MLflow run to write into (left open); default the active run, else new.
+        tracking_uri, experiment, run_name: for a new run (or `run_id`'s store); defaults:
+            MLflow's own tracking URI, `MLFLOW_EXPERIMENT_NAME` or "nanguard", the run folder's
+            name.
+
+    Returns:
+        The stream (`run_id` is the MLflow run; `close()` stops it early).
+
+    Raises:
+        ValueError: the guard is closed.
+    """
+    Stream.check(guard)
+    name = run_name or (guard.folder.name if guard.folder is not None else None)
+    return MlflowStream(guard, _Run(run_id, tracking_uri, experiment, name))
+
+
+class _Run:
+    """The MLflow run written into: `run_id`, the active run (both left open), else a new
+    one (ended by `end`)."""
+
+    def __init__(self, run_id: str | None, uri: str | None, experiment: str | None,
+                 name: str | None, several: bool = False) -> None:
+        import mlflow
         from mlflow.tracking import MlflowClient
 
-        client = MlflowClient(tracking_uri=uri)
-        found = client.get_experiment_by_name(experiment)
-        exp_id = found.experiment_id if found else client.create_experiment(experiment)
-        return [_write_one(client, exp_id, load_run(folder),
-                           name if part is None else f"{name}/{part}")
-                for part, folder in parts]
+        active = mlflow.active_run()
+        if run_id is None and active is not None:
+            if several:
+                raise ValueError("a run of several ranks is one MLflow run each: call it with "
+                                 "no MLflow run active, or pass one rank's folder")
+            run_id, uri = active.info.run_id, mlflow.get_tracking_uri()
+        uri = uri or mlflow.get_tracking_uri()  # honours MLFLOW_TRACKING_URI
+        with _file_store_allowed(uri):
+            self.client = MlflowClient(tracking_uri=uri)
+            self.owned = run_id is None
+            if run_id is None:
+                exp = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME") or "nanguard"
+                found = self.client.get_experiment_by_name(exp)
+                exp_id = found.experiment_id if found else self.client.create_experiment(exp)
+                run_id = self.client.create_run(exp_id, run_name=name).info.run_id
+            else:
+                self.client.get_run(run_id)  # a wrong id fails here, not at the first step
+        self.run_id = str(run_id)
+
+    def log(self, metrics: list[tuple[str, float, float | None, int]],
+            texts: list[tuple[int, str, str]]) -> None:
+        """Metrics (key, value, time or None: now, step) and texts (step, tag, markdown)."""
+        from mlflow.entities import Metric, RunTag
+
+        now = time.time()
+        batch = [Metric(k, v, int((t or now) * 1000), s) for k, v, t, s in metrics]
+        tags = [RunTag(f"nanguard.event.{s}.{tag}", _cut(text)) for s, tag, text in texts]
+        # MLflow takes at most 1000 metrics and 100 tags per batch
+        for i in range(0, max(len(batch), len(tags) * 10), 1000):
+            self.client.log_batch(self.run_id, metrics=batch[i:i + 1000],
+                                  tags=tags[i // 10:i // 10 + 100])
+
+    def end(self, report: dict[str, Any] | None, events: list[Event],
+            status: str = "FINISHED") -> None:
+        from mlflow.entities import RunTag
+
+        try:
+            tags = [RunTag(f"nanguard.{k}", str(v)) for k, v in summary(report or {}).items()]
+            if tags:
+                self.client.log_batch(self.run_id, tags=tags)
+            if events:
+                self.client.log_text(self.run_id, "\n\n".join(
+                    f"## step {e.step}: {e.tag}\n\n{e.text}" for e in events) + "\n",
+                    "nanguard/events.md")
+            if report:
+                self.client.log_text(self.run_id, json.dumps(report, indent=1),
+                                     "nanguard/report.json")
+        finally:
+            if self.owned:
+                self.client.set_terminated(self.run_id, status=status)
+
+
+class MlflowStream(Stream):
+    """A guard streamed into an MLflow run (see `stream`)."""
+
+    def __init__(self, guard: Guard, target: _Run) -> None:
+        self.target = target
+        self.run_id = target.run_id
+        self.events: list[Event] = []
+        super().__init__(guard)
+
+    def write(self, step: int, scalars: dict[str, float], texts: dict[str, str]) -> None:
+        self.target.log([(k, v, None, step) for k, v in scalars.items()],
+                        [(step, tag, text) for tag, text in texts.items()])
+        self.events += [Event(step, tag, text) for tag, text in texts.items()]
+
+    def finish(self, report: dict[str, Any] | None) -> None:
+        self.target.end(report, sorted(self.events, key=lambda e: e.step))
 
 
 @contextlib.contextmanager
 def _file_store_allowed(uri: str) -> Iterator[None]:
+    # MLflow checks it once, when it opens the store for a URI (then kept for the process).
     key = "MLFLOW_ALLOW_FILE_STORE"
-    if not uri.startswith("file:"):
+    if not uri.startswith("file:") and "://" in uri:
         yield
         return
     before = os.environ.get(key)
@@ -89,37 +221,5 @@ def _file_store_allowed(uri: str) -> Iterator[None]:
             os.environ[key] = before
 
 
-def _write_one(client: Any, exp_id: str, data: RunData, name: str) -> str:
-    from mlflow.entities import Metric, RunTag
-
-    run = client.create_run(exp_id, run_name=name)
-    rid = run.info.run_id
-    status = "FINISHED"
-    try:
-        metrics = []
-        for row in data.steps:
-            ms = int((row.time or 0.0) * 1000)
-            metrics += [Metric(k, v, ms, row.step) for k, v in row.scalars().items()]
-        for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
-            client.log_batch(rid, metrics=metrics[i:i + 1000])
-        tags = [RunTag(f"nanguard.{k}", str(v)) for k, v in summary(data.report).items()]
-        tags += [RunTag(f"nanguard.event.{e.step}.{e.tag}", _cut(e.text)) for e in data.events]
-        for i in range(0, len(tags), 100):
-            client.log_batch(rid, tags=tags[i:i + 100])
-        client.log_text(rid, _events_md(data.events), "nanguard/events.md")
-        if data.report:
-            client.log_text(rid, json.dumps(data.report, indent=1), "nanguard/report.json")
-    except BaseException:
-        status = "FAILED"
-        raise
-    finally:
-        client.set_terminated(rid, status=status)
-    return str(rid)
-
-
 def _cut(text: str) -> str:
     return text if len(text) <= TAG_LIMIT else text[:TAG_LIMIT - 20] + "\n... (cut)"
-
-
-def _events_md(events: list[Event]) -> str:
-    return "\n\n".join(f"## step {e.step}: {e.tag}\n\n{e.text}" for e in events) + "\n"

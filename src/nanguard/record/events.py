@@ -22,7 +22,7 @@ from typing import Any
 
 log = logging.getLogger("nanguard")
 
-EVENT_TYPES = ("alarm", "action", "finding", "episode_end", "step")
+EVENT_TYPES = ("alarm", "action", "finding", "episode_end", "step", "close")
 
 # How grave each alarm kind is: an episode's line repeats only when it gets graver.
 SEVERITY = {
@@ -40,7 +40,9 @@ class Event:
     type: str
     """One of EVENT_TYPES: `alarm`, `action`, `finding`, `episode_end` (an episode closed:
     how long, how many alarms, how many steps were non-finite) or `step` (a recorded step's
-    signals in `data`, NaN kept; only to listeners that asked for steps)."""
+    signals in `data`, NaN kept; only to listeners that asked for steps) or `close` (the guard
+    closed: report.json's dict in `data`, the status in `kind`; only to listeners that asked
+    for it)."""
     step: int
     """0-based training step it belongs to (optimizer steps completed before it)."""
     kind: str
@@ -69,7 +71,7 @@ class Event:
             return logging.ERROR if self.kind in ("raise", "give_up") else logging.WARNING
         if self.type == "episode_end":  # a NaN that persisted: its count is worth a line
             return logging.WARNING if (self.value or 0) > 1 else logging.INFO
-        if self.type == "step":
+        if self.type in ("step", "close"):
             return logging.DEBUG
         return logging.ERROR  # a finding
 
@@ -149,6 +151,9 @@ class Events:
     step_listeners: list[Listener]
     """Listeners of `step` events (the per-step signals): none on most runs, and then the
     step costs nothing more."""
+    close_listeners: list[Listener]
+    """Listeners of the `close` event: told once, when the guard has closed (exporters finish
+    the tracker run they opened)."""
     errors: list[dict[str, Any]]
     """Listeners dropped after an error: `{listener, step, error}` (in report.json
     `run.listener_errors`)."""
@@ -159,20 +164,31 @@ class Events:
         self.episodes = Episodes(quiet_steps)
         self.listeners = []
         self.step_listeners = []
+        self.close_listeners = []
         self.errors = []
         self.summary_follows = False
 
-    def add(self, listener: Listener, *, steps: bool = False) -> None:
-        """Subscribe `listener(event)` to every later event but `step` ones (`steps`: to the
-        `step` events only)."""
+    def add(self, listener: Listener, *, steps: bool = False, close: bool = False) -> None:
+        """Subscribe `listener(event)` to every later event but `step` and `close` ones
+        (`steps`: to the `step` events only; `close`: to the `close` event only)."""
         if not callable(listener):
             raise ValueError(f"an event listener must be callable, got {type(listener).__name__}")
-        (self.step_listeners if steps else self.listeners).append(listener)
+        if steps and close:
+            raise ValueError("a listener takes the step events or the close event, not both")
+        (self.step_listeners if steps else self.close_listeners if close
+         else self.listeners).append(listener)
 
     def step(self, step: int, signals: dict[str, float]) -> None:
         """A step was recorded: its signals (NaN and Inf as they are) to the step listeners."""
         self._emit(Event(type="step", step=step, kind="step", notable=False, data=signals),
                    self.step_listeners)
+
+    def close(self, step: int, report: dict[str, Any]) -> None:
+        """The guard closed (report.json written, `report` its dict): to the close listeners,
+        once; nothing follows but a `refine`'s finding."""
+        self._emit(Event(type="close", step=step, kind=str(report.get("status", "")),
+                         message=f"run closed, status {report.get('status')}", notable=False,
+                         data=report), self.close_listeners)
 
     def alarm(self, alarm: dict[str, Any]) -> Event:
         """An alarm was recorded (a dict with report.json's alarm keys)."""
