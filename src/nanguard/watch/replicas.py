@@ -1,0 +1,201 @@
+"""Replica agreement under data parallelism: do all ranks still hold the same parameters, bit
+for bit?
+
+Under DDP every rank applies the same all-reduced gradient to the same parameters, so replicas
+agree exactly; one that does not was corrupted (a flipped bit in memory or in a kernel, a rank
+that skipped an update alone, a non-deterministic optimizer). Every `every` steps, after the
+update, each rank computes a fingerprint of its parameters and the ranks compare them in one
+all_gather of three int64 values. Only when they differ, a second all_gather of the per-tensor
+fingerprints names the tensors. Every rank computes the same verdict from the same gathered
+values, so all of them record the same `replica_divergence` alarm in the same step.
+
+Fingerprint (what every device computes, bit for bit): each tensor's elements viewed as
+integers of their own width (complex as its real pairs) and summed in int64 with wrapping
+arithmetic; the run's fingerprint is the per-tensor sums times odd position weights, summed
+the same way. It is not a float norm: any single changed element changes it (by +-2**bit), as
+does any change that is not an exact permutation or compensation within a tensor. Cost: one
+integer sum per tensor (a read of the parameters) and the collectives, every `every` steps.
+
+Which rank is wrong: the ranks that disagree with the largest group of agreeing ranks; a tie
+(two ranks) goes to the group holding the lowest rank, which DDP broadcast its parameters from.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from nanguard.detect.alarm import Alarm
+from nanguard.integrations import distributed
+
+log = logging.getLogger("nanguard")
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NAMES_SHOWN = 5
+
+
+class Host(Protocol):
+    """What the check uses of the guard it serves (the Guard is one; never imported here)."""
+
+    params: list[torch.Tensor]
+    param_names: list[str]
+
+    def record_alarm(self, alarm: Alarm) -> None: ...
+
+
+def tensor_fingerprints(params: list[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor fingerprints (see the module docstring): an int64 vector on the parameters'
+    device, one entry per tensor."""
+    if not params:
+        return torch.zeros(0, dtype=torch.int64)
+    sums = []
+    for p in params:
+        t = p.detach()
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        elif t.dtype == torch.bool:
+            t = t.to(torch.uint8)
+        sums.append(t.view(_INT_VIEW[t.element_size()]).sum(dtype=torch.int64))
+    return torch.stack(sums)
+
+
+def combine(fingerprints: torch.Tensor) -> torch.Tensor:
+    """One int64 for the whole vector: position-weighted, so that a change in one tensor
+    cannot cancel one in another by accident."""
+    n = fingerprints.numel()
+    weights = (torch.arange(n, dtype=torch.int64, device=fingerprints.device) * 2654435761
+               + 97531) | 1  # fmt: skip
+    return (fingerprints * weights).sum(dtype=torch.int64)
+
+
+def layout_code(names: list[str], params: list[torch.Tensor]) -> int:
+    """A stable 32-bit code of the parameters' names, shapes and dtypes (crc32: the same in
+    every process, unlike `hash`). Ranks with different codes are not replicas."""
+    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in zip(names, params, strict=True))
+    return zlib.crc32(text.encode())
+
+
+@dataclass(kw_only=True)
+class ReplicaDivergence:
+    """Ranks whose parameters differ from the majority's after the update of `step`."""
+
+    step: int
+    ranks: list[int]
+    """The ranks that disagree with the reference group."""
+    reference: list[int]
+    """The largest group of agreeing ranks (ties: the one holding the lowest rank)."""
+    tensors: dict[int, list[str]] = field(default_factory=dict)
+    """Per disagreeing rank, the parameters whose fingerprints differ from the reference's."""
+
+    def message(self) -> str:
+        parts = []
+        for r in self.ranks:
+            names = self.tensors.get(r, [])
+            shown = ", ".join(names[:_NAMES_SHOWN])
+            more = f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
+            parts.append(f"rank {r} in {shown}{more}")
+        ref = ", ".join(map(str, self.reference))
+        return (f"parameters differ bit for bit between replicas after step {self.step}: "
+                f"{'; '.join(parts)} (reference: rank(s) {ref})")
+
+    def alarm(self) -> Alarm:
+        return Alarm(step=self.step, kind="replica_divergence", signal="param_fingerprint",
+                     value=float(len(self.ranks)), message=self.message())
+
+
+def _gather(vector: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(vector) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, vector)
+    return out
+
+
+def compare(step: int, names: list[str], params: list[torch.Tensor]) -> ReplicaDivergence | None:
+    """Compare this rank's parameters with every other rank's. A collective: every rank of the
+    default group must call it at the same point of the same step.
+
+    Returns:
+        The divergence (the same on every rank), or None when all ranks agree.
+
+    Raises:
+        ValueError: the ranks hold different parameter layouts (not data-parallel replicas).
+    """
+    device = params[0].device if params else torch.device("cpu")
+    if dist.get_backend() == "gloo":
+        device = torch.device("cpu")
+    per_tensor = tensor_fingerprints(params).to(device)
+    head = torch.stack([combine(per_tensor), torch.tensor(len(params), device=device),
+                        torch.tensor(layout_code(names, params), device=device)])
+    rows = [tuple(t.tolist()) for t in _gather(head)]
+    if len({row[1:] for row in rows}) > 1:
+        raise ValueError("ranks hold different parameters (names, shapes or dtypes): "
+                         "not data-parallel replicas")
+    totals = [row[0] for row in rows]
+    if len(set(totals)) == 1:
+        return None
+    counts = Counter(totals)
+    ref_total = max(counts, key=lambda v: (counts[v], -totals.index(v)))
+    reference = [r for r, v in enumerate(totals) if v == ref_total]
+    ranks = [r for r, v in enumerate(totals) if v != ref_total]
+    # Everyone saw the same totals, so everyone makes this second call, or nobody does.
+    table = _gather(per_tensor)
+    ref_row = table[reference[0]]
+    tensors = {r: [names[i] for i in torch.nonzero(table[r] != ref_row).flatten().tolist()]
+               for r in ranks}
+    return ReplicaDivergence(step=step, ranks=ranks, reference=reference, tensors=tensors)
+
+
+class ReplicaCheck:
+    """The guard's replica check: `after_update(step)` compares every `every` steps.
+
+    Runs inside the guard's optimizer post-hook, on every rank at the same step (the guard's
+    step counter advances in lockstep under DDP). A divergence is recorded once as an alarm
+    (`replica_divergence`, never acted on by a policy); the same divergence seen again at the
+    next checks is not repeated. Turns itself off, with one log line, if the ranks turn out
+    not to be replicas (different layouts).
+    """
+
+    def __init__(self, guard: Host, every: int) -> None:
+        self.every = every
+        self._guard = weakref.ref(guard)
+        self.divergences: list[ReplicaDivergence] = []
+        self.checks = 0
+        self._last: tuple[tuple[int, ...], tuple[tuple[int, tuple[str, ...]], ...]] | None = None
+
+    def after_update(self, step: int) -> None:
+        """After the update of `step`: compare if `step + 1` is a multiple of `every`."""
+        guard = self._guard()
+        if not self.every or (step + 1) % self.every or guard is None:
+            return
+        self.checks += 1
+        try:
+            found = compare(step, guard.param_names, guard.params)
+        except ValueError as exc:
+            log.warning("replica check off: %s", exc)
+            self.every = 0
+            return
+        if found is None:
+            self._last = None
+            return
+        sig = (tuple(found.ranks), tuple((r, tuple(n)) for r, n in sorted(found.tensors.items())))
+        if sig != self._last:
+            self.divergences.append(found)
+            guard.record_alarm(found.alarm())
+        self._last = sig
+
+
+def attach(guard: Host, every: int) -> ReplicaCheck | None:
+    """The guard's replica check (`DetectConfig.replica_every`): None when `every` is 0, outside
+    a process group of more than one rank, or when the parameters are sharded (DTensor: each
+    rank holds a different shard, not a replica)."""
+    if not every or not distributed.active():
+        return None
+    if any(type(p).__name__ == "DTensor" for p in guard.params):
+        return None
+    return ReplicaCheck(guard, every)

@@ -1,0 +1,49 @@
+"""Replica agreement with 2 real gloo processes (DDP): a bit flipped on rank 1's parameters
+alone, too small for any numeric detector, is a `replica_divergence` alarm on both ranks at the
+first check after it, naming rank 1 and the tensor; the checks before it are silent, and the
+same divergence is not repeated at the next check."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from _run import env, free_port
+
+WORKER = Path(__file__).resolve().parent / "replica_worker.py"
+
+
+def test_flip_on_rank_1_is_named(tmp_path: Path) -> None:
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(tmp_path), str(rank), port],
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    results = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=120)
+            assert p.returncode == 0, stderr[-3000:]
+            line = next(s for s in stdout.splitlines() if s.startswith("RESULT "))
+            results.append(json.loads(line.removeprefix("RESULT ")))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # by this test's own child's pid
+    r0, r1 = results
+    assert not r0["flip"]["fired"] and r1["flip"]["fired"]  # rank 1 only
+    assert abs(r1["flip"]["new"] - r1["flip"]["old"]) < 1e-6  # the lowest mantissa bit
+    assert r0["checks"] == r1["checks"] == 3  # after steps 3, 7 and 11
+    for res in results:
+        # Nothing else fires: the flip is invisible to every numeric detector.
+        assert [(a["step"], a["kind"]) for a in res["alarms"]] == [(7, "replica_divergence")]
+        msg = res["alarms"][0]["message"]
+        assert "rank 1 in module.0.weight (reference: rank(s) 0)" in msg, msg
