@@ -212,7 +212,8 @@ class Guard:
         self.store.write_rng(0, rng.dumps(self._step_rng))
         # Its hooks first: it disarms before this guard's pre-hook (and any replay) runs.
         self.saturation = saturation.attach(self, cfg.detect.saturation_every)
-        self.replicas = replicas.attach(self, cfg.detect.replica_every)  # issue 28; None: off
+        # Issue 28: replica agreement under DDP, its own post-hook (watch/replicas.py); None: off.
+        self.replicas = replicas.attach(self, cfg.detect.replica_every)
         self._handles = [
             *([optimizer.register_step_pre_hook(self._pre_hook),
                optimizer.register_step_post_hook(self._post_hook)] if hook_optimizer else []),
@@ -755,8 +756,6 @@ class Guard:
             self.store.write_rng(self.step, rng.dumps(self._step_rng))
         else:  # every step: torch's generators, what a replay of the step draws from
             self._step_rng = rng.capture_step()
-        if self.replicas:  # issue 28: replica agreement (watch/replicas.py), a collective
-            self.replicas.after_update(self.step - 1)
 
     # ------------------------------------------------------------------ reading and deciding
 

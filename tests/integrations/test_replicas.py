@@ -1,7 +1,8 @@
 """Replica agreement with 2 real gloo processes (DDP): a bit flipped on rank 1's parameters
 alone, too small for any numeric detector, is a `replica_divergence` alarm on both ranks at the
 first check after it, naming rank 1 and the tensor; the checks before it are silent, and the
-same divergence is not repeated at the next check."""
+same divergence is not repeated at the next check. When rank 0's guard stands down early (an
+internal error), the ranks stay in lockstep: nothing hangs and rank 1 still names itself."""
 
 from __future__ import annotations
 
@@ -10,16 +11,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from _run import env, free_port
 
 WORKER = Path(__file__).resolve().parent / "replica_worker.py"
 
 
-def test_flip_on_rank_1_is_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["plain", "standdown"])
+def test_flip_on_rank_1_is_named(tmp_path: Path, mode: str) -> None:
     port = str(free_port())
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(tmp_path), str(rank), port],
+            [sys.executable, str(WORKER), str(tmp_path), str(rank), port, mode],
             env=env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -42,6 +45,9 @@ def test_flip_on_rank_1_is_named(tmp_path: Path) -> None:
     assert not r0["flip"]["fired"] and r1["flip"]["fired"]  # rank 1 only
     assert abs(r1["flip"]["new"] - r1["flip"]["old"]) < 1e-6  # the lowest mantissa bit
     assert r0["checks"] == r1["checks"] == 3  # after steps 3, 7 and 11
+    if mode == "standdown":  # rank 0 took part in every check but records nothing
+        assert r0["alarms"] == [] and r0["error"] is not None
+        results = [r1]
     for res in results:
         # Nothing else fires: the flip is invisible to every numeric detector.
         assert [(a["step"], a["kind"]) for a in res["alarms"]] == [(7, "replica_divergence")]

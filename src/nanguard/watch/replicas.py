@@ -27,7 +27,7 @@ import weakref
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -44,8 +44,14 @@ _NAMES_SHOWN = 5
 class Host(Protocol):
     """What the check uses of the guard it serves (the Guard is one; never imported here)."""
 
+    step: int
+    optimizer: torch.optim.Optimizer
     params: list[torch.Tensor]
     param_names: list[str]
+    error: dict[str, Any] | None
+
+    @property
+    def closed(self) -> bool: ...
 
     def record_alarm(self, alarm: Alarm) -> None: ...
 
@@ -102,12 +108,19 @@ class ReplicaDivergence:
             more = f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
             parts.append(f"rank {r} in {shown}{more}")
         ref = ", ".join(map(str, self.reference))
-        return (f"parameters differ bit for bit between replicas after step {self.step}: "
-                f"{'; '.join(parts)} (reference: rank(s) {ref})")
+        return (
+            f"parameters differ bit for bit between replicas after step {self.step}: "
+            f"{'; '.join(parts)} (reference: rank(s) {ref})"
+        )
 
     def alarm(self) -> Alarm:
-        return Alarm(step=self.step, kind="replica_divergence", signal="param_fingerprint",
-                     value=float(len(self.ranks)), message=self.message())
+        return Alarm(
+            step=self.step,
+            kind="replica_divergence",
+            signal="param_fingerprint",
+            value=float(len(self.ranks)),
+            message=self.message(),
+        )
 
 
 def _gather(vector: torch.Tensor) -> list[torch.Tensor]:
@@ -130,12 +143,18 @@ def compare(step: int, names: list[str], params: list[torch.Tensor]) -> ReplicaD
     if dist.get_backend() == "gloo":
         device = torch.device("cpu")
     per_tensor = tensor_fingerprints(params).to(device)
-    head = torch.stack([combine(per_tensor), torch.tensor(len(params), device=device),
-                        torch.tensor(layout_code(names, params), device=device)])
+    head = torch.stack(
+        [
+            combine(per_tensor),
+            torch.tensor(len(params), device=device),
+            torch.tensor(layout_code(names, params), device=device),
+        ]
+    )
     rows = [tuple(t.tolist()) for t in _gather(head)]
     if len({row[1:] for row in rows}) > 1:
-        raise ValueError("ranks hold different parameters (names, shapes or dtypes): "
-                         "not data-parallel replicas")
+        raise ValueError(
+            "ranks hold different parameters (names, shapes or dtypes): not data-parallel replicas"
+        )
     totals = [row[0] for row in rows]
     if len(set(totals)) == 1:
         return None
@@ -146,19 +165,23 @@ def compare(step: int, names: list[str], params: list[torch.Tensor]) -> ReplicaD
     # Everyone saw the same totals, so everyone makes this second call, or nobody does.
     table = _gather(per_tensor)
     ref_row = table[reference[0]]
-    tensors = {r: [names[i] for i in torch.nonzero(table[r] != ref_row).flatten().tolist()]
-               for r in ranks}
+    tensors = {
+        r: [names[i] for i in torch.nonzero(table[r] != ref_row).flatten().tolist()] for r in ranks
+    }
     return ReplicaDivergence(step=step, ranks=ranks, reference=reference, tensors=tensors)
 
 
 class ReplicaCheck:
-    """The guard's replica check: `after_update(step)` compares every `every` steps.
+    """The guard's replica check: compares the replicas after every `every`-th update.
 
-    Runs inside the guard's optimizer post-hook, on every rank at the same step (the guard's
-    step counter advances in lockstep under DDP). A divergence is recorded once as an alarm
-    (`replica_divergence`, never acted on by a policy); the same divergence seen again at the
-    next checks is not repeated. Turns itself off, with one log line, if the ranks turn out
-    not to be replicas (different layouts).
+    Runs in an optimizer post-hook of its own (registered before the guard's, so after each
+    update and before the guard's post-step reads), on every rank at the same step: it counts
+    the optimizer's steps itself, so the ranks stay in lockstep even if one rank's guard
+    stands down after an internal error (that rank keeps taking part in the collective, and
+    records nothing). A divergence is recorded once as a `replica_divergence` alarm (never acted
+    on by a policy); the same divergence seen again at the next checks is not repeated. Turns
+    itself off, with one log line, when the ranks turn out not to be replicas, and removes its
+    hook once the guard is closed or gone.
     """
 
     def __init__(self, guard: Host, every: int) -> None:
@@ -166,17 +189,28 @@ class ReplicaCheck:
         self._guard = weakref.ref(guard)
         self.divergences: list[ReplicaDivergence] = []
         self.checks = 0
+        self.step = guard.step  # the index of the step in progress, counted by this hook
         self._last: tuple[tuple[int, ...], tuple[tuple[int, tuple[str, ...]], ...]] | None = None
+        self._handle: Any = guard.optimizer.register_step_post_hook(self._after_step)
 
-    def after_update(self, step: int) -> None:
-        """After the update of `step`: compare if `step + 1` is a multiple of `every`."""
+    def remove(self) -> None:
+        """Remove the hook (idempotent)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _after_step(self, *_: object) -> None:
         guard = self._guard()
-        if not self.every or (step + 1) % self.every or guard is None:
+        if guard is None or guard.closed:
+            self.remove()
+            return
+        step, self.step = self.step, self.step + 1
+        if not self.every or (step + 1) % self.every:
             return
         self.checks += 1
         try:
-            found = compare(step, guard.param_names, guard.params)
-        except ValueError as exc:
+            found = compare(guard.step, guard.param_names, guard.params)
+        except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
             log.warning("replica check off: %s", exc)
             self.every = 0
             return
@@ -184,7 +218,7 @@ class ReplicaCheck:
             self._last = None
             return
         sig = (tuple(found.ranks), tuple((r, tuple(n)) for r, n in sorted(found.tensors.items())))
-        if sig != self._last:
+        if sig != self._last and guard.error is None:
             self.divergences.append(found)
             guard.record_alarm(found.alarm())
         self._last = sig

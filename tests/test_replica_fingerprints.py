@@ -1,0 +1,79 @@
+"""`nanguard.watch.replicas` without processes: the fingerprint changes with any single flipped
+bit (every bit position, every float dtype) and with nothing else, and the verdict names the
+ranks that disagree with the majority (ties to the lowest rank) and their tensors, from
+gathered values faked in a one-process gloo group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nanguard.testing import flip_bit
+from nanguard.watch import replicas
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_any_single_bit_changes_the_fingerprint(dtype):
+    torch.manual_seed(0)
+    params = [torch.randn(7, 5).to(dtype), torch.randn(3).to(dtype)]
+    base = replicas.combine(replicas.tensor_fingerprints(params))
+    assert replicas.combine(replicas.tensor_fingerprints([p.clone() for p in params])) == base
+    for bit in range(torch.finfo(dtype).bits):
+        copy = [p.clone() for p in params]
+        flip_bit(copy[1], (2,), bit)
+        per_tensor = replicas.tensor_fingerprints(copy)
+        assert replicas.combine(per_tensor) != base, bit
+        assert per_tensor[0] == replicas.tensor_fingerprints(params)[0]  # only tensor 1 moved
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _fake_world(monkeypatch, per_rank: list[list[int]], layouts: list[int] | None = None):
+    """Make `compare` see these per-tensor fingerprints (one list per rank) as gathered."""
+    rows = [torch.tensor(v, dtype=torch.int64) for v in per_rank]
+    calls = []
+
+    def gather(vector: torch.Tensor) -> list[torch.Tensor]:
+        calls.append(vector.numel())
+        if len(calls) == 1:  # the head: (combined, count, layout)
+            return [torch.stack([replicas.combine(r), torch.tensor(len(r)),
+                                 torch.tensor((layouts or [0] * len(rows))[i])])
+                    for i, r in enumerate(rows)]  # fmt: skip
+        return rows
+
+    monkeypatch.setattr(replicas, "_gather", gather)
+    return calls
+
+
+NAMES = ["a.weight", "a.bias", "b.weight"]
+PARAMS = [torch.zeros(1)] * 3
+
+
+def test_majority_and_tensors(one_process_group, monkeypatch):
+    calls = _fake_world(monkeypatch, [[1, 2, 3], [1, 2, 3], [1, 9, 8], [1, 2, 3]])
+    found = replicas.compare(41, NAMES, PARAMS)
+    assert found is not None and calls == [3, 3]  # the second gather only on a mismatch
+    assert (found.step, found.ranks, found.reference) == (41, [2], [0, 1, 3])
+    assert found.tensors == {2: ["a.bias", "b.weight"]}
+    assert "rank 2 in a.bias, b.weight (reference: rank(s) 0, 1, 3)" in found.message()
+    assert found.alarm().kind == "replica_divergence"
+
+
+def test_tie_goes_to_the_lowest_rank_and_agreement_is_silent(one_process_group, monkeypatch):
+    _fake_world(monkeypatch, [[5, 6], [5, 7]])
+    found = replicas.compare(3, NAMES[:2], PARAMS[:2])
+    assert found is not None and (found.ranks, found.reference) == ([1], [0])
+    calls = _fake_world(monkeypatch, [[5, 6], [5, 6]])
+    assert replicas.compare(3, NAMES[:2], PARAMS[:2]) is None and calls == [3]
+
+
+def test_different_layouts_are_not_replicas(one_process_group, monkeypatch):
+    _fake_world(monkeypatch, [[1, 2], [1, 2]], layouts=[7, 8])
+    with pytest.raises(ValueError, match="not data-parallel replicas"):
+        replicas.compare(0, NAMES[:2], PARAMS[:2])
