@@ -16,15 +16,18 @@ from nanguard.watch import replicas
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_any_single_bit_changes_the_fingerprint(dtype):
     torch.manual_seed(0)
-    params = [torch.randn(7, 5).to(dtype), torch.randn(3).to(dtype)]
+    # Odd element counts (2-byte elements widened one by one) and an even one (read as words).
+    params = [torch.randn(7, 5).to(dtype), torch.randn(3).to(dtype), torch.randn(4, 4).to(dtype)]
     base = replicas.combine(replicas.tensor_fingerprints(params))
     assert replicas.combine(replicas.tensor_fingerprints([p.clone() for p in params])) == base
-    for bit in range(torch.finfo(dtype).bits):
-        copy = [p.clone() for p in params]
-        flip_bit(copy[1], (2,), bit)
-        per_tensor = replicas.tensor_fingerprints(copy)
-        assert replicas.combine(per_tensor) != base, bit
-        assert per_tensor[0] == replicas.tensor_fingerprints(params)[0]  # only tensor 1 moved
+    clean = replicas.tensor_fingerprints(params)
+    for which, index in ((1, (2,)), (2, (3, 1))):
+        for bit in range(torch.finfo(dtype).bits):
+            copy = [p.clone() for p in params]
+            flip_bit(copy[which], index, bit)
+            per_tensor = replicas.tensor_fingerprints(copy)
+            assert replicas.combine(per_tensor) != base, (which, bit)
+            assert torch.nonzero(per_tensor != clean).flatten().tolist() == [which]
 
 
 @pytest.fixture

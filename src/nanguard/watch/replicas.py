@@ -9,12 +9,14 @@ all_gather of three int64 values. Only when they differ, a second all_gather of 
 fingerprints names the tensors. Every rank computes the same verdict from the same gathered
 values, so all of them record the same `replica_divergence` alarm in the same step.
 
-Fingerprint (what every device computes, bit for bit): each tensor's elements viewed as
-integers of their own width (complex as its real pairs) and summed in int64 with wrapping
-arithmetic; the run's fingerprint is the per-tensor sums times odd position weights, summed
-the same way. It is not a float norm: any single changed element changes it (by +-2**bit), as
-does any change that is not an exact permutation or compensation within a tensor. Cost: one
-integer sum per tensor (a read of the parameters) and the collectives, every `every` steps.
+Fingerprint (what every device computes, bit for bit): each tensor's bytes read as 32-bit
+integer words (elements of another width widened one by one when their byte count is odd or
+unaligned) and summed modulo 2**32; the run's fingerprint is the per-tensor sums times odd
+position weights, summed modulo 2**64. It is not a float norm: any single flipped bit changes
+it (by +-2**b, never 0 modulo 2**32), as does any change that is not an exact permutation or
+compensation within a tensor (a random one escapes with probability 2**-32). Cost: one
+vectorized integer sum per tensor, about what a norm of the parameters costs (BENCHMARKS.md),
+plus the collectives, every `every` steps.
 
 Which rank is wrong: the ranks that disagree with the largest group of agreeing ranks; a tie
 (two ranks) goes to the group holding the lowest rank, which DDP broadcast its parameters from.
@@ -56,20 +58,27 @@ class Host(Protocol):
     def record_alarm(self, alarm: Alarm) -> None: ...
 
 
+def _word_sum(p: torch.Tensor) -> torch.Tensor:
+    t = p.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    elif t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    if t.element_size() != 4:
+        try:  # 1-, 2- and 8-byte elements as 32-bit words (needs an even, aligned byte count)
+            t = t.reshape(-1).view(torch.int32)
+        except RuntimeError:  # an odd count or offset: widen each element (slower, rare)
+            t = t.view(_INT_VIEW[t.element_size()]).to(torch.int32)
+    # int32 with wrapping: the reduction CPUs vectorize (an int64 accumulator is ~10x slower).
+    return t.view(torch.int32).sum(dtype=torch.int32)
+
+
 def tensor_fingerprints(params: list[torch.Tensor]) -> torch.Tensor:
     """Per-tensor fingerprints (see the module docstring): an int64 vector on the parameters'
-    device, one entry per tensor."""
+    device, one entry per tensor, each below 2**32 in magnitude."""
     if not params:
         return torch.zeros(0, dtype=torch.int64)
-    sums = []
-    for p in params:
-        t = p.detach()
-        if t.is_complex():
-            t = torch.view_as_real(t)
-        elif t.dtype == torch.bool:
-            t = t.to(torch.uint8)
-        sums.append(t.view(_INT_VIEW[t.element_size()]).sum(dtype=torch.int64))
-    return torch.stack(sums)
+    return torch.stack([_word_sum(p) for p in params]).to(torch.int64)
 
 
 def combine(fingerprints: torch.Tensor) -> torch.Tensor:
