@@ -193,5 +193,8 @@ def test_manifest_flag_and_bad_input(tmp_path, cli):
     assert_one_line_error(code, err)
     code, _, err = cli("audit", path, path, "--manifest", moved)
     assert_one_line_error(code, err)
+    os.replace(moved, f"{path}.nanguard-manifest.json")  # a garbled manifest found beside it
+    code, out, _ = cli("audit", path)
+    assert code == 1 and "manifest_unreadable" in out
     with pytest.raises(ValueError, match="state dict"):
         nanguard.save(nn.Linear(2, 2), tmp_path / "module.pt")

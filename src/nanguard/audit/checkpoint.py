@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from nanguard.audit._common import FieldsToDict, Finding, progress, robust_z
+from nanguard.audit._common import AuditInputError, FieldsToDict, Finding, progress, robust_z
 from nanguard.audit.ckpt_load import Source, new_digest, open_checkpoint, update_digest
 from nanguard.audit.manifest import ManifestCheck, load_manifest_for, scalar_entries
 
@@ -303,7 +303,24 @@ def _audit_source(source: Source, path: str) -> CheckpointReport:
 
 def _check_manifest(report: CheckpointReport, source: Source, manifest: str | None) -> None:
     """Compare the audit's hashes with the checkpoint's manifest (no tensor is read again)."""
-    found = load_manifest_for(report.path, manifest)
+    try:
+        found = load_manifest_for(report.path, manifest)
+    except AuditInputError as exc:
+        if manifest:  # the user named it: a bad argument
+            raise
+        # Found beside the file but unreadable (perhaps hit by the same fault): the audit of
+        # the tensors still stands, and the manifest is reported, not silently skipped.
+        report.findings.append(
+            Finding(
+                code="manifest_unreadable",
+                severity="error",
+                location=report.path,
+                message=str(exc),
+                fix="re-create it with nanguard.audit.write_manifest from a copy you trust, "
+                "or delete it",
+            )
+        )
+        return
     if found is None:
         return
     where, expected = found
