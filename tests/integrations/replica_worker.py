@@ -60,6 +60,7 @@ def main() -> None:
                 "alarms": [a.to_dict() for a in guard.alarms],
                 "checks": checks,
                 "error": guard.error,
+                "causes": [c["cause"] for c in guard.report.diagnosis] if guard.report else [],
                 "flip": {
                     "fired": flip.fired,
                     "index": flip.index,

@@ -53,3 +53,4 @@ def test_flip_on_rank_1_is_named(tmp_path: Path, mode: str) -> None:
         assert [(a["step"], a["kind"]) for a in res["alarms"]] == [(7, "replica_divergence")]
         msg = res["alarms"][0]["message"]
         assert "rank 1 in module.0.weight (reference: rank(s) 0)" in msg, msg
+        assert res["causes"][0] == "replica_divergence"  # the report's diagnosis names it
