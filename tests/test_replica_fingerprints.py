@@ -80,3 +80,60 @@ def test_different_layouts_are_not_replicas(one_process_group, monkeypatch):
     _fake_world(monkeypatch, [[1, 2], [1, 2]], layouts=[7, 8])
     with pytest.raises(ValueError, match="not data-parallel replicas"):
         replicas.compare(0, NAMES[:2], PARAMS[:2])
+
+
+class _Guard:
+    """The few members of a Guard that the replica check uses."""
+
+    def __init__(self) -> None:
+        self.params = [torch.nn.Parameter(torch.zeros(2))]
+        self.param_names = ["w"]
+        self.optimizer = torch.optim.SGD(self.params, lr=0.1)
+        self.step, self.error, self.closed = 0, None, False
+        self.alarms: list = []
+
+    def record_alarm(self, alarm) -> None:
+        self.alarms.append(alarm)
+
+
+def _steps(guard: _Guard, n: int) -> None:
+    for _ in range(n):
+        guard.optimizer.step()
+        guard.step += 1
+
+
+def test_check_cadence_first_step_and_no_repeats(one_process_group, monkeypatch):
+    verdicts = iter([None, "d", "d", None, "d"])  # at steps 0, 3, 7, 11, 15
+    seen = []
+
+    def fake_compare(step, names, params):
+        seen.append(step)
+        v = next(verdicts)
+        return v and replicas.ReplicaDivergence(step=step, ranks=[1], reference=[0],
+                                                tensors={1: ["w"]})  # fmt: skip
+
+    monkeypatch.setattr(replicas, "compare", fake_compare)
+    guard = _Guard()
+    check = replicas.ReplicaCheck(guard, every=4)
+    _steps(guard, 16)
+    assert seen == [0, 3, 7, 11, 15] and check.checks == 5
+    # Step 7 repeats step 3's divergence: said once; after agreeing again (11) it is new.
+    assert [a.step for a in guard.alarms] == [3, 15]
+    guard.closed = True
+    _steps(guard, 1)  # the hook removes itself once the guard is closed
+    assert not guard.optimizer._optimizer_step_post_hooks
+
+
+@pytest.mark.parametrize("why", ["missing_rank", "differ_from_the_start"])
+def test_check_turns_itself_off(one_process_group, monkeypatch, why, caplog):
+    calls = []
+    if why == "missing_rank":
+        monkeypatch.setattr(replicas, "ranks_without_check", lambda: [1])
+    divergence = replicas.ReplicaDivergence(step=0, ranks=[1], reference=[0])
+    monkeypatch.setattr(replicas, "compare", lambda *a: calls.append(a) or divergence)
+    guard = _Guard()
+    check = replicas.ReplicaCheck(guard, every=4)
+    _steps(guard, 12)
+    assert guard.alarms == [] and check.every == 0
+    assert len(calls) == (0 if why == "missing_rank" else 1)  # no collective for a missing rank
+    assert "replica check off" in caplog.text

@@ -122,10 +122,12 @@ class DetectConfig:
     `saturation` warning. An armed step runs its ops through Python once; 0 disables it."""
 
     replica_every: int = 100
-    """Under torch.distributed with replicated (DDP) parameters: every N steps, after the
-    update, compare a bitwise fingerprint of every rank's parameters in one small all_gather
-    (`nanguard.watch.replicas`); ranks that stop agreeing are a `replica_divergence` alarm
-    naming the step, the ranks and the tensors (recorded, never acted on). 0 disables it."""
+    """Under torch.distributed with replicated (DDP) parameters: after step 0 and every N steps,
+    after the update, compare a bitwise fingerprint of every rank's parameters in one small
+    all_gather (`nanguard.watch.replicas`); ranks that stop agreeing are a `replica_divergence`
+    alarm naming the step, the ranks and the tensors (recorded, never acted on). The check
+    turns itself off (one log line) where some rank has no Guard or the ranks are not replicas
+    (sharded, tensor or pipeline parallel). 0 disables it."""
 
     lead_window: int = 10
     """report.json's `first_warning` is the first alarm within this many steps before the first

@@ -180,17 +180,53 @@ def compare(step: int, names: list[str], params: list[torch.Tensor]) -> ReplicaD
     return ReplicaDivergence(step=step, ranks=ranks, reference=reference, tensors=tensors)
 
 
+_KEY = "nanguard/replicas/guard/{}"
+
+
+def _store() -> Any:
+    """The default group's key-value store, or None (a private torch API: absent, no check)."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - an older or newer torch: the check goes on without it
+        return None
+
+
+def register() -> None:
+    """Say, in the group's store (no collective), that this rank has a replica check."""
+    store = _store()
+    if store is not None:
+        store.set(_KEY.format(dist.get_rank()), "1")
+
+
+def ranks_without_check() -> list[int]:
+    """Ranks that never called `register` ([] also when the store is unavailable). Non-blocking:
+    one store request, plus one per rank only when some are missing."""
+    store = _store()
+    keys = [_KEY.format(r) for r in range(dist.get_world_size())]
+    if store is None or store.check(keys):
+        return []
+    return [r for r, key in enumerate(keys) if not store.check([key])]
+
+
 class ReplicaCheck:
-    """The guard's replica check: compares the replicas after every `every`-th update.
+    """The guard's replica check: compares the replicas after step 0 and after every
+    `every`-th update.
 
     Runs in an optimizer post-hook of its own (registered before the guard's, so after each
     update and before the guard's post-step reads), on every rank at the same step: it counts
     the optimizer's steps itself, so the ranks stay in lockstep even if one rank's guard
     stands down after an internal error (that rank keeps taking part in the collective, and
     records nothing). A divergence is recorded once as a `replica_divergence` alarm (never acted
-    on by a policy); the same divergence seen again at the next checks is not repeated. Turns
-    itself off, with one log line, when the ranks turn out not to be replicas, and removes its
-    hook once the guard is closed or gone.
+    on by a policy); the same divergence seen again at the next checks is not repeated.
+
+    The first check decides whether there is anything to check; it turns the check off, with
+    one log line and no alarm, when some rank has no guard (read from the group's store before
+    any collective: the all_gather would wait for it forever), when the ranks' parameter
+    layouts differ (pipeline parallel), or when the replicas disagree from the first step
+    (tensor parallel, FSDP1 flat shards, a model per rank: not replicas). Removes its hook once
+    the guard is closed or gone.
     """
 
     def __init__(self, guard: Host, every: int) -> None:
@@ -199,7 +235,9 @@ class ReplicaCheck:
         self.divergences: list[ReplicaDivergence] = []
         self.checks = 0
         self.step = guard.step  # the index of the step in progress, counted by this hook
+        self._first = True
         self._last: tuple[tuple[int, ...], tuple[tuple[int, tuple[str, ...]], ...]] | None = None
+        register()
         self._handle: Any = guard.optimizer.register_step_post_hook(self._after_step)
 
     def remove(self) -> None:
@@ -208,20 +246,36 @@ class ReplicaCheck:
             self._handle.remove()
             self._handle = None
 
+    def _off(self, why: str) -> None:
+        log.warning("replica check off: %s (DetectConfig.replica_every=0 silences this)", why)
+        self.every = 0
+
     def _after_step(self, *_: object) -> None:
         guard = self._guard()
         if guard is None or guard.closed:
             self.remove()
             return
         step, self.step = self.step, self.step + 1
-        if not self.every or (step + 1) % self.every:
+        first, self._first = self._first, False
+        if not self.every or (not first and (step + 1) % self.every):
+            return
+        if first and (missing := ranks_without_check()):
+            self._off(
+                f"rank(s) {', '.join(map(str, missing))} have no Guard; the check is a "
+                "collective and needs one on every rank"
+            )
             return
         self.checks += 1
         try:
             found = compare(guard.step, guard.param_names, guard.params)
         except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
-            log.warning("replica check off: %s", exc)
-            self.every = 0
+            self._off(str(exc))
+            return
+        if found is not None and first:
+            self._off(
+                "the ranks' parameters differ from the first step: not data-parallel "
+                "replicas (tensor parallel, FSDP1 shards, or a model per rank)"
+            )
             return
         if found is None:
             self._last = None
