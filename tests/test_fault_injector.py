@@ -139,3 +139,18 @@ def test_flip_bit_primitive():
     assert top_exponent_bit(torch.float16) == 14 and top_exponent_bit(torch.float64) == 62
     with pytest.raises(ValueError, match="bit 32"):
         flip_bit(t, (0,), 32)
+
+
+def test_activation_of_a_module_returning_a_tuple():
+    torch.manual_seed(0)
+    lstm = nn.LSTM(4, 8, batch_first=True)
+    opt = torch.optim.SGD(lstm.parameters(), lr=0.1)
+    x = torch.randn(2, 3, 4)
+    clean, (h, _) = lstm(x)
+    with FaultInjector(lstm, opt) as inj:
+        flip = inj.flip_activation("", step=0, bit=30)  # "" is the root module
+        out, (h2, _) = lstm(x)
+        out.sum().backward()  # autograd passes through the flipped copy
+    assert flip.fired and out[flip.index].item() == flip.new and clean[flip.index] == flip.old
+    assert torch.equal(h, h2)  # the states, after the output in the tuple, are untouched
+    assert (out != clean).sum() == 1

@@ -199,16 +199,16 @@ class FaultInjector:
         def on_forward(_m: nn.Module, _inputs: Any, output: Any) -> Any:
             if not self._due(flip):
                 return None
-            first = output if isinstance(output, torch.Tensor) else output[0]
-            # A copy: the original may be saved for backward, where an in-place change would
-            # be refused. Gradients pass through the copy unchanged, as through a real fault.
-            copy = first.clone()
-            self._fire(flip, copy)
-            if isinstance(output, torch.Tensor):
-                return copy
-            return type(output)([copy, *output[1:]])
+            return _replace_first(output, lambda t: self._fire_on_copy(flip, t), flip.name)
 
         self._handles.append(self._modules[flip.name].register_forward_hook(on_forward))
+
+    def _fire_on_copy(self, flip: Flip, tensor: torch.Tensor) -> torch.Tensor:
+        # A copy: the original may be saved for backward, where an in-place change would be
+        # refused. Gradients pass through the copy unchanged, as through a real fault.
+        copy = tensor.clone()
+        self._fire(flip, copy)
+        return copy
 
     def _due(self, flip: Flip) -> bool:
         return not flip.fired and flip.step == self.step and flip.rank in (None, _rank())
@@ -236,3 +236,23 @@ class FaultInjector:
             flip.index = unravel(rng.randrange(max(tensor.numel(), 1)), tensor.shape)
         flip.old, flip.new = flip_bit(tensor, flip.index, flip.bit)
         flip.fired = True
+
+
+def _replace_first(output: Any, change: Any, module: str) -> Any:
+    """`output` with its first tensor (the tensor itself, or item 0 of a tuple, named tuple or
+    list: an LSTM's output before its states) replaced by `change(tensor)`.
+
+    Raises:
+        ValueError: an output with no tensor first (a dict, a dataclass, None).
+    """
+    if isinstance(output, torch.Tensor):
+        return change(output)
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        first = change(output[0])
+        if hasattr(output, "_fields"):  # a named tuple
+            return output._replace(**{output._fields[0]: first})  # type: ignore[union-attr]
+        return type(output)([first, *output[1:]])
+    raise ValueError(
+        f"flip_activation: module {module!r} returned {type(output).__name__}; flip the "
+        "activation of a submodule that returns a tensor"
+    )
