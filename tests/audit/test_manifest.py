@@ -198,3 +198,7 @@ def test_manifest_flag_and_bad_input(tmp_path, cli):
     assert code == 1 and "manifest_unreadable" in out
     with pytest.raises(ValueError, match="state dict"):
         nanguard.save(nn.Linear(2, 2), tmp_path / "module.pt")
+    tied = torch.zeros(2, 2)
+    with pytest.raises(ValueError, match="tied weights"):
+        nanguard.save({"embed": tied, "head": tied}, tmp_path / "tied.safetensors")
+    assert not list(tmp_path.glob("*tied*")) and not list(tmp_path.glob(".*"))  # no leftovers

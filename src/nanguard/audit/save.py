@@ -32,7 +32,17 @@ def _write_checkpoint(obj: Any, tmp: str, safetensors: bool) -> None:
 
         if not isinstance(obj, dict) or not all(hasattr(v, "dtype") for v in obj.values()):
             raise ValueError("nanguard.save: a .safetensors file holds a flat dict of tensors")
-        save_file(obj, tmp)
+        try:
+            save_file(obj, tmp)
+        except RuntimeError as exc:
+            if "share memory" not in str(exc):
+                raise
+            # Tied weights (an embedding shared with the output layer): safetensors refuses
+            # them; say so in one line instead of its multi-line error.
+            raise ValueError(
+                "nanguard.save: tensors share memory (tied weights), which a .safetensors file "
+                "cannot hold; save to a torch file (.pt) or clone the tied ones"
+            ) from None
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         return
@@ -67,7 +77,7 @@ def save(obj: Any, path: str | os.PathLike[str]) -> str:
 
     Raises:
         ValueError: `obj` holds no tensor (e.g. a module: save its `state_dict()`), or is not
-            a flat dict of tensors for a ``.safetensors`` path.
+            a flat dict of tensors for a ``.safetensors`` path, or holds tied tensors there.
     """
     path = os.fspath(path)
     hashed = hash_source(TorchSource(obj))
