@@ -122,6 +122,13 @@ def test_seeded_element_and_hooks_removed(tmp_path):
         return flip.index
 
     assert picks(1) == picks(1) and picks(1) != picks(2)
+    late = []
+    for bit in (0, 30):
+        with FaultInjector(model, opt, seed=1, step=40) as inj:  # made mid-run: Guard's steps
+            late.append(inj.flip_param("0.weight", step=40, bit=bit))
+            opt.step()
+        flip_bit(model[0].weight, late[-1].index, bit)  # undo
+    assert all(f.fired for f in late) and late[0].index == late[1].index  # whatever the bit
     assert not opt._optimizer_step_post_hooks and not model[0]._forward_hooks
     with pytest.raises(ValueError, match="no parameter"):
         FaultInjector(model, opt).flip_param("nope", step=0, bit=0)

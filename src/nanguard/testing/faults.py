@@ -71,12 +71,17 @@ class FaultInjector:
         model: The module whose parameters, gradients and activations may be flipped.
         optimizer: The optimizer whose steps are counted (and whose state may be flipped).
         seed: Seeds the choice of element when a flip names none: the same seed, target,
-            name, step and bit always pick the same element.
+            name and step always pick the same element, whatever the bit (so a harmless and a
+            harmful flip can be compared on one element).
+        step: The index of the next optimizer step: 0 for an injector made before training,
+            `guard.step` for one made mid-run (its steps then match the Guard's).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, seed: int = 0):
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, *, seed: int = 0, step: int = 0
+    ):
         self.model, self.optimizer, self.seed = model, optimizer, seed
-        self.step = 0
+        self.step = step
         self.planned: list[Flip] = []
         self._params = dict(model.named_parameters())
         self._modules = dict(model.named_modules())
