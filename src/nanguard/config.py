@@ -127,7 +127,9 @@ class DetectConfig:
     all_gather (`nanguard.watch.replicas`); ranks that stop agreeing are a `replica_divergence`
     alarm naming the step, the ranks and the tensors (recorded, never acted on). The check
     turns itself off (one log line) where some rank has no Guard or the ranks are not replicas
-    (sharded, tensor or pipeline parallel). 0 disables it."""
+    (sharded, tensor or pipeline parallel). On a GPU each check reads 3 numbers per rank back
+    to the host, waiting for the queued work once per check (not once per step). 0 disables
+    it."""
 
     lead_window: int = 10
     """report.json's `first_warning` is the first alarm within this many steps before the first
