@@ -6,6 +6,7 @@ explain it, recover when asked, and record the run.
 
 from nanguard._version import __version__  # noqa: F401 - the public version
 from nanguard.audit.preflight import preflight
+from nanguard.audit.save import save
 from nanguard.config import (
     AmpConfig,
     ClipConfig,
@@ -34,4 +35,5 @@ __all__ = [
     "WatchConfig",
     "load_report",
     "preflight",
+    "save",
 ]

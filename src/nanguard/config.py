@@ -121,6 +121,16 @@ class DetectConfig:
     consumes (the NaN of a hand-written cross-entropy, waiting to happen) and raises a
     `saturation` warning. An armed step runs its ops through Python once; 0 disables it."""
 
+    replica_every: int = 100
+    """Under torch.distributed with replicated (DDP) parameters: after step 0 and every N steps,
+    after the update, compare a bitwise fingerprint of every rank's parameters in one small
+    all_gather (`nanguard.watch.replicas`); ranks that stop agreeing are a `replica_divergence`
+    alarm naming the step, the ranks and the tensors (recorded, never acted on). The check
+    turns itself off (one log line) where some rank has no Guard or the ranks are not replicas
+    (sharded, tensor or pipeline parallel). On a GPU each check reads 3 numbers per rank back
+    to the host, waiting for the queued work once per check (not once per step). 0 disables
+    it."""
+
     lead_window: int = 10
     """report.json's `first_warning` is the first alarm within this many steps before the first
     non-finite value (an unrelated spike long before does not count as a warning of it)."""
@@ -358,6 +368,9 @@ class GuardConfig:
         if self.detect.saturation_every < 0:
             raise ValueError("detect.saturation_every must be >= 0 (0 disables the probe), "
                              f"got {self.detect.saturation_every}")
+        if self.detect.replica_every < 0:
+            raise ValueError("detect.replica_every must be >= 0 (0 disables the check), "
+                             f"got {self.detect.replica_every}")
         if r.skip_escalation not in ("raise", "rollback"):
             raise ValueError(f"unknown recover.skip_escalation {r.skip_escalation!r}; "
                              "use one of: raise, rollback")

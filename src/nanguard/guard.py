@@ -53,7 +53,7 @@ from nanguard.record.store import open_store
 from nanguard.recover.policy import Recovery
 from nanguard.recover.verdict import LossWatch
 from nanguard.show import live
-from nanguard.watch import loads, rng, saturation
+from nanguard.watch import loads, replicas, rng, saturation
 from nanguard.watch.activations import ActivationProbe, dtype_max
 from nanguard.watch.batch import BatchProbe
 from nanguard.watch.stats import StepProbe, StepStats, local, watched_buffers
@@ -212,6 +212,8 @@ class Guard:
         self.store.write_rng(0, rng.dumps(self._step_rng))
         # Its hooks first: it disarms before this guard's pre-hook (and any replay) runs.
         self.saturation = saturation.attach(self, cfg.detect.saturation_every)
+        # Issue 28: replica agreement under DDP, its own post-hook (watch/replicas.py); None: off.
+        self.replicas = replicas.attach(self, cfg.detect.replica_every)
         self._handles = [
             *([optimizer.register_step_pre_hook(self._pre_hook),
                optimizer.register_step_post_hook(self._post_hook)] if hook_optimizer else []),

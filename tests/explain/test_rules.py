@@ -131,6 +131,22 @@ CASES = [
         ),
         Evidence(),
     ),
+    (
+        R.replica_divergence,
+        Evidence(
+            alarms=[
+                {
+                    "step": 7,
+                    "kind": "replica_divergence",
+                    "signal": "param_fingerprint",
+                    "value": 1.0,
+                    "message": "parameters differ bit for bit between replicas after step 7: "
+                    "rank 1 in 0.weight (reference: rank(s) 0)",
+                }
+            ]
+        ),
+        Evidence(),
+    ),
     (R.nondeterministic, Evidence(reproduced=False), Evidence(reproduced=True)),
 ]
 

@@ -15,6 +15,7 @@ from nanguard.audit.checkpoint import (
     diff_checkpoints,
 )
 from nanguard.audit.lint import RULES, LintFinding, lint_paths, lint_source
+from nanguard.audit.manifest import ManifestCheck, verify_manifest, write_manifest
 from nanguard.audit.preflight import (
     LayerInit,
     LRProbeResult,
@@ -35,6 +36,7 @@ __all__ = [
     "LRProbeResult",
     "LayerInit",
     "LintFinding",
+    "ManifestCheck",
     "OverfitResult",
     "PreflightConfig",
     "PreflightReport",
@@ -50,4 +52,6 @@ __all__ = [
     "preflight",
     "scan_dataset",
     "scan_file",
+    "verify_manifest",
+    "write_manifest",
 ]

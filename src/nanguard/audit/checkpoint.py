@@ -7,7 +7,6 @@ in bounded memory. Nothing here executes pickled code.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from collections import defaultdict
@@ -16,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from nanguard.audit._common import FieldsToDict, Finding, progress, robust_z
-from nanguard.audit.ckpt_load import Source, open_checkpoint
+from nanguard.audit._common import AuditInputError, FieldsToDict, Finding, progress, robust_z
+from nanguard.audit.ckpt_load import Source, new_digest, open_checkpoint, update_digest
+from nanguard.audit.manifest import ManifestCheck, load_manifest_for, scalar_entries
 
 # Optimizer state that is a running mean of squares: a negative value is impossible and
 # makes Adam's sqrt NaN on the next step.
@@ -59,6 +59,9 @@ class CheckpointReport:
     format: str
     tensors: list[TensorStats] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
+    manifest: ManifestCheck | None = None
+    """The comparison with the checkpoint's manifest, when it has one (its mismatches are
+    also `manifest_mismatch` findings)."""
 
     @property
     def ok(self) -> bool:
@@ -71,6 +74,7 @@ class CheckpointReport:
             "ok": self.ok,
             "tensors": [t.to_dict() for t in self.tensors],
             "findings": [f.to_dict() for f in self.findings],
+            "manifest": self.manifest.to_dict() if self.manifest else None,
         }
 
 
@@ -124,11 +128,10 @@ def tensor_stats(source: Source, name: str, bar: Any = None) -> TensorStats:
 
     dtype, shape = source.meta(name)
     stats = TensorStats(name=name, dtype=dtype, shape=list(shape), numel=math.prod(shape))
-    digest = hashlib.sha256(f"{dtype}{list(shape)}".encode())
+    digest = new_digest(dtype, shape)
     absmax, sumsq, finite_n = -math.inf, 0.0, 0
     for chunk in source.chunks(name):
-        raw = chunk.contiguous()
-        digest.update(memoryview(raw.view(torch.uint8).numpy()))
+        raw = update_digest(digest, chunk)
         x = _as_float64(raw)
         finite = torch.isfinite(x)
         nfin = int(finite.sum())
@@ -298,22 +301,65 @@ def _audit_source(source: Source, path: str) -> CheckpointReport:
     return report
 
 
-def audit_checkpoint(path: str | os.PathLike[str]) -> CheckpointReport:
+def _check_manifest(report: CheckpointReport, source: Source, manifest: str | None) -> None:
+    """Compare the audit's hashes with the checkpoint's manifest (no tensor is read again)."""
+    try:
+        found = load_manifest_for(report.path, manifest)
+    except AuditInputError as exc:
+        if manifest:  # the user named it: a bad argument
+            raise
+        # Found beside the file but unreadable (perhaps hit by the same fault): the audit of
+        # the tensors still stands, and the manifest is reported, not silently skipped.
+        report.findings.append(
+            Finding(
+                code="manifest_unreadable",
+                severity="error",
+                location=report.path,
+                message=str(exc),
+                fix="re-create it with nanguard.audit.write_manifest from a copy you trust, "
+                "or delete it",
+            )
+        )
+        return
+    if found is None:
+        return
+    where, expected = found
+    check = ManifestCheck(manifest=where)
+    tensors = {t.name: {"dtype": t.dtype, "shape": t.shape, "sha256": t.sha256}
+               for t in report.tensors}
+    check.compare(os.path.basename(report.path), expected,
+                  {"tensors": tensors, "scalars": scalar_entries(source)})
+    report.manifest = check
+    report.findings.extend(check.findings())
+
+
+def audit_checkpoint(
+    path: str | os.PathLike[str], *, manifest: str | os.PathLike[str] | None = None
+) -> CheckpointReport:
     """Audit one checkpoint (safetensors or torch; a state dict or nested dicts).
+
+    When the checkpoint has a manifest (`nanguard.audit.manifest`: ``CKPT.nanguard-manifest.json``
+    or ``nanguard-manifest.json`` in its folder), every tensor is also compared with it, from
+    the hashes the audit computes anyway: each one that changed since the save is a
+    `manifest_mismatch` error.
 
     Args:
         path: The checkpoint file. Its format is read from its content, not its extension.
+        manifest: The manifest to verify against, instead of the one found beside the file.
 
     Returns:
         Per-tensor statistics and the findings; `report.ok` is False when any finding is an
         error or a warning.
 
     Raises:
-        AuditInputError: the file is missing, corrupt or not a checkpoint.
+        AuditInputError: the file is missing, corrupt or not a checkpoint; an explicit
+            `manifest` is missing, unreadable or does not list the file.
         UnsafeCheckpointError: loading it would execute pickled code; it is not loaded.
     """
     with open_checkpoint(os.fspath(path)) as source:
-        return _audit_source(source, os.fspath(path))
+        report = _audit_source(source, os.fspath(path))
+        _check_manifest(report, source, os.fspath(manifest) if manifest else None)
+        return report
 
 
 def _diff_tensor(sa: Source, sb: Source, name: str) -> tuple[float, float]:

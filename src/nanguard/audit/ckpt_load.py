@@ -8,6 +8,7 @@ allowlist. A torch file that needs any other global is reported as unsafe and ne
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import pickle
@@ -167,6 +168,30 @@ def flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
             yield from flatten(value, f"{prefix}.{i}" if prefix else str(i))
     else:
         yield prefix, obj
+
+
+def new_digest(dtype: str, shape: tuple[int, ...] | list[int]) -> Any:
+    """The content hash of one tensor, before its bytes: sha256 seeded with its dtype and shape.
+
+    The definition every auditor shares (`TensorStats.sha256`, the manifest of
+    `nanguard.audit.manifest`): sha256 of ``f"{dtype}{list(shape)}"`` followed by the tensor's
+    elements in row-major order, each in the machine's (little-endian) byte order. It depends
+    on the values only, not on the file format or the device: a tensor hashes the same in a
+    torch file, a safetensors file and in memory.
+    """
+    return hashlib.sha256(f"{dtype}{list(shape)}".encode())
+
+
+def update_digest(digest: Any, chunk: Any) -> Any:
+    """Feed one chunk (a 1-D tensor from `Source.chunks`) to `digest`; returns the contiguous
+    CPU chunk, which callers reuse for their statistics."""
+    import torch
+
+    raw = chunk.contiguous()
+    if raw.device.type != "cpu":  # an in-memory state dict may live on a GPU
+        raw = raw.cpu()
+    digest.update(memoryview(raw.view(torch.uint8).numpy()))
+    return raw
 
 
 class Source:

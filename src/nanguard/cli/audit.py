@@ -24,6 +24,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("other", nargs="?", help="a second checkpoint: diff CHECKPOINT -> OTHER")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--all", action="store_true", help="list every tensor, not only the first 30")
+    p.add_argument(
+        "--manifest",
+        metavar="PATH",
+        help="verify against this manifest (default: CHECKPOINT.nanguard-manifest.json or "
+        "nanguard-manifest.json beside it, when there is one)",
+    )
     p.set_defaults(func=run)
 
 
@@ -54,6 +60,11 @@ def _print_report(con: Any, report: Any, limit: int | None) -> None:
     con.print(table(f"{report.path} ({report.format}, {len(report.tensors)} tensors)", cols, rows))
     if hidden:
         con.print(f"... {hidden} more tensors (--all to list them)")
+    if report.manifest is not None:
+        m = report.manifest
+        verdict = f"{len(m.mismatches)} mismatch(es)" if m.mismatches else "all match"
+        # soft_wrap: one line whatever the path's length, so it can be grepped.
+        con.print(f"manifest {m.manifest}: {m.checked} tensors verified, {verdict}", soft_wrap=True)
     print_findings(con, report.findings)
 
 
@@ -62,8 +73,10 @@ def run(args: argparse.Namespace) -> int:
     from nanguard.audit.render import console, print_findings, table
 
     limit = None if args.all else 30
+    if args.manifest and args.other is not None:
+        raise ValueError("--manifest verifies one checkpoint; audit OTHER on its own")
     if args.other is None:
-        report: Any = audit_checkpoint(args.checkpoint)
+        report: Any = audit_checkpoint(args.checkpoint, manifest=args.manifest)
     else:
         report = diff_checkpoints(args.checkpoint, args.other)
     if args.format == "json":

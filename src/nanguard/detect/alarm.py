@@ -16,6 +16,8 @@ ALARM_KINDS = (
     "amp_collapse",  # the GradScaler's scale keeps backing off: fp16 overflows at any scale
     "saturation",  # a sigmoid/softmax probability a log consumes is about to round to 0 or 1
     # (a warning from a sampled probe, nanguard.watch.saturation: recorded, never acted on)
+    "replica_divergence",  # data-parallel replicas' parameters differ bit for bit
+    # (nanguard.watch.replicas, every DetectConfig.replica_every steps: recorded, never acted on)
 )
 
 

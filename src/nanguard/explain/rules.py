@@ -922,6 +922,24 @@ def vanishing_gradients(ev: Evidence) -> Cause | None:
 
 
 @rule
+def replica_divergence(ev: Evidence) -> Cause | None:
+    """Needs: a replica_divergence alarm (nanguard.watch.replicas: data-parallel ranks whose
+    parameters stopped agreeing bit for bit). Ruled out: none raised (or no process group)."""
+    alarms = [a for a in ev.alarms if a["kind"] == "replica_divergence"]
+    if not alarms:
+        return None
+    return Cause(
+        cause="replica_divergence",
+        confidence=0.8,
+        evidence=f"step {alarms[0]['step']}: {alarms[0]['message']}",
+        fix="the named rank's parameters changed without the others': suspect its device "
+        "(memory errors: check the GPU's ECC counters, run a memory test) or code that updates "
+        "parameters on one rank only; resume every rank from a checkpoint whose manifest "
+        "verifies (`nanguard audit CKPT`)",
+    )
+
+
+@rule
 def nondeterministic(ev: Evidence) -> Cause | None:
     """Needs: a replay that did not reproduce the failure bit for bit. Ruled out: a replay
     that did, or none."""

@@ -44,6 +44,7 @@ MEANING = {
     "vanishing": "the model has stopped learning through these gradients",
     "amp_collapse": "fp16 overflows at any loss scale: the values themselves are too large",
     "saturation": "a probability a log reads is about to round to 0 or 1",
+    "replica_divergence": "silent corruption: ranks that should hold the same weights do not",
 }
 
 

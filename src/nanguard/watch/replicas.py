@@ -1,0 +1,298 @@
+"""Replica agreement under data parallelism: do all ranks still hold the same parameters, bit
+for bit?
+
+Under DDP every rank applies the same all-reduced gradient to the same parameters, so replicas
+agree exactly; one that does not was corrupted (a flipped bit in memory or in a kernel, a rank
+that skipped an update alone, a non-deterministic optimizer). Every `every` steps, after the
+update, each rank computes a fingerprint of its parameters and the ranks compare them in one
+all_gather of three int64 values. Only when they differ, a second all_gather of the per-tensor
+fingerprints names the tensors. Every rank computes the same verdict from the same gathered
+values, so all of them record the same `replica_divergence` alarm in the same step.
+
+Fingerprint (what every device computes, bit for bit): each tensor's bytes read as 32-bit
+integer words (elements of another width widened one by one when their byte count is odd or
+unaligned) and summed modulo 2**32; the run's fingerprint is the per-tensor sums times odd
+position weights, summed modulo 2**64. It is not a float norm: any single flipped bit changes
+it (by +-2**b, never 0 modulo 2**32), as does any change that is not an exact permutation or
+compensation within a tensor (a random one escapes with probability 2**-32). Cost: one
+vectorized integer sum per tensor, about what a norm of the parameters costs (BENCHMARKS.md),
+plus the collectives, every `every` steps.
+
+Which rank is wrong: the ranks that disagree with the largest group of agreeing ranks; a tie
+(two ranks) goes to the group holding the lowest rank, which DDP broadcast its parameters from.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from nanguard.detect.alarm import Alarm
+from nanguard.integrations import distributed
+
+log = logging.getLogger("nanguard")
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NAMES_SHOWN = 5
+
+
+class Host(Protocol):
+    """What the check uses of the guard it serves (the Guard is one; never imported here)."""
+
+    step: int
+    optimizer: torch.optim.Optimizer
+    params: list[torch.Tensor]
+    param_names: list[str]
+    error: dict[str, Any] | None
+
+    @property
+    def closed(self) -> bool: ...
+
+    def record_alarm(self, alarm: Alarm) -> None: ...
+
+
+def _word_sum(p: torch.Tensor) -> torch.Tensor:
+    t = p.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    elif t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    if t.element_size() != 4:
+        try:  # 1-, 2- and 8-byte elements as 32-bit words (needs an even, aligned byte count)
+            t = t.reshape(-1).view(torch.int32)
+        except RuntimeError:  # an odd count or offset: widen each element (slower, rare)
+            t = t.view(_INT_VIEW[t.element_size()]).to(torch.int32)
+    # int32 with wrapping: the reduction CPUs vectorize (an int64 accumulator is ~10x slower).
+    return t.view(torch.int32).sum(dtype=torch.int32)
+
+
+def tensor_fingerprints(params: list[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor fingerprints (see the module docstring): an int64 vector on the parameters'
+    device, one entry per tensor, each below 2**32 in magnitude."""
+    if not params:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.stack([_word_sum(p) for p in params]).to(torch.int64)
+
+
+def combine(fingerprints: torch.Tensor) -> torch.Tensor:
+    """One int64 for the whole vector: position-weighted, so that a change in one tensor
+    cannot cancel one in another by accident."""
+    n = fingerprints.numel()
+    weights = (torch.arange(n, dtype=torch.int64, device=fingerprints.device) * 2654435761
+               + 97531) | 1  # fmt: skip
+    return (fingerprints * weights).sum(dtype=torch.int64)
+
+
+def layout_code(names: list[str], params: list[torch.Tensor]) -> int:
+    """A stable 32-bit code of the parameters' names, shapes and dtypes (crc32: the same in
+    every process, unlike `hash`). Ranks with different codes are not replicas."""
+    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in zip(names, params, strict=True))
+    return zlib.crc32(text.encode())
+
+
+@dataclass(kw_only=True)
+class ReplicaDivergence:
+    """Ranks whose parameters differ from the majority's after the update of `step`."""
+
+    step: int
+    ranks: list[int]
+    """The ranks that disagree with the reference group."""
+    reference: list[int]
+    """The largest group of agreeing ranks (ties: the one holding the lowest rank)."""
+    tensors: dict[int, list[str]] = field(default_factory=dict)
+    """Per disagreeing rank, the parameters whose fingerprints differ from the reference's."""
+
+    def message(self) -> str:
+        parts = []
+        for r in self.ranks:
+            names = self.tensors.get(r, [])
+            shown = ", ".join(names[:_NAMES_SHOWN])
+            more = f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
+            parts.append(f"rank {r} in {shown}{more}")
+        ref = ", ".join(map(str, self.reference))
+        return (
+            f"parameters differ bit for bit between replicas after step {self.step}: "
+            f"{'; '.join(parts)} (reference: rank(s) {ref})"
+        )
+
+    def alarm(self) -> Alarm:
+        return Alarm(
+            step=self.step,
+            kind="replica_divergence",
+            signal="param_fingerprint",
+            value=float(len(self.ranks)),
+            message=self.message(),
+        )
+
+
+def _gather(vector: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(vector) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, vector)
+    return out
+
+
+def compare(step: int, names: list[str], params: list[torch.Tensor]) -> ReplicaDivergence | None:
+    """Compare this rank's parameters with every other rank's. A collective: every rank of the
+    default group must call it at the same point of the same step.
+
+    Returns:
+        The divergence (the same on every rank), or None when all ranks agree.
+
+    Raises:
+        ValueError: the ranks hold different parameter layouts (not data-parallel replicas).
+    """
+    device = params[0].device if params else torch.device("cpu")
+    if dist.get_backend() == "gloo":
+        device = torch.device("cpu")
+    per_tensor = tensor_fingerprints(params).to(device)
+    head = torch.stack(
+        [
+            combine(per_tensor),
+            torch.tensor(len(params), device=device),
+            torch.tensor(layout_code(names, params), device=device),
+        ]
+    )
+    rows = [tuple(t.tolist()) for t in _gather(head)]
+    if len({row[1:] for row in rows}) > 1:
+        raise ValueError(
+            "ranks hold different parameters (names, shapes or dtypes): not data-parallel replicas"
+        )
+    totals = [row[0] for row in rows]
+    if len(set(totals)) == 1:
+        return None
+    counts = Counter(totals)
+    ref_total = max(counts, key=lambda v: (counts[v], -totals.index(v)))
+    reference = [r for r, v in enumerate(totals) if v == ref_total]
+    ranks = [r for r, v in enumerate(totals) if v != ref_total]
+    # Everyone saw the same totals, so everyone makes this second call, or nobody does.
+    table = _gather(per_tensor)
+    ref_row = table[reference[0]]
+    tensors = {
+        r: [names[i] for i in torch.nonzero(table[r] != ref_row).flatten().tolist()] for r in ranks
+    }
+    return ReplicaDivergence(step=step, ranks=ranks, reference=reference, tensors=tensors)
+
+
+_KEY = "nanguard/replicas/guard/{}"
+
+
+def _store() -> Any:
+    """The default group's key-value store, or None (a private torch API: absent, no check)."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - an older or newer torch: the check goes on without it
+        return None
+
+
+def register() -> None:
+    """Say, in the group's store (no collective), that this rank has a replica check."""
+    store = _store()
+    if store is not None:
+        store.set(_KEY.format(dist.get_rank()), "1")
+
+
+def ranks_without_check() -> list[int]:
+    """Ranks that never called `register` ([] also when the store is unavailable). Non-blocking:
+    one store request, plus one per rank only when some are missing."""
+    store = _store()
+    keys = [_KEY.format(r) for r in range(dist.get_world_size())]
+    if store is None or store.check(keys):
+        return []
+    return [r for r, key in enumerate(keys) if not store.check([key])]
+
+
+class ReplicaCheck:
+    """The guard's replica check: compares the replicas after step 0 and after every
+    `every`-th update.
+
+    Runs in an optimizer post-hook of its own (registered before the guard's, so after each
+    update and before the guard's post-step reads), on every rank at the same step: it counts
+    the optimizer's steps itself, so the ranks stay in lockstep even if one rank's guard
+    stands down after an internal error (that rank keeps taking part in the collective, and
+    records nothing). A divergence is recorded once as a `replica_divergence` alarm (never acted
+    on by a policy); the same divergence seen again at the next checks is not repeated.
+
+    The first check decides whether there is anything to check; it turns the check off, with
+    one log line and no alarm, when some rank has no guard (read from the group's store before
+    any collective: the all_gather would wait for it forever), when the ranks' parameter
+    layouts differ (pipeline parallel), or when the replicas disagree from the first step
+    (tensor parallel, FSDP1 flat shards, a model per rank: not replicas). Removes its hook once
+    the guard is closed or gone.
+    """
+
+    def __init__(self, guard: Host, every: int) -> None:
+        self.every = every
+        self._guard = weakref.ref(guard)
+        self.divergences: list[ReplicaDivergence] = []
+        self.checks = 0
+        self.step = guard.step  # the index of the step in progress, counted by this hook
+        self._first = True
+        self._last: tuple[tuple[int, ...], tuple[tuple[int, tuple[str, ...]], ...]] | None = None
+        register()
+        self._handle: Any = guard.optimizer.register_step_post_hook(self._after_step)
+
+    def remove(self) -> None:
+        """Remove the hook (idempotent)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _off(self, why: str) -> None:
+        log.warning("replica check off: %s (DetectConfig.replica_every=0 silences this)", why)
+        self.every = 0
+
+    def _after_step(self, *_: object) -> None:
+        guard = self._guard()
+        if guard is None or guard.closed:
+            self.remove()
+            return
+        step, self.step = self.step, self.step + 1
+        first, self._first = self._first, False
+        if not self.every or (not first and (step + 1) % self.every):
+            return
+        if first and (missing := ranks_without_check()):
+            self._off(
+                f"rank(s) {', '.join(map(str, missing))} have no Guard; the check is a "
+                "collective and needs one on every rank"
+            )
+            return
+        self.checks += 1
+        try:
+            found = compare(guard.step, guard.param_names, guard.params)
+        except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+            self._off(str(exc))
+            return
+        if found is not None and first:
+            self._off(
+                "the ranks' parameters differ from the first step: not data-parallel "
+                "replicas (tensor parallel, FSDP1 shards, or a model per rank)"
+            )
+            return
+        if found is None:
+            self._last = None
+            return
+        sig = (tuple(found.ranks), tuple((r, tuple(n)) for r, n in sorted(found.tensors.items())))
+        if sig != self._last and guard.error is None:
+            self.divergences.append(found)
+            guard.record_alarm(found.alarm())
+        self._last = sig
+
+
+def attach(guard: Host, every: int) -> ReplicaCheck | None:
+    """The guard's replica check (`DetectConfig.replica_every`): None when `every` is 0, outside
+    a process group of more than one rank, or when the parameters are sharded (DTensor: each
+    rank holds a different shard, not a replica)."""
+    if not every or not distributed.active():
+        return None
+    if any(type(p).__name__ == "DTensor" for p in guard.params):
+        return None
+    return ReplicaCheck(guard, every)

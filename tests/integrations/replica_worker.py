@@ -1,0 +1,76 @@
+"""One rank of the replica-agreement test: `python replica_worker.py OUT RANK PORT [MODE]`.
+
+Two gloo ranks train a DDP MLP under a Guard that compares the replicas every 4 steps. On
+rank 1 alone, the fault injector flips the LOWEST mantissa bit of one element of the first
+layer's weight after step 5: numerically harmless (no loss jump, no detector could see it),
+but the replicas no longer agree. With `standdown`, rank 0's guard stands down (as after an
+internal error) at step 2: the ranks must stay in lockstep all the same. With `rank0only`,
+rank 1 builds no Guard: rank 0's check must turn itself off, not wait for it. Prints one
+`RESULT {json}` line: the alarms and the flip.
+
+Ends with os._exit so that interpreter teardown does not count against the test's time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from nanguard import DetectConfig, Guard, GuardConfig, RecordConfig
+from nanguard.testing import FaultInjector
+
+STEPS, FLIP_STEP, EVERY = 14, 5, 4
+
+
+def main() -> None:
+    out, rank, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    mode = sys.argv[4] if len(sys.argv) > 4 else "plain"
+    stand_down = mode == "standdown" and rank == 0
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    config = GuardConfig(
+        detect=DetectConfig(replica_every=EVERY), record=RecordConfig(summary=False)
+    )
+    guard = None
+    if not (mode == "rank0only" and rank == 1):
+        guard = Guard(model, opt, out=os.path.join(out, f"rank-{rank}"), config=config)
+    torch.manual_seed(100 + rank)  # each rank its own data
+    with FaultInjector(model, opt, seed=0) as inj:
+        flip = inj.flip_param("module.0.weight", step=FLIP_STEP, bit=0, rank=1)
+        for step in range(STEPS):
+            if stand_down and guard and step == 2:
+                guard.stand_down(RuntimeError("injected by the test"), "test")
+            x = torch.randn(16, 8)
+            loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+            if guard:
+                guard.watch(loss=loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    result = {"alarms": [], "checks": 0, "error": None, "causes": []}
+    if guard:
+        guard.close()
+        result = {
+            "alarms": [a.to_dict() for a in guard.alarms],
+            "checks": guard.replicas.checks if guard.replicas else 0,
+            "error": guard.error,
+            "causes": [c["cause"] for c in guard.report.diagnosis] if guard.report else [],
+        }
+    result["flip"] = {"fired": flip.fired, "index": flip.index, "old": flip.old, "new": flip.new}
+    print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)

@@ -1,0 +1,71 @@
+"""Replica agreement with 2 real gloo processes (DDP): a bit flipped on rank 1's parameters
+alone, too small for any numeric detector, is a `replica_divergence` alarm on both ranks at the
+first check after it, naming rank 1 and the tensor; the checks before it are silent, and the
+same divergence is not repeated at the next check. When rank 0's guard stands down early (an
+internal error), the ranks stay in lockstep: nothing hangs and rank 1 still names itself; when
+rank 1 has no Guard at all, rank 0's check turns itself off instead of waiting for it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _run import env, free_port
+
+WORKER = Path(__file__).resolve().parent / "replica_worker.py"
+
+
+def _launch(tmp_path: Path, mode: str) -> tuple[list[dict], list[str]]:
+    """Both ranks' RESULT dicts and their stderr."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(tmp_path), str(rank), port, mode],
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    results, errs = [], []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=120)
+            assert p.returncode == 0, stderr[-3000:]
+            line = next(s for s in stdout.splitlines() if s.startswith("RESULT "))
+            results.append(json.loads(line.removeprefix("RESULT ")))
+            errs.append(stderr)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # by this test's own child's pid
+    return results, errs
+
+
+@pytest.mark.parametrize("mode", ["plain", "standdown"])
+def test_flip_on_rank_1_is_named(tmp_path: Path, mode: str) -> None:
+    results, _ = _launch(tmp_path, mode)
+    r0, r1 = results
+    assert not r0["flip"]["fired"] and r1["flip"]["fired"]  # rank 1 only
+    assert abs(r1["flip"]["new"] - r1["flip"]["old"]) < 1e-6  # the lowest mantissa bit
+    assert r0["checks"] == r1["checks"] == 4  # after steps 0 (the first), 3, 7 and 11
+    if mode == "standdown":  # rank 0 took part in every check but records nothing
+        assert r0["alarms"] == [] and r0["error"] is not None
+        results = [r1]
+    for res in results:
+        # Nothing else fires: the flip is invisible to every numeric detector.
+        assert [(a["step"], a["kind"]) for a in res["alarms"]] == [(7, "replica_divergence")]
+        msg = res["alarms"][0]["message"]
+        assert "rank 1 in module.0.weight (reference: rank(s) 0)" in msg, msg
+        assert res["causes"][0] == "replica_divergence"  # the report's diagnosis names it
+
+
+def test_a_rank_without_guard_turns_the_check_off(tmp_path: Path) -> None:
+    (r0, _), (err0, _) = _launch(tmp_path, "rank0only")
+    # Read from the store before any collective: nothing waits for rank 1, nothing fires.
+    assert r0["checks"] == 0 and r0["alarms"] == []
+    assert "replica check off: rank(s) 1 have no Guard" in err0, err0[-2000:]
