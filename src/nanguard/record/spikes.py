@@ -19,6 +19,9 @@ The definition (also written into every report, `definition.text`):
   `rel_floor` x |mean| so a constant series followed by float noise is not a spike; the
   denominator counts scored steps only. A non-finite value is always scored, as a spike, and
   never enters a window. Finite spikes do enter later windows (as OLMo's rolling mean does).
+  A signal is read where it was recorded: the update ratio is measured every
+  `WatchConfig.update_ratio_every` (10) steps, so its window is its last 1000 measurements and
+  its score counts the measured steps (the update norm itself is not stored: the ratio is).
 - Spike episode (loss only): starts at a loss spike upwards (value > mean + 7 sigma) or a
   non-finite loss, while no episode is open. Its level is that window mean, frozen at the
   jump. It ends at the first later step with a finite loss at or below the level plus
