@@ -185,3 +185,35 @@ def test_merged_report_takes_the_part_most_in_spike_and_lists_every_part() -> No
     assert m is not None and m["part"] == "rank-1" and m["episodes_total"] == 1
     assert set(m["parts"]) == {"rank-0", "rank-1"}
     assert m["parts"]["rank-0"]["time_in_spike"] == 0.0
+
+
+def _write(store: RunStore, loss: list[float], first: int = 0) -> None:
+    for i, x in enumerate(loss, first):
+        store.write_step({"step": i, "loss": x, "nonfinite": ["loss"] if math.isnan(x) else []})
+
+
+def test_a_resumed_store_goes_on_from_the_saved_meter(tmp_path: Path) -> None:
+    loss = noisy(2000, seed=5)
+    loss[400], loss[1700] = 3.0, 3.5
+    store = RunStore(tmp_path, keep_recent=100, bucket=100, window=5, flush_steps=50)
+    _write(store, loss[:900])
+    store.close()
+    store = RunStore(tmp_path, keep_recent=100, bucket=100, window=5, flush_steps=50)  # resume
+    _write(store, loss[900:], 900)
+    store.close()
+    got = measure_run(tmp_path)
+    assert got is not None and got["complete"]
+    assert json.dumps(got) == json.dumps(run_meter(loss))
+
+
+def test_a_store_compacted_without_a_meter_says_its_measures_are_partial(tmp_path: Path) -> None:
+    store = RunStore(tmp_path, keep_recent=100, bucket=100, window=5, flush_steps=50)
+    _write(store, noisy(1500, seed=6))
+    store.close()
+    db = open_run(tmp_path)
+    with db:  # as a nanguard before the spike measures left it
+        db.execute("DELETE FROM store_state WHERE key = 'spike_meter'")
+    db.close()
+    got = measure_run(tmp_path)
+    assert got is not None and got["complete"] is False and "compacted" in got["note"]
+    assert got["steps"] < 1500
