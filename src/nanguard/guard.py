@@ -49,6 +49,7 @@ from nanguard.record import ending
 from nanguard.record.events import EVENT_TYPES, Event, Events, Listener
 from nanguard.record.report import Report, build_report
 from nanguard.record.rows import step_signals, write_step
+from nanguard.record.spike_run import measure_run
 from nanguard.record.store import open_store
 from nanguard.recover.policy import Recovery
 from nanguard.recover.verdict import LossWatch
@@ -988,6 +989,8 @@ class Guard:
             first_nonfinite=self.first_nonfinite,
             diagnosis=[c.to_dict() for c in causes],
             spikes=self.spikes,
+            # From run.db, off the training thread; all steps are in it after close's flush.
+            spike_measures=measure_run(self.folder),
             # Ended non-finite: the last recorded step still holds a NaN/Inf somewhere; or it
             # died of an error after a non-finite value appeared (BCE's range check, ...).
             failed=bool(self._last_stats and self._last_stats.nonfinite_signals())

@@ -21,6 +21,8 @@ bucket that contains kept steps is split around them). What a compacted bucket l
   the last and the first non-finite step. `rng`: step 0's only (what `nanguard replay` needs;
   an alarm's RNG state is in its window, which is never compacted).
 - `alarms`, `actions`, `findings`, `meta`, `params`: never compacted.
+- `store_state` key `spike_meter`: every compacted step was fed to the spike measures first
+  (`record/spike_run.py`); the meter's state is saved with the bucket, in its transaction.
 
 The number of steps a run recorded is `step_count(db)` (`count(*)` of `steps` plus what the
 buckets dropped).
@@ -32,6 +34,10 @@ import json
 import math
 import sqlite3
 from typing import Any
+
+from nanguard.record.spike_run import feed, load_meter, save_meter
+from nanguard.record.spikes import SIGNALS as SPIKE_SIGNALS
+from nanguard.record.spikes import SpikeMeter
 
 SIGNALS = ("loss", "grad_norm", "param_norm", "update_ratio", "momentum_norm", "act_max", "lr",
            "amp_scale", "act_limit")
@@ -74,6 +80,9 @@ class Compactor:
         self.per_call = per_call
         self.next: int | None = None
         """First step not yet considered (kept in `store_state`, so a resumed run goes on)."""
+        self.meter: SpikeMeter | None = None
+        """The spike measures of the steps compacted so far (None: a store compacted by an
+        older version, whose measures cannot be complete)."""
 
     def __call__(self) -> None:
         last = self.db.execute("SELECT max(step) FROM steps").fetchone()[0]
@@ -84,6 +93,7 @@ class Compactor:
                                   ).fetchone()
             first = self.db.execute("SELECT min(step) FROM steps").fetchone()[0]
             self.next = int(row[0]) if row else int(first)
+            self.meter = load_meter(self.db)
         for _ in range(self.per_call):
             a = self.next
             b = (a // self.bucket + 1) * self.bucket - 1
@@ -93,12 +103,17 @@ class Compactor:
                 self._range(a, b)
                 self.db.execute("INSERT OR REPLACE INTO store_state VALUES ('compacted', ?)",
                                 (b + 1,))
+                if self.meter is not None:
+                    save_meter(self.db, self.meter)
             self.next = b + 1
 
     def _range(self, a: int, b: int) -> None:
         """Compact the unprotected runs of steps `a..b`."""
         rows = self.db.execute(f"SELECT {', '.join(_COLUMNS)} FROM steps "
                                "WHERE step BETWEEN ? AND ? ORDER BY step", (a, b)).fetchall()
+        if self.meter is not None:  # before any row goes: the spike score needs every step
+            feed(self.meter, [(r[0], *(r[1 + SIGNALS.index(k)] for k in SPIKE_SIGNALS))
+                              for r in rows])
         if len(rows) < 2:
             return
         w = self.window

@@ -14,6 +14,14 @@ first_warning   null | step of the first alarm that is not `nonfinite` (on a fai
 lead_steps      null | first_nonfinite.step - first_warning (steps of warning)
 spikes          [{step, layers, samples}]: where each spike alarm sits
 preflight       null | the `nanguard run --preflight` verdict
+spike_measures  null | spike score, episodes and time in spike of every run, healthy ones too
+                (`nanguard.record.spikes`): {score: {loss, grad_norm, update_ratio} (share of
+                scored steps, 0..1, null if none scored), spike_steps, steps_scored, episodes:
+                [{start, value, baseline, peak_step, peak_value, recovered_at, recovery_steps,
+                open, before: {signal: {ratio, steps_before, value, baseline}}, at_jump:
+                {signal: ratio}}], episodes_total, time_in_spike (0..1), steps_in_spike, steps,
+                complete, definition: {window, min_window, sigmas, ..., text}}; null without a
+                run.db; {error} if it could not be read
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from nanguard.record.process import alive
+from nanguard.record.spike_run import measure_run
 from nanguard.record.store import dec, open_run, step_count
 
 REPORT_NAME = "report.json"
@@ -70,6 +79,9 @@ class Report:
     preflight: dict[str, Any] | None = None
     """`nanguard run --preflight`: the verdict (findings, LR probe, overfit check, seconds);
     also under `run.preflight`."""
+    spike_measures: dict[str, Any] | None = None
+    """Spike score, episodes and time in spike, computed from run.db (`record/spike_run.py`);
+    the module docstring of `nanguard.record.spikes` defines them."""
     run: dict[str, Any] = field(default_factory=dict)
     """Free-form run facts: folder, policy, model and optimizer class, nanguard version."""
 
@@ -109,6 +121,7 @@ def build_report(
     spikes: list[dict[str, Any]] | None = None,
     ended: str = "ok",
     degraded: bool = False,
+    spike_measures: dict[str, Any] | None = None,
 ) -> Report:
     """Derive status, first warning and lead time from what was recorded.
 
@@ -166,6 +179,7 @@ def build_report(
         first_warning=first_warning,
         lead_steps=lead,
         spikes=list(spikes or []),
+        spike_measures=spike_measures,
         run=run or {},
     )
 
@@ -187,7 +201,10 @@ def load_report(folder: str | os.PathLike[str]) -> Report:
         ):
             raise ValueError(f"{str(report_path)!r} is not a nanguard report")
         known = set(Report.__dataclass_fields__)
-        return Report(**{k: v for k, v in data.items() if k in known})
+        report = Report(**{k: v for k, v in data.items() if k in known})
+        if "spike_measures" not in data:  # written before the measures existed
+            report.spike_measures = measure_run(path)
+        return report
     parts = _parts_in_progress(path)
     if parts:
         return _combine_parts(parts)
@@ -231,7 +248,7 @@ def load_report(folder: str | os.PathLike[str]) -> Report:
     ended = "running" if alive(run.get("process")) else "died"
     return build_report(steps=steps, alarms=alarms, actions=actions, first_nonfinite=first,
                         run=run, ended=ended,
-                        degraded="internal_error" in run)
+                        degraded="internal_error" in run, spike_measures=measure_run(path))
 
 
 def _parts_in_progress(path: Path) -> list[Path]:
@@ -257,7 +274,11 @@ def _combine_parts(parts: list[Path]) -> Report:
     alarms = sorted((a for r in reports for a in r.alarms), key=lambda a: a["step"])
     actions = sorted((a for r in reports for a in r.actions), key=lambda a: a["step"])
     running = any(r.status == "running" for r in reports)
+    from nanguard.integrations.merge import merge_spike_measures
+
     return build_report(steps=max(r.steps for r in reports), alarms=alarms, actions=actions,
+                        spike_measures=merge_spike_measures(list(zip(
+                            (str(p) for p in parts), reports, strict=True))),
                         first_nonfinite=min(firsts, key=lambda f: f["step"]) if firsts else None,
                         ended="running" if running else "died",
                         run={"parts": {str(p): r.status for p, r in zip(parts, reports,

@@ -25,9 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from nanguard.record.report import OK_STATUSES, REPORT_NAME, Report, load_report
+from nanguard.record.spike_run import measure_run
 from nanguard.record.store import DB_NAME
 from nanguard.show import plots
+from nanguard.show.markers import episode_spans
 from nanguard.show.series import RunSeries, bucket_width, load_series, step_range
+from nanguard.show.summary import spike_line
 
 LINE_BUCKETS = 1000
 """At most this many buckets per line series."""
@@ -75,7 +78,8 @@ def live_report(folder: str | os.PathLike[str]) -> Report:
                                                                if a["step"] == bad[0]["step"]})}
     steps = 0 if series.last_step < 0 else series.last_step - series.first_step + 1
     return Report(status="running", steps=steps, alarms=series.alarms, actions=series.actions,
-                  first_nonfinite=first, run={"folder": str(path), "closed": False})
+                  first_nonfinite=first, run={"folder": str(path), "closed": False},
+                  spike_measures=measure_run(path))
 
 
 def run_parts(folder: str, report: Report, label: str) -> list[tuple[str, str]]:
@@ -136,7 +140,10 @@ def build_layout(sources: Sequence[Source], runs: Sequence[RunSeries], *, origin
     def step_series(key: str) -> Any:
         return lambda r: {k: v for k, v in r.steps.items() if k == key}
 
-    row("loss", "loss", step_series("loss"))
+    loss = row("loss", "loss", step_series("loss"))
+    if loss is not None:
+        for s in sources:  # every run's spike episodes, healthy runs too
+            plots.spike_spans(rows, loss, episode_spans(s.report.spike_measures, x1))
     row("grad_norm", "global grad norm", step_series("grad_norm"))
     for r in [r for r in runs if r.grad_heat is not None][:plots.MAX_HEATMAPS]:
         plots.heat(rows, r, origin, heat_width)
@@ -194,6 +201,9 @@ def header_html(src: Source) -> str:
     if rep.first_warning is not None and first:
         out.append(f"<p>first warning at step {rep.first_warning}: "
                    f"<b>{rep.lead_steps}</b> steps before the first non-finite value</p>")
+    spikes = spike_line(rep.spike_measures)
+    if spikes:
+        out.append(f'<p class="spikes">{e(spikes)}</p>')
     if rep.diagnosis:
         out.append('<ol class="diagnosis">')
         for cause in rep.diagnosis:

@@ -1,9 +1,11 @@
-"""Where the report draws non-finite values, and which series get a log axis."""
+"""Where the report draws non-finite values and spike episodes, and which series get a log
+axis."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -72,3 +74,42 @@ def positive(series: Sequence[Buckets]) -> bool:
     if not len(allv) or not bool(np.all(allv > 0)):
         return False
     return float(top.max()) > 10 * float(allv.min())
+
+
+SPIKE = "#ff9896"
+"""The shade of a loss spike episode."""
+
+
+def episode_spans(measures: dict[str, Any] | None, last_step: int
+                  ) -> tuple[list[float], list[float], list[str]]:
+    """Where to shade the loss spike episodes of `report.spike_measures`: from the jump to
+    the recovery step (an open episode: to `last_step`), widened to at least one step so a
+    one-step spike stays visible.
+
+    Returns:
+        x0, x1 and hover text per episode.
+    """
+    x0: list[float] = []
+    x1: list[float] = []
+    texts: list[str] = []
+    for e in (measures or {}).get("episodes") or []:
+        start = e.get("start")
+        if not isinstance(start, int):
+            continue
+        end = e.get("recovered_at")
+        end = end if isinstance(end, int) else max(start, last_step)
+        x0.append(start - 0.5)
+        x1.append(max(end, start + 1) - 0.5)
+        how = (f"back after {e.get('recovery_steps')} steps" if not e.get("open")
+               else "not recovered when the run ended")
+        before = e.get("before") or {}
+        lead = "; ".join(f"{k} {_num(b.get('ratio'))}x baseline {b.get('steps_before')} "
+                         "step(s) before" for k, b in before.items())
+        texts.append(f"spike at step {start}: loss {_num(e.get('value'))} over a level of "
+                     f"{_num(e.get('baseline'))}, peak {_num(e.get('peak_value'))} at step "
+                     f"{e.get('peak_step')}; {how}" + (f"; {lead}" if lead else ""))
+    return x0, x1, texts
+
+
+def _num(x: Any) -> str:
+    return f"{x:.4g}" if isinstance(x, (int, float)) else str(x)

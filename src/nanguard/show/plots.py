@@ -13,7 +13,8 @@ figure is `row:<series>` (`row:events`, `row:loss`, `row:heat:<run>`, ...); its 
 renderer `series` (their labels in its source's `name` column); renderers of
 non-finite markers carry the tag `nonfinite` (segments over a run of them `nonfinite_run`),
 the heat map's image `heat`; the vertical lines' source is `lines` (its `kind` column:
-`alarm`, `action`, `first_nonfinite`).
+`alarm`, `action`, `first_nonfinite`); loss spike episodes are shaded on the loss figure by a
+renderer tagged `spike_episode`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from nanguard.show.markers import BAD, bad_markers, positive
+from nanguard.show.markers import BAD, SPIKE, bad_markers, positive
 from nanguard.show.series import Buckets, RunSeries
 
 COLORS = ("#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf",
@@ -266,6 +267,20 @@ def events(rows: Rows, runs: Sequence[RunSeries],
             for key, v in zip(cols, (s, kind, color, dash, width), strict=True):
                 cols[key].append(v)
     return rows.models.ColumnDataSource(data=cols, name="lines")
+
+
+def spike_spans(rows: Rows, fig: Any, spans: tuple[list[float], list[float], list[str]]
+                ) -> None:
+    """Shade loss spike episodes on `fig` (`markers.episode_spans`), under the lines, with
+    their story in the hover. The renderer carries the tag `spike_episode`."""
+    x0, x1, texts = spans
+    if not x0:
+        return
+    src = _source(x0=x0, x1=x1, text=texts)
+    r = fig.vstrip(x0="x0", x1="x1", source=src, fill_color=SPIKE, fill_alpha=0.35,
+                   line_width=0, level="underlay")
+    r.tags = ["spike_episode"]
+    fig.add_tools(rows.models.HoverTool(renderers=[r], tooltips=[("", "@text")]))
 
 
 def series_row(rows: Rows, key: str, title: str, series: list[tuple[RunSeries, str, Buckets]],

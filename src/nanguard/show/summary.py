@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -99,6 +100,9 @@ def print_summary(
         console.print(f"  cause {rank}: [bold]{cause['cause']}[/] ({cause['confidence']:.0%})")
         console.print(f"    why: {cause['evidence']}")
         console.print(f"    fix: {cause['fix']}")
+    line = spike_line(report.spike_measures)
+    if line:
+        console.print(f"  {line}")
     if report.alarms:
         table = Table(title="alarms", title_justify="left", show_edge=False)
         for col in ("step", "kind", "signal", "message"):
@@ -128,6 +132,43 @@ def print_summary(
             print_last_steps(console, [step_row(s) for s in steps])
     elif history:
         print_last_steps(console, [step_row(s) for s in history])
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.2g}%" if 0 < x < 0.01 else f"{100 * x:.1f}%"
+
+
+def spike_line(m: dict[str, Any] | None) -> str | None:
+    """One line of spike measures (`report.spike_measures`): `spikes: 3 episodes (1 open),
+    1.2% of steps in spike; spike score loss 0.4%, grad norm 0.9%`; None without measures."""
+    if not m or "score" not in m:
+        return None
+    n = int(m.get("episodes_total") or 0)
+    opened = sum(bool(e.get("open")) for e in m.get("episodes") or [])
+    score = ", ".join(f"{k.replace('_', ' ')} {_pct(v)}" for k, v in m["score"].items()
+                      if v is not None)
+    first = (m.get("episodes") or [{}])[0]
+    lead = ""
+    if first.get("before"):
+        sig, b = max(first["before"].items(), key=lambda kv: _rank(kv[1].get("ratio")))
+        lead = (f"; before the first: {sig.replace('_', ' ')} {_ratio(b.get('ratio'))} its "
+                f"baseline {b.get('steps_before')} step(s) ahead")
+    return (f"spikes: {n} episode{'' if n == 1 else 's'}" + (f" ({opened} open)" if opened
+                                                               else "")
+            + f", {_pct(m.get('time_in_spike'))} of steps in spike"
+            + (f"; spike score {score}" if score else "")
+            + ("" if m.get("complete", True) else " (not every step: see report.json)")
+            + lead)
+
+
+def _rank(x: Any) -> float:
+    if isinstance(x, (int, float)):
+        return x if math.isfinite(x) else math.inf
+    return math.inf if x in ("nan", "inf") else -math.inf
+
+
+def _ratio(x: Any) -> str:
+    return f"{x:.3g}x" if isinstance(x, (int, float)) and math.isfinite(x) else f"{x}x"
 
 
 SERIES = ("loss", "grad_norm", "act_max", "momentum_norm")

@@ -1,0 +1,127 @@
+"""Spike measures of a real training run: a tiny MLP fitted by Adam at a too-high LR with
+warm-up (lr 0.03, 50 warm-up steps, 2000 full-batch steps) under a Guard. Once the loss is near
+zero Adam's second moments decay and the loss spikes by orders of magnitude, recovering in
+10-20 steps, again and again (the "slingshot"). report.json must hold the measures and they
+must equal an independent numpy computation over the losses the loop saw (run.db is compacted
+past 1000 steps: the measures still count every step). Also: the terminal summary line and the
+HTML report's episode shading, a healthy run's measures, and a report.json written before the
+key existed."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import nanguard
+from nanguard import GuardConfig, RecordConfig
+from nanguard.record.report import load_report
+from nanguard.show.summary import spike_line
+from test_spike_measures import ref_score
+
+
+def ref_episodes(xs: list[float], window: int = 1000, min_window: int = 20, sigmas: float = 7.0,
+                 floor: float = 1e-6, tol: float = 0.1) -> list[tuple[int, int | None]]:
+    """(start, recovered_at) of each loss episode, straight from the definition."""
+    hist: list[float] = []
+    out: list[tuple[int, int | None]] = []
+    level: float | None = None
+    start = None
+    for i, x in enumerate(xs):
+        if start is not None and math.isfinite(x) and (level is None or
+                                                       x <= level + tol * abs(level)):
+            out.append((start, i))
+            start = None
+        elif start is None:
+            up = not math.isfinite(x)
+            if math.isfinite(x) and len(hist) >= min_window:
+                w = np.array(hist[-window:])
+                up = x - w.mean() > sigmas * max(w.std(), floor * abs(w.mean()))
+            if up:
+                start, level = i, (float(np.mean(hist[-window:])) if hist else None)
+        if math.isfinite(x):
+            hist.append(x)
+    return out + ([(start, None)] if start is not None else [])
+
+
+def slingshot(out: Path, *, lr: float = 0.03, steps: int = 2000) -> list[float]:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    y = torch.sin(2 * x[:, :1]) + x[:, 1:2]
+    losses = []
+    with nanguard.Guard(model, opt, config=GuardConfig(record=RecordConfig(
+            out=str(out), summary=False))) as guard:
+        for _ in range(steps):
+            loss = nn.functional.mse_loss(model(x), y)
+            guard.watch(loss=loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def spiky(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
+    out = tmp_path_factory.mktemp("spiky") / "run"
+    return out, slingshot(out)
+
+
+def test_report_holds_measures_equal_to_an_independent_computation(
+        spiky: tuple[Path, list[float]]) -> None:
+    out, losses = spiky
+    m = json.loads((out / "report.json").read_text())["spike_measures"]
+    spikes, scored = ref_score(losses)
+    assert (m["spike_steps"]["loss"], m["steps_scored"]["loss"]) == (spikes, scored)
+    assert m["score"]["loss"] == pytest.approx(spikes / scored)
+    eps = ref_episodes(losses)
+    assert len(eps) >= 2  # the scenario does spike, and recovers
+    assert [(e["start"], e["recovered_at"]) for e in m["episodes"]] == eps
+    in_spike = sum((end if end is not None else len(losses)) - s for s, end in eps)
+    assert m["steps_in_spike"] == in_spike and m["steps"] == len(losses)
+    assert m["time_in_spike"] == pytest.approx(in_spike / len(losses))
+    assert m["complete"] and m["score"]["grad_norm"] is not None
+    first = m["episodes"][0]
+    assert first["peak_value"] >= first["value"] > first["baseline"]
+    assert set(first["before"]) >= {"grad_norm"} and first["before"]["grad_norm"]["ratio"] > 0
+
+
+def test_summary_line_and_html_shading(spiky: tuple[Path, list[float]], tmp_path: Path) -> None:
+    pytest.importorskip("bokeh")
+    from nanguard.show.html import write_html
+
+    out, _ = spiky
+    report = load_report(out)
+    line = spike_line(report.spike_measures)
+    n = report.spike_measures["episodes_total"]
+    assert line is not None and line.startswith(f"spikes: {n} episodes, ")
+    assert "of steps in spike; spike score loss " in line and "grad norm" in line
+    page = write_html([str(out)], tmp_path / "r.html").read_text()
+    assert '"spike_episode"' in page and "spike at step " in page
+    assert 'class=\\"spikes\\"' in page  # the header, inside the page's JSON payload
+
+
+def test_healthy_run_has_measures_and_an_old_report_gets_them(tmp_path: Path) -> None:
+    out = tmp_path / "healthy"
+    slingshot(out, lr=1e-3, steps=120)
+    path = out / "report.json"
+    m = json.loads(path.read_text())["spike_measures"]
+    assert m["episodes"] == [] and m["steps"] == 120 and m["steps_scored"]["loss"] == 100
+    assert spike_line(m) == ("spikes: 0 episodes, 0.0% of steps in spike; spike score loss "
+                             "0.0%, grad norm 0.0%" + (", update ratio 0.0%" if
+                                                        m["score"]["update_ratio"] is not None
+                                                        else ""))
+    old = json.loads(path.read_text())
+    del old["spike_measures"]  # as a nanguard before the key wrote it
+    path.write_text(json.dumps(old))
+    assert load_report(out).spike_measures == m

@@ -1,0 +1,31 @@
+"""Smoke test of benchmarks/spiky_lm.py: every configuration runs end to end (`--quick`: 40
+steps, one seed) and the last line is the JSON summary. No number is asserted but its shape."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_spiky_lm_quick_runs_every_config(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "spiky_lm.py"), "--quick"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout.strip().splitlines()
+    result = json.loads(out[-1])
+    assert result["steps"] == 40 and result["seeds"] == [0]
+    assert set(result["results"]) == {"stable", "plain", "clip", "zclip", "skip_sigma",
+                                      "nanguard_observe", "nanguard_skip", "nanguard_rollback"}
+    for runs in result["results"].values():
+        (r,) = runs
+        assert {"episodes", "time_in_spike", "score_loss", "val_loss", "wall_s"} <= set(r)
+        assert r["wall_s"] > 0 and r["val_loss"] > 0
+    assert any(line.startswith("config") and "in spike" in line for line in out)
+    assert not list(tmp_path.iterdir())  # run folders went to temporary directories
