@@ -20,6 +20,7 @@ from typing import Any
 
 from nanguard.integrations.distributed import PHASE_ORDER
 from nanguard.record.report import REPORT_NAME, Report, build_report, load_report
+from nanguard.record.spike_run import merge_measures
 
 SEVERITY = ("failed", "died", "degraded", "crashed", "interrupted", "unwatched", "recovered",
             "warned", "healthy")
@@ -77,26 +78,12 @@ def merge_reports(parts: Sequence[tuple[str, Report]], run: dict[str, Any] | Non
         first_nonfinite=first,
         diagnosis=diagnosis,
         run=info,
-        spike_measures=merge_spike_measures(parts),
+        spike_measures=merge_measures([(label, r.spike_measures) for label, r in parts]),
     )
     # How each part ended (crashed, interrupted, degraded, unwatched) is in its own status:
     # the merged one is the worst of them, never better than a part.
     merged.status = min((merged.status, *(r.status for _, r in parts)), key=_severity)
     return merged
-
-
-def merge_spike_measures(parts: Sequence[tuple[str, Report]]) -> dict[str, Any] | None:
-    """The spike measures of the part that spent the most time in spike (the first such part
-    on a tie), labelled `part`, and each part's headline numbers under `parts`: the loss of
-    every rank (or optimizer) is its own series, so the parts are never pooled."""
-    have = [(label, r.spike_measures) for label, r in parts
-            if r.spike_measures and "score" in r.spike_measures]
-    if not have:
-        return None
-    label, worst = max(have, key=lambda p: p[1].get("time_in_spike") or 0.0)
-    return {**worst, "part": label, "parts": {
-        lb: {k: m.get(k) for k in ("score", "episodes_total", "time_in_spike", "complete")}
-        for lb, m in have}}
 
 
 def _severity(status: str) -> int:

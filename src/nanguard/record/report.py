@@ -33,11 +33,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanguard.record import files
 from nanguard.record.process import alive
-from nanguard.record.spike_run import measure_run
+from nanguard.record.spike_run import measure_run, merge_measures
 from nanguard.record.store import dec, open_run, step_count
 
-REPORT_NAME = "report.json"
+REPORT_NAME = files.REPORT_NAME
 
 STATUSES = {
     "healthy": "watched from the first to the last step; no alarm, nothing non-finite",
@@ -255,12 +256,11 @@ def _parts_in_progress(path: Path) -> list[Path]:
     """`nanguard run` keeps each optimizer's (and rank's) record in a folder of its own while
     the script trains and lays the run folder out at the end: those part folders, when `path`
     has no record of its own yet."""
-    from nanguard.record.store import DB_NAME
-
-    if (path / DB_NAME).is_file():
+    if (path / files.DB_NAME).is_file():
         return []
-    return sorted(p.parent for pattern in ("optimizer-*/" + DB_NAME, "rank-*/" + DB_NAME,
-                                           "rank-*/optimizer-*/" + DB_NAME)
+    db = files.DB_NAME
+    return sorted(p.parent for pattern in ("optimizer-*/" + db, "rank-*/" + db,
+                                           "rank-*/optimizer-*/" + db)
                   for p in path.glob(pattern))
 
 
@@ -274,11 +274,10 @@ def _combine_parts(parts: list[Path]) -> Report:
     alarms = sorted((a for r in reports for a in r.alarms), key=lambda a: a["step"])
     actions = sorted((a for r in reports for a in r.actions), key=lambda a: a["step"])
     running = any(r.status == "running" for r in reports)
-    from nanguard.integrations.merge import merge_spike_measures
-
     return build_report(steps=max(r.steps for r in reports), alarms=alarms, actions=actions,
-                        spike_measures=merge_spike_measures(list(zip(
-                            (str(p) for p in parts), reports, strict=True))),
+                        spike_measures=merge_measures([(str(p), r.spike_measures)
+                                                       for p, r in zip(parts, reports,
+                                                                       strict=True)]),
                         first_nonfinite=min(firsts, key=lambda f: f["step"]) if firsts else None,
                         ended="running" if running else "died",
                         run={"parts": {str(p): r.status for p, r in zip(parts, reports,

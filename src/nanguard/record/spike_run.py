@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from nanguard.record.files import DB_NAME
 from nanguard.record.spikes import SIGNALS, SpikeMeter
 
 STATE_KEY = "spike_meter"
@@ -80,8 +81,6 @@ def measure_db(db: sqlite3.Connection) -> dict[str, Any]:
 def measure_run(folder: str | os.PathLike[str] | None) -> dict[str, Any] | None:
     """The spike measures of the run recorded in `folder`; None without a readable run.db
     (nothing recorded, `out=""`). Never raises: an unreadable store gives `{error}`."""
-    from nanguard.record.store import DB_NAME
-
     if folder is None or not (Path(folder) / DB_NAME).is_file():
         return None
     try:
@@ -92,3 +91,16 @@ def measure_run(folder: str | os.PathLike[str] | None) -> dict[str, Any] | None:
             db.close()
     except Exception as exc:  # noqa: BLE001 - measures are an extra: the report is still written
         return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def merge_measures(parts: Sequence[tuple[str, dict[str, Any] | None]]) -> dict[str, Any] | None:
+    """The spike measures of the part that spent the most time in spike (the first such part
+    on a tie), labelled `part`, and each part's headline numbers under `parts`: the loss of
+    every rank (or optimizer) is its own series, so the parts are never pooled."""
+    have = [(label, m) for label, m in parts if m and "score" in m]
+    if not have:
+        return None
+    label, worst = max(have, key=lambda p: p[1].get("time_in_spike") or 0.0)
+    return {**worst, "part": label, "parts": {
+        lb: {k: m.get(k) for k in ("score", "episodes_total", "time_in_spike", "complete")}
+        for lb, m in have}}

@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from nanguard.record import files
 from nanguard.record.compact import Compactor, step_count
 from nanguard.record.process import identity
 from nanguard.record.writer import STEP_ROW, PerParam, StoreError, Writer, enc, from_rows
@@ -94,7 +95,7 @@ END;
 land in `param_stats_rows`); `RunStore` makes a new store's view read `param_blobs` only (faster:
 SQLite cannot flatten a UNION ALL view under GROUP BY)."""
 
-DB_NAME = "run.db"
+DB_NAME = files.DB_NAME
 
 _LATER_STEP_COLUMNS = ("amp_scale", "act_limit")
 """`steps` columns that came later: a store written before them lacks them (`add_missing_columns`
