@@ -172,7 +172,8 @@ def test_signals_reach_the_trainers_logger(tmp_path):
     cb = NanguardCallback(out=tmp_path / "run", config=QUIET)
     logger = CSVLogger(tmp_path / "logs", name="x", version=0)
     _fit([cb], make_data(BATCH * STEPS, 5 * BATCH), logger=logger, log_every_n_steps=1)
-    rows = list(csv.DictReader(open(tmp_path / "logs" / "x" / "version_0" / "metrics.csv")))
+    with open(tmp_path / "logs" / "x" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
     grad = {int(r["step"]): r["nanguard/grad_norm"] for r in rows if r.get("nanguard/grad_norm")}
     assert len(grad) >= STEPS - 2
     assert float(grad[1]) > 0
