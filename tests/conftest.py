@@ -33,3 +33,41 @@ def quiet_config():
         )
 
     return make
+
+
+# Every report.json a test writes in this process is validated against the shipped schema
+# (report.schema.json): a key added to Report without the schema, or a value of a new shape,
+# fails the test that wrote it. Cheap: one compiled validator, a few ms per report. Reports
+# written by subprocesses are checked where tests read them (tests/test_report_schema.py).
+_schema_errors: list[str] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _validate_written_reports():
+    try:
+        import jsonschema
+    except ImportError:  # the dev extra has it; without it the check is left out
+        yield
+        return
+    from nanguard.record import report as report_module
+
+    validator = jsonschema.Draft202012Validator(report_module.report_schema())
+    original = report_module.Report.write
+
+    def write(self, folder):  # type: ignore[no-untyped-def]
+        for error in validator.iter_errors(self.to_dict()):
+            _schema_errors.append(f"{folder}: {list(error.absolute_path)}: {error.message}")
+        return original(self, folder)
+
+    report_module.Report.write = write  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        report_module.Report.write = original  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def _no_schema_errors():
+    yield
+    errors, _schema_errors[:] = list(_schema_errors), []
+    assert not errors, "report.json does not follow report.schema.json:\n" + "\n".join(errors)

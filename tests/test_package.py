@@ -5,6 +5,7 @@ runs `nanguard demo`, and ships `py.typed`, the report schema and the LICENSE.""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -79,6 +80,7 @@ def test_installed_files(installed: tuple[Path, dict[str, str]], tmp_path: Path)
             "print('\\n'.join(str(f) for f in d.files))")
     files = set(_run([str(bin_dir / "python"), "-c", code], env, tmp_path).split())
     assert "nanguard/py.typed" in files
+    assert "nanguard/record/report.schema.json" in files
     licenses = [f for f in files if re.search(r"\.dist-info/(licenses/)?LICENSE$", f)]
     assert licenses, sorted(f for f in files if "dist-info" in f)
 
@@ -91,3 +93,6 @@ def test_installed_demo_runs(installed: tuple[Path, dict[str, str]], tmp_path: P
     assert "seeds" in stdout
     assert sorted(p.name for p in out.iterdir() if p.is_dir())[:2] == ["seed-0", "seed-1"]
     assert all((out / f"seed-{s}" / "report.json").is_file() for s in (0, 1))
+    # The schema is read from the installed package, not from a source tree.
+    schema = json.loads(_run([str(bin_dir / "nanguard"), "report", "--schema"], env, tmp_path))
+    assert schema["title"] == "nanguard report.json"

@@ -1,6 +1,6 @@
 """`nanguard report RUN [RUN...]`: print the summary of a recorded run (`--json`: report.json;
 `--html [FILE]`: a self-contained HTML report, by default RUN/report.html; several runs are
-overlaid in one page and need FILE)."""
+overlaid in one page and need FILE; `--schema`: the JSON Schema report.json follows)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from rich.console import Console
 
 from nanguard.cli.main import add_command, add_json, wants_json
 from nanguard.errors import UserError
-from nanguard.record.report import OK_STATUSES, load_report
+from nanguard.record.report import OK_STATUSES, load_report, report_schema
 from nanguard.record.store import DB_NAME, dec, open_run
 
 
@@ -33,6 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--html", nargs="?", const="", default=None, metavar="FILE",
                    help="also write a self-contained HTML report (opens offline) to FILE; "
                    "default RUN/report.html (needs FILE for several runs)")
+    p.add_argument("--schema", action="store_true",
+                   help="print the JSON Schema of report.json (draft 2020-12) and exit")
     p.set_defaults(func=run)
 
 
@@ -72,9 +74,12 @@ def _history_folder(run: str, info: dict[str, Any], first: dict[str, Any] | None
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "schema", False):
+        print(json.dumps(report_schema(), indent=2))
+        return 0
     runs: list[str] = list(args.run) if isinstance(args.run, (list, tuple)) else [args.run]
     if not runs:
-        raise UserError("give a run folder")
+        raise UserError("give a run folder (or --schema for the schema of report.json)")
     html_out = getattr(args, "html", None)
     if html_out == "" and len(runs) > 1:
         raise ValueError("several runs: pass the page to write, --html FILE")
