@@ -44,7 +44,9 @@ def report_schema() -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of report.json, as shipped in the package."""
     from importlib.resources import files
 
-    return json.loads(files("nanguard.record").joinpath(SCHEMA_NAME).read_text())  # type: ignore[no-any-return]
+    schema: dict[str, Any] = json.loads(files("nanguard.record").joinpath(SCHEMA_NAME).read_text())
+    return schema
+
 
 STATUSES = {
     "healthy": "watched from the first to the last step; no alarm, nothing non-finite",
