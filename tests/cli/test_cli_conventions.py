@@ -224,3 +224,16 @@ def test_scan_a_folder_of_shards(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main(["scan", str(folder)]) == 1
     out = " ".join(capsys.readouterr().out.split())
     assert "total: 3 files, 0 skipped, 3 tables, 16 rows, 2 nonfinite cells" in out
+
+
+def test_a_closed_pipe_is_no_error(tmp_path: Path) -> None:
+    """`nanguard lint src/ | head`: the reader leaving early is nobody's bug (no traceback)."""
+    script = tmp_path / "many.py"
+    script.write_text("import torch\n" + "y = torch.log(x)\n" * 3000)  # > a pipe's 64 KB
+    proc = subprocess.run(
+        f"{sys.executable} -m nanguard lint {script} | head -c 10 >/dev/null; "
+        "echo \"rc=${PIPESTATUS[0]}\"",
+        shell=True, executable="/bin/bash", capture_output=True, text=True, env=ENV,
+        timeout=60)
+    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
+    assert "rc=141" in proc.stdout

@@ -162,7 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("nanguard: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `nanguard audit ... | head`: the reader left, nothing is wrong
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the interpreter's exit flushes it
+        # What is still buffered goes nowhere, so the interpreter's final flush cannot fail
+        # too (the recipe of Python's signal docs); 141 is what a shell reports for SIGPIPE.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, AttributeError, ValueError):  # a stdout with no file behind it
+            pass
         return 141
     except Exception as exc:  # noqa: BLE001 - every error ends as one line, never a traceback
         if _is_user_error(exc):

@@ -92,9 +92,9 @@ def _rerun(meta: dict[str, Any], start_rng: dict[str, Any] | None) -> None:
             os.chdir(old_cwd)
         return
     raise UserError(
-        "this run does not record how to run it again (only runs of "
-        "`nanguard demo` and `nanguard run` do); use nanguard.pinpoint.armed(step) "
-        "around your training code"
+        "this run does not record how to run it again (only runs of `nanguard demo` and "
+        "`nanguard run` do): run the script under `nanguard run`, which pinpoints the origin "
+        "by itself, or arm the checker in your code (nanguard.pinpoint.armed, see the docs)"
     )
 
 
