@@ -4,7 +4,7 @@ For each seed it trains the scenario of `nanguard.scenarios.cascade` under a gua
 `observe`, recording to DIR/seed-N), then shows when the first warning came, when the first
 non-finite value appeared (the lead time), where it showed, and what the `raise`, `skip` and
 `rollback` policies do on the same seed (`skip` configured to escalate to a rollback when
-skipping cannot heal: `RecoverConfig(skip_escalation="rollback")`).
+skipping cannot heal; in Python, `RecoverConfig(skip_escalation="rollback")`).
 
 Run it again into the same folder and the seed folders of the earlier run are replaced.
 """
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
         "the same seed under those policies, with the updates skipped (s), the rollbacks (r) "
         "and the final loss. Both act on the early warnings: a spike's update is discarded, a "
         "cascade rolled back to a snapshot from before it began; skip escalates to a rollback "
-        "when skipping cannot heal (RecoverConfig(skip_escalation='rollback'))."
+        "when skipping cannot heal (as the demo configures it)."
     )
     if failed:
         console.print(
