@@ -237,3 +237,41 @@ def test_a_closed_pipe_is_no_error(tmp_path: Path) -> None:
         timeout=60)
     assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
     assert "rc=141" in proc.stdout
+
+
+def test_audit_a_real_trainer_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """What transformers really writes: a Trainer's checkpoint-N/ (model.safetensors,
+    optimizer.pt, scheduler.pt, rng_state.pth, training_args.bin) and a model saved in
+    shards with its index (save_pretrained(max_shard_size=...))."""
+    pytest.importorskip("safetensors")
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64,
+                                     n_positions=16, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            x = torch.randint(0, 64, (16,))
+            return {"input_ids": x, "labels": x}
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=2, save_steps=2, report_to=[],
+        per_device_train_batch_size=4, use_cpu=True, disable_tqdm=True)
+    transformers.Trainer(model=model, args=args, train_dataset=Data()).train()
+    capsys.readouterr()  # the Trainer's own log lines
+    assert main(["audit", str(tmp_path / "out" / "checkpoint-2"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {f["file"] for f in report["files"]} >= {"model.safetensors", "optimizer.pt"}
+    assert {s["file"] for s in report["skipped"]} == {"rng_state.pth", "training_args.bin"}
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert main(["audit", str(tmp_path / "sharded"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["total"]["files"] > 2 and not report["findings"]
+    assert report["total"]["tensors"] == len(model.state_dict()) - sum(
+        1 for k in model.state_dict() if k.endswith("lm_head.weight"))  # tied to the embedding
