@@ -178,8 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             where = f"the traceback is in {_write_traceback(argv, args.command, exc)}"
         except OSError:
             where = "the traceback could not be written to a file:\n" + traceback.format_exc()
+        what = " ".join(str(exc).split())[:300]  # one line, however the message was laid out
         print(f"nanguard {args.command}: internal error (a bug in nanguard, not a mistake in "
-              f"your input): {type(exc).__name__}: {exc}; {where}; please report it",
+              f"your input): {type(exc).__name__}: {what}; {where}; please report it",
               file=sys.stderr)
         return EXIT_INTERNAL
 
