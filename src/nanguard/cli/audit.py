@@ -125,38 +125,13 @@ def _all_findings(report: Any) -> list[Any]:
 
 
 def print_folder(args: argparse.Namespace, report: Any, print_file: Any) -> int:
-    """Show a folder's report (audit or scan): one row per file, then with --all each file
-    as the single-file command shows it, the findings (each naming its file), the total."""
-    from nanguard.audit.render import console, print_findings, table
+    """Show a folder's report (audit or scan): JSON with --json, else the tables of
+    `nanguard.audit.render.print_folder`. Returns the exit code."""
+    from nanguard.audit.render import console
+    from nanguard.audit.render import print_folder as show
 
     if wants_json(args):
         print(json.dumps(report.to_dict(), indent=2))
-        return 0 if report.ok else 1
-    con = console()
-    rows = []
-    for name, r in report.files:
-        bad = [f for f in r.findings if f.severity != "info"]
-        size = (f"{len(r.tensors)} tensors" if hasattr(r, "tensors")
-                else f"{sum(t.rows for t in r.tables)} rows")
-        rows.append([name, getattr(r, "format", "") or os.path.splitext(name)[1][1:], size,
-                     len(bad) or ""])
-    for s in report.skipped:
-        rows.append([s["file"], "skipped", s["reason"], ""])
-    con.print(table(f"{report.path}: {len(report.files)} files", ("file", "format", "size",
-                                                                  "problems"), rows))
-    if args.all:
-        for _, r in report.files:
-            print_file(con, r, None)
-    for name, r in report.files:  # each file's findings under its name
-        if r.findings:
-            con.print(f"[bold]{name}[/]")
-            print_findings(con, r.findings)
-    if report.findings:
-        con.print(f"[bold]{report.path}[/] (the folder)")
-        print_findings(con, report.findings)
-    total = report.total()
-    n = total["errors"] + total["warnings"]
-    counts = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in total.items()
-                       if k not in ("errors", "warnings"))
-    con.print(f"total: {counts}; " + ("no problems found" if not n else f"{n} problem(s) found"))
+    else:
+        show(console(), report, print_file, show_all=args.all)
     return 0 if report.ok else 1
