@@ -36,6 +36,9 @@ def _run(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float = 180) -
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
     """A venv holding the wheel of this tree; returns its bin folder and a clean environment."""
+    setuptools = pytest.importorskip("setuptools")
+    if int(setuptools.__version__.split(".")[0]) < 77:  # the build runs offline, on this one
+        pytest.skip(f"setuptools {setuptools.__version__} < 77 cannot build the PEP 639 license")
     base = tmp_path_factory.mktemp("package")
     # Build from a copy of what the wheel is made of, so the tree gets no build/ or egg-info.
     src = base / "src-copy"
