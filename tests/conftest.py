@@ -4,8 +4,10 @@ that build guards the way most tests want them."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+from typing import Any
 
 _ROOT = Path(__file__).resolve().parent.parent
 try:
@@ -33,3 +35,62 @@ def quiet_config():
         )
 
     return make
+
+
+# Every report.json a test writes is validated against the shipped schema (report.schema.json):
+# a key added to Report without the schema, or a value of a new shape, fails the test that
+# wrote it. In this process each Report.write is checked; reports a subprocess wrote (nanguard
+# run, torchrun, a framework's script) are checked when the test ends, if they lie under its
+# tmp_path. Cheap: one compiled validator, a few ms per report.
+_schema_errors: list[str] = []
+_validators: list[Any] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _validate_written_reports():
+    try:
+        import jsonschema
+    except ImportError:  # the dev extra has it; without it the check is left out
+        yield
+        return
+    from nanguard.record import report as report_module
+
+    validator = jsonschema.Draft202012Validator(report_module.report_schema())
+    _validators.append(validator)
+    original = report_module.Report.write
+
+    def write(self, folder):  # type: ignore[no-untyped-def]
+        for error in validator.iter_errors(self.to_dict()):
+            _schema_errors.append(f"{folder}: {list(error.absolute_path)}: {error.message}")
+        return original(self, folder)
+
+    report_module.Report.write = write  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        report_module.Report.write = original  # type: ignore[method-assign]
+
+
+def _check_written(folder: Path) -> None:
+    """Validate the report.json files a test (or its subprocesses) left under `folder`."""
+    for path in folder.rglob("report.json"):
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # not a report (or a test's deliberately broken one): load_report says so
+        if not isinstance(report, dict) or "schema_version" not in report:
+            continue  # one from before the schema (a test's legacy fixture) claims nothing
+        for error in _validators[0].iter_errors(report):
+            _schema_errors.append(f"{path}: {list(error.absolute_path)}: {error.message}")
+
+
+@pytest.fixture(autouse=True)
+def _no_schema_errors(request):
+    yield
+    # The folder outlives its fixture (pytest keeps the last runs' tmp dirs), and the value is
+    # still in funcargs although tmp_path's own teardown may have run first.
+    folder = getattr(request.node, "funcargs", {}).get("tmp_path")
+    if _validators and isinstance(folder, Path) and folder.is_dir():
+        _check_written(folder)
+    errors, _schema_errors[:] = list(_schema_errors), []
+    assert not errors, "report.json does not follow report.schema.json:\n" + "\n".join(errors)

@@ -2,24 +2,55 @@
 
 Watch every step at near-zero cost, warn before the NaN, pinpoint the op that produced it,
 explain it, recover when asked, and record the run.
+
+The public names are imported on first use (PEP 562), not here: `import nanguard` stays free
+of torch, so `nanguard --help`, `--version` and `lint` answer at once and a tool that only
+reads `nanguard.__version__` does not pay for torch's import.
 """
 
-from nanguard._version import __version__  # noqa: F401 - the public version
-from nanguard.audit.preflight import preflight
-from nanguard.audit.save import save
-from nanguard.config import (
-    AmpConfig,
-    ClipConfig,
-    DetectConfig,
-    GuardConfig,
-    RecordConfig,
-    RecoverConfig,
-    WatchConfig,
-)
-from nanguard.detect.alarm import Alarm
-from nanguard.errors import NanguardError
-from nanguard.guard import Guard
-from nanguard.record.report import Report, load_report
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# The one source of the version is nanguard/_version.py (pyproject.toml reads it through
+# tool.setuptools.dynamic; the guard imports it from there without importing this package).
+from nanguard._version import __version__
+
+if TYPE_CHECKING:
+    from nanguard.audit.preflight import preflight
+    from nanguard.audit.save import save
+    from nanguard.config import (
+        AmpConfig,
+        ClipConfig,
+        DetectConfig,
+        GuardConfig,
+        RecordConfig,
+        RecoverConfig,
+        WatchConfig,
+    )
+    from nanguard.detect.alarm import Alarm
+    from nanguard.errors import NanguardError
+    from nanguard.guard import Guard
+    from nanguard.record.report import Report, load_report
+
+# Public name -> the module that defines it.
+_LAZY: dict[str, str] = {
+    "preflight": "nanguard.audit.preflight",
+    "save": "nanguard.audit.save",
+    "AmpConfig": "nanguard.config",
+    "ClipConfig": "nanguard.config",
+    "DetectConfig": "nanguard.config",
+    "GuardConfig": "nanguard.config",
+    "RecordConfig": "nanguard.config",
+    "RecoverConfig": "nanguard.config",
+    "WatchConfig": "nanguard.config",
+    "Alarm": "nanguard.detect.alarm",
+    "NanguardError": "nanguard.errors",
+    "Guard": "nanguard.guard",
+    "Report": "nanguard.record.report",
+    "load_report": "nanguard.record.report",
+}
 
 __all__ = [
     "Alarm",
@@ -33,7 +64,22 @@ __all__ = [
     "RecoverConfig",
     "Report",
     "WatchConfig",
+    "__version__",
     "load_report",
     "preflight",
     "save",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first access and keep the name here."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nanguard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -14,3 +14,12 @@ class NanguardError(RuntimeError):
     def __init__(self, message: str, report: Report) -> None:
         super().__init__(message)
         self.report = report
+
+
+class UserError(ValueError):
+    """A mistake in what the user asked for (a bad path, a file of the wrong kind, arguments
+    that do not fit together). The CLI prints it as one line and exits with code 2.
+
+    It subclasses ValueError, the project's exception for users' mistakes, so Python callers
+    catching ValueError catch it too.
+    """

@@ -67,7 +67,8 @@ def _rep(step: int, phase: str, rank: int) -> Report:
     first = {"step": step, "phase": phase, "rank": rank, "samples": [], "module": None,
              "op": None, "source": None}
     return Report(status="failed", steps=10, first_nonfinite=first,
-                  diagnosis=[{"cause": f"{phase}-{rank}"}])
+                  diagnosis=[{"cause": f"{phase}-{rank}", "confidence": 0.5, "evidence": "",
+                              "fix": ""}])
 
 
 def test_merge_order_step_phase_rank() -> None:

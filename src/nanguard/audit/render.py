@@ -38,3 +38,41 @@ def print_findings(con: Any, findings: Sequence[Finding]) -> None:
         style = _STYLE.get(f.severity, "")
         fix = f"  [dim](fix: {escape(f.fix)})[/dim]" if f.fix else ""
         con.print(f"[{style}]{f.severity}[/{style}] {f.code}: {escape(f.message)}{fix}")
+
+
+def print_folder(con: Any, report: Any, print_file: Any, *, show_all: bool) -> None:
+    """A folder's report (`nanguard.audit.folder.FolderReport`): one row per file (and per
+    file left out), with `show_all` each file as the single-file command shows it
+    (`print_file(con, file_report, None)`), the findings under the file they are about, and
+    a last line with the totals."""
+    import os
+
+    from rich.markup import escape
+
+    rows = []
+    for name, r in report.files:
+        bad = [f for f in r.findings if f.severity != "info"]
+        size = (f"{len(r.tensors)} tensors" if hasattr(r, "tensors")
+                else f"{sum(t.rows for t in r.tables)} rows")
+        rows.append([name, getattr(r, "format", "") or os.path.splitext(name)[1][1:], size,
+                     len(bad) or ""])
+    for s in report.skipped:
+        rows.append([s["file"], "skipped", s["reason"], ""])
+    con.print(table(f"{report.path}: {len(report.files)} files",
+                    ("file", "format", "size", "problems"), rows))
+    if show_all:
+        for _, r in report.files:
+            print_file(con, r, None)
+    for name, r in report.files:  # each file's findings under its name
+        if r.findings:
+            con.print(f"[bold]{escape(name)}[/]")
+            print_findings(con, r.findings)
+    if report.findings:
+        con.print(f"[bold]{escape(report.path)}[/] (the folder)")
+        print_findings(con, report.findings)
+    total = report.total()
+    n = total["errors"] + total["warnings"]
+    counts = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in total.items()
+                       if k not in ("errors", "warnings"))
+    con.print(f"total: {counts}; " + ("no problems found" if not n else f"{n} problem(s) found"),
+              markup=False)

@@ -1,5 +1,9 @@
 """`nanguard audit CKPT [CKPT2]`: check a checkpoint offline, or diff two.
 
+CKPT may be a folder (a sharded checkpoint such as a Hugging Face `checkpoint-N/`): every
+checkpoint file under it is audited, the shard index checked against the shards, and the
+result given per file and in total.
+
 Exit codes: 0 no problem found, 1 problems found, 2 unreadable or unsafe file.
 """
 
@@ -7,22 +11,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 from nanguard.audit._common import fmt_num
+from nanguard.cli.main import add_command, add_json, wants_json
+from nanguard.errors import UserError
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "audit",
+        ok="no problem found",
+        one="problems found (errors or warnings)",
+        two="bad arguments, a file that cannot be read, or an unsafe checkpoint (one that "
+        "only loads by running pickled code: it is never loaded)",
         help="check a checkpoint (safetensors or torch) offline; diff two checkpoints",
         description="Audit a checkpoint without executing pickled code: non-finite values, "
         "magnitude outliers among peer tensors, optimizer-state sanity, content hashes. "
         "With two files, also say which tensors changed between them.",
     )
-    p.add_argument("checkpoint", help="a .safetensors file or a file written by torch.save")
+    p.add_argument("checkpoint", help="a .safetensors file, a file written by torch.save, or "
+                   "a folder of them (a sharded checkpoint: per file and in total)")
     p.add_argument("other", nargs="?", help="a second checkpoint: diff CHECKPOINT -> OTHER")
-    p.add_argument("--format", choices=("table", "json"), default="table")
+    add_json(p, "the audit", legacy_format="table")
     p.add_argument("--all", action="store_true", help="list every tensor, not only the first 30")
     p.add_argument(
         "--manifest",
@@ -70,16 +83,21 @@ def _print_report(con: Any, report: Any, limit: int | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nanguard.audit.checkpoint import audit_checkpoint, diff_checkpoints
+    from nanguard.audit.folder import audit_folder
     from nanguard.audit.render import console, print_findings, table
 
     limit = None if args.all else 30
     if args.manifest and args.other is not None:
-        raise ValueError("--manifest verifies one checkpoint; audit OTHER on its own")
+        raise UserError("--manifest verifies one checkpoint; audit OTHER on its own")
+    if os.path.isdir(args.checkpoint) or (args.other and os.path.isdir(args.other)):
+        if args.other is not None:
+            raise UserError("a diff takes two checkpoint files, not folders")
+        return print_folder(args, audit_folder(args.checkpoint), _print_report)
     if args.other is None:
         report: Any = audit_checkpoint(args.checkpoint, manifest=args.manifest)
     else:
         report = diff_checkpoints(args.checkpoint, args.other)
-    if args.format == "json":
+    if wants_json(args):
         print(json.dumps(report.to_dict(), indent=2))
         return 0 if report.ok else 1
     con = console()
@@ -117,3 +135,16 @@ def _all_findings(report: Any) -> list[Any]:
     if hasattr(report, "a"):
         return [*report.a.findings, *report.b.findings, *report.findings]
     return list(report.findings)
+
+
+def print_folder(args: argparse.Namespace, report: Any, print_file: Any) -> int:
+    """Show a folder's report (audit or scan): JSON with --json, else the tables of
+    `nanguard.audit.render.print_folder`. Returns the exit code."""
+    from nanguard.audit.render import console
+    from nanguard.audit.render import print_folder as show
+
+    if wants_json(args):
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        show(console(), report, print_file, show_all=args.all)
+    return 0 if report.ok else 1

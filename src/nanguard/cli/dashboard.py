@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, quote, urlparse
 
+from nanguard.cli.main import add_command
 from nanguard.record.report import REPORT_NAME
 from nanguard.record.store import DB_NAME
 
@@ -28,9 +29,11 @@ MAX_DEPTH = 4
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "dashboard", help="serve live HTML reports of the runs under DIR", description=__doc__
-    )
+    p = add_command(
+        subparsers, "dashboard", help="serve live HTML reports of the runs under DIR",
+        description=__doc__, ok="stopped with Ctrl-C",
+        one="not used (the dashboard shows runs; it does not judge them)",
+        two="bad arguments, DIR is not a folder, or the port is taken")
     p.add_argument("dir", help="a folder holding run folders (or one run folder)")
     p.add_argument("--port", type=int, default=8765,
                    help="port on 127.0.0.1 (default 8765; 0: any free port)")

@@ -4,40 +4,41 @@ For each seed it trains the scenario of `nanguard.scenarios.cascade` under a gua
 `observe`, recording to DIR/seed-N), then shows when the first warning came, when the first
 non-finite value appeared (the lead time), where it showed, and what the `raise`, `skip` and
 `rollback` policies do on the same seed (`skip` configured to escalate to a rollback when
-skipping cannot heal: `RecoverConfig(skip_escalation="rollback")`).
+skipping cannot heal; in Python, `RecoverConfig(skip_escalation="rollback")`).
+
+Run it again into the same folder and the seed folders of the earlier run are replaced.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 from pathlib import Path
 from statistics import median
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.table import Table
-from torch.nn.functional import mse_loss
-
-from nanguard.config import GuardConfig, RecordConfig, RecoverConfig
+from nanguard.cli.main import add_command, add_json, wants_json
 from nanguard.errors import NanguardError
-from nanguard.guard import Guard
-from nanguard.record.report import Report
-from nanguard.scenarios.cascade import train_cascade
-from nanguard.show.live import muted
 from nanguard.show.progress import waiting
+
+if TYPE_CHECKING:
+    from nanguard.guard import Guard
+    from nanguard.record.report import Report
 
 # Policies compared on failing seeds. `skip` acts on the early warnings too, so it can step
 # around the spike that starts the cascade instead of waiting for the NaN.
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "demo",
         help="watch the LR/momentum cascade fail on several seeds, with lead times",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        ok="the demo ran (its failing seeds are what it shows, not an error)",
+        one="not used",
     )
     p.add_argument(
         "--out",
@@ -46,6 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seeds", type=int, default=10, help="number of seeds (default 10)")
     p.add_argument("--steps", type=int, default=300, help="steps per seed (default 300)")
+    add_json(p, "one record per seed (status, steps of the first warning and the first "
+             "non-finite value, lead, where, what each policy did)")
     p.set_defaults(func=run)
 
 
@@ -56,11 +59,20 @@ def _train(
     policy: str = "observe",
     act_on: tuple[str, ...] | None = None,
 ) -> tuple[Report, list[float]]:
-    """Train one seed of the cascade under a recording guard; return its report and losses."""
+    """Train one seed of the cascade under a recording guard; return its report and losses.
+    A run folder left by an earlier demo is replaced (the demo's folders are its own)."""
+    # torch is imported here, not at the top: `nanguard --help` builds every parser.
+    from torch.nn.functional import mse_loss
+
+    from nanguard.config import GuardConfig, RecordConfig, RecoverConfig
+    from nanguard.guard import Guard
+    from nanguard.scenarios.cascade import train_cascade
+
     guards: list[Guard] = []
 
     def factory(model: Any, optimizer: Any) -> Guard:
-        config = GuardConfig(act_on=act_on, record=RecordConfig(summary=False),
+        config = GuardConfig(act_on=act_on,
+                             record=RecordConfig(summary=False, if_exists="overwrite"),
                              recover=RecoverConfig(skip_escalation="rollback"))
 
         def replay(batch: Any) -> Any:  # the step's forward and loss, for the op-level replay
@@ -120,13 +132,38 @@ def _policy_outcomes(seed: int, steps: int, out: Path) -> tuple[str, list[tuple[
     return raised, outcomes
 
 
+def _seed_record(seed: int, folder: Path, report: Report, raised: str | None,
+                 outcomes: list[tuple[str, float]]) -> dict[str, Any]:
+    """One seed's row of `--json`: what the table shows, as data."""
+    first = report.first_nonfinite
+    record: dict[str, Any] = {
+        "seed": seed, "folder": str(folder), "status": report.status,
+        "first_warning": report.first_warning, "lead_steps": report.lead_steps,
+        "first_nonfinite": None if first is None else
+        {k: first.get(k) for k in ("step", "phase", "module", "op")},
+    }
+    if raised is not None:
+        record["raise"] = raised
+        for policy, (cell, final) in zip(("skip", "rollback"), outcomes, strict=True):
+            record[policy] = {"outcome": cell, "final_loss": None if math.isnan(final)
+                              else final}
+    return record
+
+
 def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from nanguard.show.live import muted
+
     if args.seeds < 1 or args.steps < 10:
         raise ValueError("--seeds must be >= 1 and --steps >= 10")
     out = Path(args.out)
-    console = Console()
+    as_json = wants_json(args)
+    # --json: stdout holds the JSON alone; the progress line still goes to stderr.
+    console = Console(quiet=as_json)
     if not console.is_terminal:  # piped or captured: don't squeeze the table into 80 columns
-        console = Console(width=130)
+        console = Console(width=130, quiet=as_json)
     console.print(
         "[bold]nanguard demo[/]: MLP + LeakyReLU(0.01), SGD momentum 0.9, lr 0.05; a rare "
         f"outlier sample may start a cascade. {args.seeds} seeds x {args.steps} steps, "
@@ -150,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     example: tuple[int, Report] | None = None  # the first failing seed, explained below
     healthy: list[float] = []  # final losses of the seeds that never failed
     recovered: list[float] = []  # ...and of the failing ones under skip and rollback
+    records: list[dict[str, Any]] = []
     what = (f"training {args.seeds} seeds x {args.steps} steps (each failing one again under "
             "raise, skip and rollback)")
     with muted(), waiting(what, total=args.seeds, unit="seeds") as tick:
@@ -159,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
             first = report.first_nonfinite
             if first is None:
                 healthy.append(_final(losses))
+                records.append(_seed_record(seed, out / f"seed-{seed}", report, None, []))
                 warn = "-" if report.first_warning is None else str(report.first_warning)
                 table.add_row(str(seed), report.status, warn, *["-"] * 6)
                 continue
@@ -168,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
                 leads.append(report.lead_steps)
             raised, outcomes = _policy_outcomes(seed, args.steps, out)
             recovered += [final for _, final in outcomes]
+            records.append(_seed_record(seed, out / f"seed-{seed}", report, raised, outcomes))
             table.add_row(
                 str(seed),
                 f"[red]{report.status}[/]",
@@ -180,6 +220,9 @@ def run(args: argparse.Namespace) -> int:
                 raised,
                 *(cell for cell, _ in outcomes),
             )
+    if as_json:
+        print(json.dumps(records, indent=2))
+        return 0
     console.print(table)
     console.print(
         "warn@ / nan@: step of the first warning and of the first non-finite value; "
@@ -188,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
         "the same seed under those policies, with the updates skipped (s), the rollbacks (r) "
         "and the final loss. Both act on the early warnings: a spike's update is discarded, a "
         "cascade rolled back to a snapshot from before it began; skip escalates to a rollback "
-        "when skipping cannot heal (RecoverConfig(skip_escalation='rollback'))."
+        "when skipping cannot heal (as the demo configures it)."
     )
     if failed:
         console.print(

@@ -19,18 +19,20 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from nanguard.cli.main import UserError
+from nanguard.cli.main import UserError, add_command
 from nanguard.export._common import run_parts
 
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
 # The package each tracker needs, as `pip install nanguard[extra]` names it.
-EXTRAS = {"tensorboard": "export", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
+EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "export", help="write a recorded run into TensorBoard, W&B, MLflow or trackio",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = add_command(
+        subparsers, "export", ok="the run was written into the tracker",
+        one="not used (a tracker that fails to write is an error: 2 or 3)",
+        help="write a recorded run into TensorBoard, W&B, MLflow or trackio",
+        description=__doc__)
     p.add_argument("run", help="a run folder (holds run.db), or one merged from ranks")
     p.add_argument("--to", required=True, choices=TRACKERS, help="the tracker")
     p.add_argument("--dest", default=None, help="where to write (see above)")

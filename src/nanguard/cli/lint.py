@@ -11,6 +11,8 @@ import argparse
 import json
 from typing import Any
 
+from nanguard.cli.main import add_command, add_json, wants_json
+
 
 def _codes(text: str | None) -> set[str] | None:
     from nanguard.audit.lint import RULES
@@ -25,8 +27,12 @@ def _codes(text: str | None) -> set[str] | None:
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "lint",
+        ok="no findings",
+        one="findings (one line each)",
+        two="a bad path, an unparsable file or an unknown rule code",
         help="check training code statically for numerical mistakes (NG001..)",
         description="Static analysis of training code: sigmoid then BCE, softmax then log, "
         "log / sqrt / division without eps, norm layers and Adam with eps too small, "
@@ -35,7 +41,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("paths", nargs="*", metavar="PATH", help="files or directories (recursive)")
     p.add_argument("--select", metavar="CODES", help="only these codes, e.g. NG001,NG003")
     p.add_argument("--ignore", metavar="CODES", help="skip these codes")
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    add_json(p, "the findings", legacy_format="text")
     p.add_argument("--list-rules", action="store_true", help="print the rules and exit")
     p.set_defaults(func=run)
 
@@ -50,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.paths:
         raise ValueError("no PATH given (a .py file or a directory)")
     findings = lint_paths(args.paths, select=_codes(args.select), ignore=_codes(args.ignore))
-    if args.format == "json":
+    if wants_json(args):
         print(json.dumps([f.to_dict() for f in findings], indent=2))
     else:
         for f in findings:

@@ -19,20 +19,23 @@ from typing import Any
 
 from rich.console import Console
 
-from nanguard.cli.main import UserError
-from nanguard.explain import Evidence, diagnose
+from nanguard.cli.main import add_command, add_json, wants_json
+from nanguard.errors import UserError
 from nanguard.record.report import load_report
 from nanguard.record.store import open_run
 from nanguard.show.progress import waiting
-from nanguard.watch import rng
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "replay",
         help="re-run a recorded run with the op checker armed",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        ok="the step ran clean under the op checker",
+        one="a non-finite value was found (its origin is printed), or the re-run never "
+        "reached the step",
+        two="bad arguments, not a run folder, or a run that does not say how to run it again",
     )
     p.add_argument("run", help="a run folder recorded by `nanguard demo` or `nanguard run`")
     p.add_argument(
@@ -41,12 +44,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="step to check (default: the recorded first non-finite step)",
     )
-    p.add_argument("--json", action="store_true", help="print the origin as JSON")
+    add_json(p, "the origin")
     p.set_defaults(func=run)
 
 
 def _meta(folder: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The run's meta table and the RNG states it started with."""
+    from nanguard.watch import rng
+
     db = open_run(folder)
     try:
         meta = {k: json.loads(v) for k, v in db.execute("SELECT key, value FROM meta")}
@@ -66,6 +71,8 @@ def _rerun(meta: dict[str, Any], start_rng: dict[str, Any] | None) -> None:
         return
     script = meta.get("script")
     if isinstance(script, str):
+        from nanguard.watch import rng
+
         if int(meta.get("optimizers", 1)) > 1:
             raise UserError("this run stepped several optimizers; `nanguard run` re-runs it "
                             "with the checker armed by itself (see report.json run.replay)")
@@ -85,13 +92,15 @@ def _rerun(meta: dict[str, Any], start_rng: dict[str, Any] | None) -> None:
             os.chdir(old_cwd)
         return
     raise UserError(
-        "this run does not record how to run it again (only runs of "
-        "`nanguard demo` and `nanguard run` do); use nanguard.pinpoint.armed(step) "
-        "around your training code"
+        "this run does not record how to run it again (only runs of `nanguard demo` and "
+        "`nanguard run` do): run the script under `nanguard run`, which pinpoints the origin "
+        "by itself, or arm the checker in your code (nanguard.pinpoint.armed, see the docs)"
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    # torch is imported here, not at the top: `nanguard --help` builds every parser.
+    from nanguard.explain import Evidence, diagnose
     from nanguard.pinpoint import armed
 
     report = load_report(args.run)
@@ -110,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"the re-run never reached step {step}")
         return 1
     origin = a.origin
-    if args.json:
+    if wants_json(args):
         print(json.dumps(origin.to_dict() if origin else None, indent=2))
         return 0 if origin is None else 1
     if origin is None:

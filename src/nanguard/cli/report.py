@@ -1,6 +1,6 @@
 """`nanguard report RUN [RUN...]`: print the summary of a recorded run (`--json`: report.json;
 `--html [FILE]`: a self-contained HTML report, by default RUN/report.html; several runs are
-overlaid in one page and need FILE)."""
+overlaid in one page and need FILE; `--schema`: the JSON Schema report.json follows)."""
 
 from __future__ import annotations
 
@@ -13,21 +13,28 @@ from typing import Any
 
 from rich.console import Console
 
-from nanguard.record.report import OK_STATUSES, load_report
+from nanguard.cli.main import add_command, add_json, wants_json
+from nanguard.errors import UserError
+from nanguard.record.report import OK_STATUSES, load_report, report_schema
 from nanguard.record.store import DB_NAME, dec, open_run
-from nanguard.show.summary import print_last_steps, print_summary
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "report", help="print the summary of a recorded run", description=__doc__
-    )
-    p.add_argument("run", nargs="+", help="a run folder (holds run.db and report.json); "
+    p = add_command(
+        subparsers, "report", help="print the summary of a recorded run", description=__doc__,
+        ok="every run is healthy, warned or recovered (or still running, nothing non-finite "
+        "seen yet)",
+        one="a run failed, crashed, was interrupted, died, stood down (degraded) or was "
+        "never watched",
+        two="bad arguments, or not a run folder")
+    p.add_argument("run", nargs="*", help="a run folder (holds run.db and report.json); "
                    "several: each summary, or with --html one page overlaying them")
-    p.add_argument("--json", action="store_true", help="print report.json instead")
+    add_json(p, "report.json (a list of them for several runs) instead of the summary")
     p.add_argument("--html", nargs="?", const="", default=None, metavar="FILE",
                    help="also write a self-contained HTML report (opens offline) to FILE; "
                    "default RUN/report.html (needs FILE for several runs)")
+    p.add_argument("--schema", action="store_true",
+                   help="print the JSON Schema of report.json (draft 2020-12) and exit")
     p.set_defaults(func=run)
 
 
@@ -67,12 +74,17 @@ def _history_folder(run: str, info: dict[str, Any], first: dict[str, Any] | None
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "schema", False):
+        print(json.dumps(report_schema(), indent=2))
+        return 0
     runs: list[str] = list(args.run) if isinstance(args.run, (list, tuple)) else [args.run]
+    if not runs:
+        raise UserError("give a run folder (or --schema for the schema of report.json)")
     html_out = getattr(args, "html", None)
     if html_out == "" and len(runs) > 1:
         raise ValueError("several runs: pass the page to write, --html FILE")
     reports = [load_report(r) for r in runs]
-    if args.json:
+    if wants_json(args):
         dicts = [r.to_dict() for r in reports]
         print(json.dumps(dicts[0] if len(dicts) == 1 else dicts, indent=2))
     else:
@@ -94,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_one(console: Console, folder_arg: str, report: Any) -> None:
     """The terminal summary of one run and its last steps."""
+    from nanguard.show.summary import print_last_steps, print_summary  # imports torch
+
     first = report.first_nonfinite
     until = first["step"] + 1 if first else None
     folder = _history_folder(folder_arg, report.run, first)

@@ -33,15 +33,21 @@ from __future__ import annotations
 
 import argparse
 
+from nanguard.cli.main import add_command
 from nanguard.config import POLICIES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "run",
         help="run a training script unmodified, watched by nanguard (also under torchrun)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        ok="healthy, warned or recovered (--preflight-only: no error-level finding)",
+        one="failed, crashed, interrupted, unwatched or degraded, or stopped by --policy "
+        "raise (--preflight-only: an error-level finding); the script's own non-zero exit "
+        "code is passed on instead",
+        two="bad options or no such script (--preflight-only: the preflight could not run)",
     )
     p.add_argument("--out", default=None,
                    help="run folder (default: nanguard_runs/<time>; under torchrun "

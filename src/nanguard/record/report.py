@@ -1,5 +1,8 @@
-"""report.json: the stable summary of a run. Keys are documented in README.md; extend, never rename.
+"""report.json: the stable summary of a run. Extend, never rename: the keys are described by the
+JSON Schema shipped next to this module (report.schema.json, `nanguard report --schema`), and
+`schema_version` grows when keys are added.
 
+schema_version  SCHEMA_VERSION of the code that wrote it (0: written before it existed)
 status          see STATUSES: "healthy" | "warned" | "failed" | "recovered" | "unwatched" |
                 "degraded" | "crashed" | "interrupted" | "died" | "running"
 steps           number of optimizer steps recorded
@@ -40,6 +43,22 @@ from nanguard.record.store import dec, open_run, step_count
 
 REPORT_NAME = files.REPORT_NAME
 
+SCHEMA_VERSION = 1
+"""The version of report.schema.json this code writes. Add 1 whenever a key is added (and
+add the key to the schema: the suite validates every report it writes against it)."""
+
+SCHEMA_NAME = "report.schema.json"
+
+
+def report_schema() -> dict[str, Any]:
+    """The JSON Schema (draft 2020-12) of report.json, as shipped in the package."""
+    from importlib.resources import files as resources
+
+    schema: dict[str, Any] = json.loads(
+        resources("nanguard.record").joinpath(SCHEMA_NAME).read_text())
+    return schema
+
+
 STATUSES = {
     "healthy": "watched from the first to the last step; no alarm, nothing non-finite",
     "warned": "watched to the end; alarms (spike, cascade, ...) but nothing non-finite",
@@ -66,6 +85,8 @@ OK_STATUSES = ("healthy", "warned", "recovered")
 class Report:
     """The content of report.json."""
 
+    schema_version: int = SCHEMA_VERSION
+    """The version of report.schema.json this report follows."""
     status: str = "healthy"
     steps: int = 0
     alarms: list[dict[str, Any]] = field(default_factory=list)
@@ -202,7 +223,9 @@ def load_report(folder: str | os.PathLike[str]) -> Report:
         ):
             raise ValueError(f"{str(report_path)!r} is not a nanguard report")
         known = set(Report.__dataclass_fields__)
-        report = Report(**{k: v for k, v in data.items() if k in known})
+        # A report written before the schema existed says so (0), rather than claiming
+        # the version of the code reading it.
+        report = Report(**{"schema_version": 0, **{k: v for k, v in data.items() if k in known}})
         if "spike_measures" not in data:  # written before the measures existed
             report.spike_measures = measure_run(path)
         return report
