@@ -199,6 +199,19 @@ def test_lbfgs_float64_eps0_division_by_zero(tmp_path: Path) -> None:
     assert_failed(g, {"step": 3, "phase": "forward", "cause": "division_by_zero"})
 
 
+def test_lbfgs_gap_from_the_first_closure_call_raise(tmp_path: Path) -> None:
+    """`--gap 3 10`: one lost reading (NaN) in trace 3, which is in the first batch (no
+    shuffling): the first closure call of the first step already meets it, and `raise` stops
+    the run there. nanguard's own epilogue must not fail after that (it once wrote the settled
+    finding into the store the `raise` had closed): no traceback, a report.json, phase `data`,
+    the culprit sample, cause `data_nonfinite`."""
+    traced, g = both(tmp_path, LBFGS, *LBFGS_ARGS, "--gap", "3", "10",
+                     options=("--policy", "raise"))
+    assert traced.first == {"step": 0, "phase": "data", "samples": [3]}, traced
+    assert "Traceback" not in g.proc.stderr, g.explain()
+    assert_failed(g, {"step": 0, "phase": "data", "cause": "data_nonfinite", "samples": [3]})
+
+
 # ------------------------------------------------------------------------- CSV forecaster
 
 CSV = "csv_forecaster.py"

@@ -28,7 +28,11 @@ guard to every optimizer that steps. When the script is done:
 4. the summary is printed (rank 0 only) and the exit code chosen: the script's own non-zero
    code, or an error of the script itself, wins (with a line saying what it was); else 1 when
    the status is not `healthy`, `warned` or `recovered` (`failed`, `crashed`, `unwatched`,
-   `degraded`, `interrupted`) or `raise` stopped training, else 0.
+   `degraded`, `interrupted`) or `raise` stopped training, else 0;
+5. an error inside this epilogue (nanguard's, not the script's) fails open like any hook: one
+   line, the traceback in DIR/nanguard_error.txt, and report.json from what the guards
+   recorded (`failed` if a non-finite value was seen, else `degraded`), never a traceback
+   instead of a report.
 
 With `--preflight` (`preflight=True`), the script's first optimizer step first runs the
 preflight (audit/preflight_live.py) on copies of its model, optimizer and batch: the verdict is
@@ -46,6 +50,7 @@ and `sys.argv` / `sys.path` restored.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -190,6 +195,19 @@ def run(opts: RunOptions) -> int:
         points.close()
         return _preflight_only(disc, outcome, live, folder)
 
+    try:
+        return _finish(opts, script, out, folder, disc, outcome, points, live, initial_rng)
+    except Exception as exc:  # noqa: BLE001 - fail open: the run still ends with a report
+        points.close()
+        return _finish_failed(folder, disc, outcome, exc, summary=opts.summary)
+
+
+def _finish(opts: RunOptions, script: Path, out: Path, folder: Path, disc: Discovery,
+            outcome: ScriptOutcome, points: ResumePoints, live: LivePreflight | None,
+            initial_rng: dict[str, Any]) -> int:
+    """After the script: settle and close the guards, pinpoint by a re-run when needed, write
+    the run folder (merged under torchrun), print the summary; returns the exit code."""
+    rank, world_size = world()
     late = _late_finding(disc, outcome, rank)
     for w in disc.watched:
         _settle_in_process(w)
@@ -249,6 +267,66 @@ def run(opts: RunOptions) -> int:
         _print_summary(report, disc, target)
         _print_outcome(outcome, script, replay, report=report, disc=disc)
     return _exit_code(outcome, report)
+
+
+def _finish_failed(folder: Path, disc: Discovery, outcome: ScriptOutcome, exc: Exception, *,
+                   summary: bool) -> int:
+    """An error inside nanguard's own epilogue (settling, closing, re-running, merging): the
+    script has ended already, so fail open here too: say so once, keep the traceback in the
+    run folder and write report.json from what the guards recorded (each guard's report as
+    it stands; the earliest finding wins). A run that had seen a non-finite value stays
+    `failed`; one that had not is `degraded` (its record may be incomplete). The exit code
+    follows the same rules as ever: the script's own error code wins."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    where = folder / "nanguard_error.txt"
+    internal: dict[str, Any] = {"where": "nanguard run's epilogue",
+                                "error": f"{type(exc).__name__}: {exc}"}
+    try:
+        where.write_text(text)
+        internal["traceback"] = str(where)
+    except OSError:
+        pass
+    _say(f"internal error after the script ended ({type(exc).__name__}: {exc}); the report "
+         f"holds what was recorded; traceback in {where} (a nanguard bug, please report it)")
+    parts: list[tuple[str, Report]] = []
+    for w in disc.watched:
+        if w.guard is None:
+            continue
+        try:
+            guard = w.guard
+            part = guard.report if guard.closed and guard.report is not None else guard.close(
+                ended=outcome.ended, error=outcome.message)
+        except Exception:  # noqa: BLE001 - a guard that cannot close adds nothing
+            continue
+        parts.append((w.name, part))
+    with contextlib.suppress(Exception):  # releasing references must not stop the report
+        disc.release()
+    report = _salvage(parts, folder)
+    report.run.update({"folder": str(folder), "script": outcome.to_dict(),
+                       "internal_error": internal})
+    if report.status in OK_STATUSES or report.status == "unwatched":
+        report.status = "degraded"
+    report.write(folder)
+    if summary:
+        _say(f"status: {report.status}"
+             + (f"; first non-finite value at step {report.first_nonfinite.get('step')}"
+                if report.first_nonfinite else ""))
+    return _exit_code(outcome, report)
+
+
+def _salvage(parts: list[tuple[str, Report]], folder: Path) -> Report:
+    """One report over the guards' own (merged when there are several; the first failing
+    one if merging fails too)."""
+    if len(parts) == 1:
+        return parts[0][1]
+    if parts:
+        try:
+            return merge_reports(parts, {"folder": str(folder)})
+        except Exception:  # noqa: BLE001 - fall back to a part as it stands
+            failing = [r for _, r in parts if r.first_nonfinite]
+            return (failing or [parts[0][1]])[0]
+    return Report(status="degraded", run={"note": "nanguard stood down before it watched a "
+                                                  "step"})
 
 
 # ---------------------------------------------------------------------- the preflight
@@ -497,6 +575,7 @@ def _settle_in_process(w: Watched) -> None:
         return
     first = guard.first_nonfinite
     error = first.pop("replay_error", None)
+    changed = error is not None  # the report of a closed guard still holds it
     if error is not None and str(error).startswith(NotReplayable.__name__):
         info.setdefault("reason", str(error).partition(": ")[2])
     elif error is not None:
@@ -511,6 +590,14 @@ def _settle_in_process(w: Watched) -> None:
                     "step (it came with the step's inputs?)")
     if first != info["before"]:
         guard.first_nonfinite = dict(info["before"])
+        changed = True
+    if not changed:
+        return
+    if guard.closed:
+        # The `raise` policy closed the guard (and its store) while the script ran: the
+        # finding goes into its report instead, diagnosed again.
+        guard.refine(guard.first_nonfinite)
+    else:
         guard.store.write_finding(guard.first_nonfinite)
 
 
