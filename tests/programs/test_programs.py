@@ -311,3 +311,61 @@ def test_cnn_workers_nan_pixel(tmp_path: Path) -> None:
         step, "data"), traced.first
     assert_failed(g, {"step": step, "phase": "data", "cause": "data_nonfinite",
                       "samples": [micro * cnn_workers.BATCH + row]})
+
+
+# --------------------------------------------------------------------- house prices (MLP)
+
+HOUSES = "house_prices.py"
+
+
+def _house_batch(listing: int) -> tuple[int, int]:
+    """(update step, row in its batch) of `listing`, recomputed from the DataLoader's contract
+    (the script's own `loader` over the listing indices: the same generator, the same
+    order)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    import house_prices
+
+    ids = torch.arange(house_prices.N_LISTINGS, dtype=torch.float32).unsqueeze(1)
+    order = [int(i) for x, _ in house_prices.loader(ids, torch.zeros_like(ids), 0)
+             for i in x.flatten()]
+    return divmod(order.index(listing), house_prices.BATCH)
+
+
+def test_house_prices_healthy(tmp_path: Path) -> None:
+    """Log-transformed features inside the forward, a NaN check of its own, AdamW + cosine:
+    healthy, no alarm."""
+    assert_healthy(tmp_path, HOUSES)
+
+
+def test_house_prices_zero_area_own_nan_check(tmp_path: Path) -> None:
+    """Listing 300 has area 0: `log(area)` is -inf in the forward of the batch holding it and
+    the script's own check raises `FloatingPointError` inside `forward`, before any loss. The
+    user's exception reaches them as it is (no nanguard error, no `degraded`), and what was
+    non-finite before it is the finding: `failed`, that step, phase `forward`, the culprit
+    sample, cause `log_of_nonpositive`, the `log` line; the exit code is the script's."""
+    step, row = _house_batch(300)
+    traced, g = both(tmp_path, HOUSES, "--zero-area", "300")
+    assert traced.first is not None
+    assert (traced.first["step"], traced.first["phase"]) == (step, "forward"), traced.first
+    assert "FloatingPointError: PriceNet: non-finite hidden state" in g.proc.stderr
+    assert "internal error" not in g.proc.stderr, g.explain()
+    assert_failed(g, {"step": step, "phase": "forward", "cause": "log_of_nonpositive",
+                      "samples": [row]})
+    assert (g.first["op"], g.first["source"].rsplit(":", 1)[0]) == (
+        "aten.log", str(Path(__file__).parent / "scripts" / HOUSES)), g.explain()
+
+
+def test_house_prices_shape_error_is_the_scripts_own(tmp_path: Path) -> None:
+    """From step 5 on the batches carry one more column: a shape error inside `forward`,
+    nothing non-finite anywhere. The run is `crashed` (the script's own error), watched up
+    to step 5, with the script's exception and exit code; never `degraded`, never `failed`."""
+    traced, g = both(tmp_path, HOUSES, "--extra-column-at", "5")
+    assert (traced.first, traced.steps) == (None, 5)
+    assert "RuntimeError: The size of tensor a (5) must match" in g.proc.stderr
+    got = {"exit": g.proc.returncode, "status": g.report["status"], "steps": g.report["steps"],
+           "first_nonfinite": g.report["first_nonfinite"],
+           "internal": "internal error" in g.proc.stderr}
+    assert got == {"exit": 1, "status": "crashed", "steps": 5, "first_nonfinite": None,
+                   "internal": False}, g.explain()

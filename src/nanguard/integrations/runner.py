@@ -63,6 +63,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from nanguard.audit.preflight_live import LivePreflight, PreflightStop, verdict_lines
@@ -401,7 +402,7 @@ def _run_script(script: Path, args: list[str], disc: Discovery) -> ScriptOutcome
             _print_script_traceback(exc, script)
             outcome = ScriptOutcome("error", 1, f"{type(exc).__name__}: {exc}")
             _end_steps(disc)
-            outcome.evidence = _evidence(disc, on_error=True)
+            outcome.evidence = _evidence(disc, on_error=True, tb=exc.__traceback__)
         exc.__traceback__ = None  # let the script's frames (and tensors) go
     finally:
         # A resume point's child ends here, whichever way the script stopped in it.
@@ -442,11 +443,12 @@ def _end_steps(disc: Discovery) -> None:
         _say(f"could not end the last hand-written step: {type(exc).__name__}: {exc}")
 
 
-def _evidence(disc: Discovery, *, on_error: bool) -> dict[str, Any] | None:
+def _evidence(disc: Discovery, *, on_error: bool, tb: TracebackType | None = None
+              ) -> dict[str, Any] | None:
     if any(w.guard is not None and w.guard.first_nonfinite for w in disc.watched):
         return None  # already recorded by a step: nothing to add
     try:
-        return disc.nonfinite_evidence(on_error=on_error)
+        return disc.nonfinite_evidence(on_error=on_error, tb=tb)
     except Exception:  # noqa: BLE001 - a check at the end must never fail the run
         return None
 
@@ -550,9 +552,12 @@ def _late_finding(disc: Discovery, outcome: ScriptOutcome, rank: int
     if w is None or w.guard is None:
         return None
     step = w.guard.step
-    finding = {"step": step, "phase": None, "module": None, "op": None, "source": None,
-               "samples": [], "rank": rank, "signals": list(outcome.evidence["signals"]),
-               "after_last_step": True}
+    evidence = outcome.evidence
+    # A raised forward that held the value names its phase and module (held.py); the re-run
+    # then names the op.
+    finding = {"step": step, "phase": evidence.get("phase"), "module": evidence.get("module"),
+               "op": None, "source": None, "samples": [], "rank": rank,
+               "signals": list(evidence["signals"]), "after_last_step": True}
     return w, finding
 
 

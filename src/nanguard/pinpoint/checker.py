@@ -246,11 +246,16 @@ class NonfiniteChecker(TorchDispatchMode):
         if fill and not tainted:
             self._mark_intended(outs)
             return
+        # Written in place through a view (`x[:, c] = torch.log(x[:, c])`): the tensor it views
+        # holds the value now, and later ops read that one, not the view. (Not a constant
+        # written on purpose, `x[i] = float("nan")`: that stays with the view, as before.)
+        bases = [b for t in targets if isinstance(b := t._base, torch.Tensor)
+                 and b.is_floating_point() and all(b is not o for o in outs)]
         if external:
             tainted.append(self._open_external(ext[0], outs))
         if tainted:
             low = min(tainted)
-            for t in outs:
+            for t in outs + bases:
                 self._taint[id(t)] = (weakref.ref(t), low)
                 self._cands[low].refs.append(weakref.ref(t))
             if name not in _TRANSPORT_OPS and not fill:
@@ -261,7 +266,8 @@ class NonfiniteChecker(TorchDispatchMode):
         if intended and not has_nan(outs):
             self._mark_intended(outs)
             return
-        self._open(self._describe(name, args, kwargs, ins, outs), outs)
+        self._open(self._describe(name, args, kwargs, ins, outs),
+                   outs if intended else outs + bases)
         self._settle()
 
     # ------------------------------------------------------------------ candidates
