@@ -155,6 +155,25 @@ def test_every_rule_is_registered_and_covered() -> None:
     assert {c[0] for c in CASES} == set(R.RULES)
 
 
+def test_a_batch_the_guard_saw_hold_the_value_is_data_whichever_op_read_it() -> None:
+    """The origin was put on the first op that read the batch (an `addmm` in the forward, a
+    collate `stack` in the loss phase): the guard's own batch check is the evidence."""
+    for phase, op in (("forward", "aten.addmm"), ("loss", "aten.stack")):
+        ev = Evidence(first_nonfinite={"step": 3, "phase": phase, "op": op, "samples": [2]},
+                      bad_tensors=[0], n_batch_tensors=2)
+        causes = diagnose(ev)
+        assert causes and causes[0].cause == "data_nonfinite", causes
+        assert "only the first op to read it" in causes[0].evidence
+        ev.bad_tensors = [1]
+        assert diagnose(ev)[0].cause == "label_nonfinite"
+    # Not without the guard's batch check: rows alone, outside `data`, are an op's output rows.
+    assert R.data_nonfinite(_ev(phase="forward", op="aten.addmm", samples=[2])) is None
+    # Nor for a value the guard found in the loaded state.
+    loaded = Evidence(first_nonfinite={"step": 0, "phase": "forward", "op": "aten.addmm",
+                                       "tensors": ["fc.weight"]}, bad_tensors=[0])
+    assert R.data_nonfinite(loaded) is None
+
+
 def test_healthy_evidence_gets_no_diagnosis() -> None:
     assert diagnose(Evidence()) == []
 

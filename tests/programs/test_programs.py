@@ -369,3 +369,50 @@ def test_house_prices_shape_error_is_the_scripts_own(tmp_path: Path) -> None:
            "internal": "internal error" in g.proc.stderr}
     assert got == {"exit": 1, "status": "crashed", "steps": 5, "first_nonfinite": None,
                    "internal": False}, g.explain()
+
+
+# ------------------------------------------------------------------ station TCN (CSV, lists)
+
+TCN = "station_tcn.py"
+
+
+def _tcn_batch(gap: range, window: int = 12, horizon: int = 3, batch: int = 16,
+               rows: int = 600) -> tuple[int, list[int]]:
+    """(update step, rows of its batch) of the first batch holding a window that covers a row
+    of `gap`, recomputed from the DataLoader's contract (the script's own `loader` over the
+    window indices)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    import station_tcn
+
+    n = rows - window - horizon + 1
+    ids = torch.utils.data.TensorDataset(torch.arange(n))
+    for step, (idx,) in enumerate(station_tcn.loader(ids, batch, 0)):
+        hits = [k for k, i in enumerate(idx.tolist()) if any(i <= r < i + window for r in gap)]
+        if hits:
+            return step, hits
+    raise AssertionError("the gap is in no training window")
+
+
+def test_station_tcn_healthy(tmp_path: Path) -> None:
+    """Windows built by `torch.tensor(rows[...])` in the Dataset, `.to().float()` in the loop,
+    dilated causal convolutions, Huber loss: healthy, no alarm."""
+    assert_healthy(tmp_path, TCN, "--csv", "load.csv",
+                   prepare=lambda d: write_load_csv(d / "load.csv"))
+
+
+@pytest.mark.parametrize("start", [250, 40])
+def test_station_tcn_gap_is_data(tmp_path: Path, start: int) -> None:
+    """Three consecutive empty humidity readings. No op computes the NaN: it is read into the
+    window by `torch.tensor`, assembled by the collate's `stack`, cast by `.float()`; those
+    ops load the batch (phase `data`, not `loss`), and the batch rows holding it are the
+    evidence of `data_nonfinite`. Step and rows recomputed from the loader's order."""
+    step, samples = _tcn_batch(range(start, start + 3))
+    traced, g = both(tmp_path, TCN, "--csv", "load.csv",
+                     prepare=lambda d: write_load_csv(d / "load.csv", nan_row=start, gap=3),
+                     options=("--policy", "raise"))
+    assert traced.first == {"step": step, "phase": "data", "samples": samples}, traced
+    assert_failed(g, {"step": step, "phase": "data", "cause": "data_nonfinite",
+                      "samples": samples})
+    assert g.first["op"] == "aten.stack", g.explain()

@@ -333,10 +333,10 @@ _LOSS_OPS = ("aten.mse_loss", "aten.l1_loss", "aten.smooth_l1_loss", "aten.huber
 def _only_targets(ev: Evidence) -> bool:
     """The non-finite value is in the batch's last element (the targets), not the inputs."""
     first = ev.first_nonfinite or {}
+    if ev.bad_tensors:  # the guard read the batch tensors themselves
+        return ev.n_batch_tensors > 1 and ev.bad_tensors == [ev.n_batch_tensors - 1]
     if first.get("module") is None and str(first.get("op") or "").startswith(_LOSS_OPS):
         return True  # first consumed by the loss, outside every module: not a model input
-    if ev.bad_tensors:
-        return ev.n_batch_tensors > 1 and ev.bad_tensors == [ev.n_batch_tensors - 1]
     item = str((ev.first_nonfinite or {}).get("batch_item") or "")  # e.g. "[1]" or "['y']"
     key = item.strip("[]'\"")
     if key in _LABEL_KEYS:
@@ -344,14 +344,32 @@ def _only_targets(ev: Evidence) -> bool:
     return key.isdigit() and ev.n_batch_tensors > 1 and int(key) == ev.n_batch_tensors - 1
 
 
+def _batch_held(ev: Evidence) -> bool:
+    """The batch held the value before the step: phase `data` with evidence that the batch
+    holds it (`_batch_evidence`), or, whatever op first touched it and in whichever phase the
+    origin was put, the guard's own check of the batch found non-finite batch tensors."""
+    if ev.phase == "data":
+        return _batch_evidence(ev)
+    return bool(ev.bad_tensors) and not (ev.first_nonfinite or {}).get("tensors")
+
+
+def _first_reader(ev: Evidence) -> str:
+    """`; {op} ({phase}) only read it first` when the origin names another phase than data."""
+    if ev.phase in ("data", "") or not ev.op:
+        return ""
+    return f"; {_where(ev)} was only the first op to read it"
+
+
 @rule
 def data_nonfinite(ev: Evidence) -> Cause | None:
     """Needs: phase `data` and evidence that the batch holds the value: its rows (`samples`),
-    the guard's non-finite batch tensors, or the checker's batch element (`batch_item`).
+    the guard's non-finite batch tensors, or the checker's batch element (`batch_item`); or, in
+    any phase, the guard's non-finite batch tensors (the batch held the value whichever op
+    first touched it: a collate `stack`, `.float()`, the first layer).
     Ruled out: no such evidence (samples [] and no bad batch tensor: e.g. a loaded tensor,
     see checkpoint_nonfinite), or a watched batch found finite; only the targets
     (label_nonfinite)."""
-    if ev.phase != "data" or not _batch_evidence(ev):
+    if not _batch_held(ev):
         return None
     if _only_targets(ev):
         return None  # only the targets: label_nonfinite
@@ -361,7 +379,7 @@ def data_nonfinite(ev: Evidence) -> Cause | None:
         cause="data_nonfinite",
         confidence=0.95,
         evidence=f"the batch at step {ev.step} already holds NaN/Inf in its inputs ({rows}), "
-        "before any op ran",
+        f"before any op computed on it{_first_reader(ev)}",
         fix="drop or repair those rows at load time; find all of them with "
         "`nanguard scan <your data file>`"
         + (" (or nanguard.audit.scan_dataset(dataset))" if ev.entry != "run" else ""),
@@ -370,16 +388,16 @@ def data_nonfinite(ev: Evidence) -> Cause | None:
 
 @rule
 def label_nonfinite(ev: Evidence) -> Cause | None:
-    """Needs: phase `data`, evidence that the batch holds the value (as data_nonfinite), and
-    only the last batch tensor (the targets) non-finite. Ruled out: inputs non-finite too."""
-    if ev.phase != "data" or not _batch_evidence(ev) or not _only_targets(ev):
+    """Needs: evidence that the batch holds the value (as data_nonfinite), and only the last
+    batch tensor (the targets) non-finite. Ruled out: inputs non-finite too."""
+    if not _batch_held(ev) or not _only_targets(ev):
         return None
     samples = (ev.first_nonfinite or {}).get("samples") or []
     return Cause(
         cause="label_nonfinite",
         confidence=0.95,
         evidence=f"the targets of step {ev.step} hold NaN/Inf (samples {samples[:8]}); "
-        "the inputs are finite",
+        f"the inputs are finite{_first_reader(ev)}",
         fix="fix or drop those labels; `nanguard scan <data> --label <column>` lists every row",
     )
 
