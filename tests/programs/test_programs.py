@@ -24,6 +24,7 @@ import torch
 from programs_support import (
     Guarded,
     both,
+    guarded,
     plain,
     report_exit,
     write_load_csv,
@@ -355,6 +356,21 @@ def test_house_prices_zero_area_own_nan_check(tmp_path: Path) -> None:
                       "samples": [row]})
     assert (g.first["op"], g.first["source"].rsplit(":", 1)[0]) == (
         "aten.log", str(Path(__file__).parent / "scripts" / HOUSES)), g.explain()
+
+
+def test_house_prices_without_a_rerun_is_undetermined_not_causeless(tmp_path: Path) -> None:
+    """The same failure with the re-run turned off (`--replay-budget 0`): no op-level origin,
+    so no cause can be shown; the diagnosis still is not empty: an `undetermined` entry says
+    the op is missing, why (the re-run was off) and how to get it."""
+    g = guarded(tmp_path, HOUSES, "--zero-area", "300", options=("--replay-budget", "0"))
+    step, _ = _house_batch(300)
+    assert (g.report["status"], g.first["step"], g.first["phase"]) == (
+        "failed", step, "forward"), g.explain()
+    assert g.causes == ["undetermined"], g.explain()
+    entry = g.report["diagnosis"][0]
+    assert "no op-level origin" in entry["evidence"], entry
+    assert "--replay-budget 0" in entry["evidence"], entry
+    assert "nanguard run --policy raise" in entry["fix"], entry
 
 
 def test_house_prices_shape_error_is_the_scripts_own(tmp_path: Path) -> None:

@@ -683,6 +683,7 @@ def _write(
         report.run["notes"] = notes
     if replay is not None:
         report.run["replay"] = {k: v for k, v in replay.items() if k != "origin"}
+        _why_undetermined(report, replay)
     if errors:
         report.run["errors"] = errors
     if resume is not None:
@@ -695,6 +696,14 @@ def _write(
         report.run["rank"] = rank
     report.write(folder)
     return report
+
+
+def _why_undetermined(report: Report, replay: dict[str, Any]) -> None:
+    """An `undetermined` diagnosis says why the re-run could not give the op, when it tried."""
+    reason = replay.get("reason") or replay.get("in_process")
+    for entry in report.diagnosis:
+        if entry.get("cause") == "undetermined" and reason and reason not in entry["evidence"]:
+            entry["evidence"] += f" (the re-run: {reason})"
 
 
 def _move_into(src: Path, dst: Path) -> None:
