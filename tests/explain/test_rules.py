@@ -34,6 +34,13 @@ CASES = [
         _ev(phase="data", step=0, samples=[3]),
     ),
     (
+        R.init_nonfinite,
+        Evidence(first_nonfinite={"step": 0, "phase": "checkpoint", "tensors": ["fc.weight"]},
+                 loaded=False),
+        Evidence(first_nonfinite={"step": 0, "phase": "checkpoint", "tensors": ["fc.weight"]},
+                 loaded=True),
+    ),
+    (
         R.data_nonfinite,
         _ev(phase="data", samples=[3]),
         _ev(phase="data", samples=[]),  # no evidence the batch holds it
@@ -172,6 +179,25 @@ def test_a_batch_the_guard_saw_hold_the_value_is_data_whichever_op_read_it() -> 
     loaded = Evidence(first_nonfinite={"step": 0, "phase": "forward", "op": "aten.addmm",
                                        "tensors": ["fc.weight"]}, bad_tensors=[0])
     assert R.data_nonfinite(loaded) is None
+
+
+def test_checkpoint_nonfinite_needs_a_load() -> None:
+    """No `torch.load` / `load_state_dict` anywhere in a `nanguard run` script: never a
+    checkpoint, in any of its forms; unknown (a Guard created after a load): still one."""
+    forms = [
+        {"step": 0, "phase": "checkpoint", "tensors": ["buffer:bn.running_mean"]},
+        {"step": 0, "phase": "optimizer", "kind": "state", "param": "fc.weight"},
+        {"step": 0, "phase": "data", "samples": []},
+    ]
+    for first in forms:
+        assert R.checkpoint_nonfinite(Evidence(first_nonfinite=first, loaded=False)) is None
+        for loaded in (True, None):
+            cause = R.checkpoint_nonfinite(Evidence(first_nonfinite=first, loaded=loaded))
+            assert cause is not None, (first, loaded)
+    # Without a load, the named state is the script's own init; an unnamed value is not.
+    causes = diagnose(Evidence(first_nonfinite=forms[1], loaded=False, entry="run"))
+    assert causes[0].cause == "init_nonfinite" and "--preflight-only" in causes[0].fix
+    assert R.init_nonfinite(Evidence(first_nonfinite=forms[2], loaded=False)) is None
 
 
 def test_healthy_evidence_gets_no_diagnosis() -> None:

@@ -432,3 +432,41 @@ def test_station_tcn_gap_is_data(tmp_path: Path, start: int) -> None:
     assert_failed(g, {"step": step, "phase": "data", "cause": "data_nonfinite",
                       "samples": samples})
     assert g.first["op"] == "aten.stack", g.explain()
+
+
+# ------------------------------------------------------------------ churn (BatchNorm input)
+
+CHURN = "churn_bn.py"
+
+
+def _churn_batch(customer: int) -> tuple[int, int]:
+    """(update step, row in its batch) of `customer`, from the loader's own order."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    import churn_bn
+
+    ids = torch.arange(churn_bn.N_CUSTOMERS, dtype=torch.float32).unsqueeze(1)
+    order = [int(i) for x, _ in churn_bn.loader(ids, torch.zeros_like(ids), 0)
+             for i in x.flatten()]
+    return divmod(order.index(customer), churn_bn.BATCH)
+
+
+def test_churn_bn_healthy(tmp_path: Path) -> None:
+    """BatchNorm input layer, BCE with logits, Adam, eval passes: healthy, no alarm."""
+    assert_healthy(tmp_path, CHURN)
+
+
+def test_churn_bn_missing_income_in_the_first_batch_is_data_not_a_checkpoint(
+        tmp_path: Path) -> None:
+    """Customer 255 (in the first shuffled batch) has no income: BatchNorm writes NaN into its
+    running statistics in that forward, before the first update, so the state is non-finite
+    when the first step starts, but nothing was loaded: never `checkpoint_nonfinite` (that
+    cause needs a load), the batch row is the finding (`data`, `data_nonfinite`)."""
+    step, row = _churn_batch(255)
+    assert step == 0
+    traced, g = both(tmp_path, CHURN, "--missing-income", "255")
+    assert traced.first == {"step": 0, "phase": "data", "samples": [row]}, traced
+    assert "checkpoint_nonfinite" not in g.causes, g.explain()
+    assert_failed(g, {"step": 0, "phase": "data", "cause": "data_nonfinite",
+                      "samples": [row]})

@@ -12,8 +12,13 @@ if TYPE_CHECKING:
 
 
 def evidence_from_guard(guard: Guard) -> Evidence:
-    """Evidence for `diagnose` from a live guard: `evidence_from_log(guard.run_log())`."""
-    return evidence_from_log(guard.run_log())
+    """Evidence for `diagnose` from a live guard: `evidence_from_log(guard.run_log())`, and
+    whether state was loaded (`watch/loads.py`: `nanguard run` tracks the whole script)."""
+    from nanguard.watch import loads
+
+    ev = evidence_from_log(guard.run_log())
+    ev.loaded = loads.load_seen(whole_script=ev.entry == "run")
+    return ev
 
 
 def evidence_from_log(log: Mapping[str, Any]) -> Evidence:

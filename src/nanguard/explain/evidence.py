@@ -54,6 +54,10 @@ class Evidence:
     entry: str = "api"
     """How nanguard was started: `api` (a `Guard` in the user's code) or `run` (zero code,
     `nanguard run SCRIPT`); fixes name the matching knob."""
+    loaded: bool | None = None
+    """Whether state was loaded (`torch.load`, `load_state_dict`): True seen, False none in the
+    whole script (`nanguard run` tracks every call), None unknown (a `Guard` created after a
+    load cannot know). The event `checkpoint_nonfinite` needs."""
     preflight: dict[str, Any] | None = None
     """The preflight's verdict when one ran before training (`nanguard run --preflight`,
     report.json `run.preflight`): `findings` (`code`, `severity`, `location`, `details`),

@@ -264,6 +264,29 @@ def _untrained_loss(ev: Evidence) -> float | None:
 # ---------------------------------------------------------------------- where it came from
 
 
+def _before_first_update(ev: Evidence) -> tuple[str, float] | None:
+    """A value non-finite before the first update that no op made: (`found`: the guard's
+    check of the state found `tensors`; `state`: the checker met a non-finite parameter at
+    step 0; `unexplained`: step 0, phase `data`, no batch evidence), with a confidence."""
+    first = ev.first_nonfinite or {}
+    if ev.phase == "checkpoint" or first.get("tensors"):
+        # `tensors` is the guard's checkpoint finding; a replay may have rewritten the phase.
+        return "found", 0.97
+    if ev.step == 0 and first.get("kind") == "state":
+        return "state", 0.8
+    if ev.step == 0 and ev.phase == "data" and not _batch_evidence(ev):
+        return "unexplained", 0.6
+    return None
+
+
+def _state_tensors(ev: Evidence) -> list[str]:
+    first = ev.first_nonfinite or {}
+    tensors = [str(t) for t in first.get("tensors") or []]
+    if not tensors and first.get("param"):
+        tensors = [str(first["param"])]
+    return tensors
+
+
 @rule
 def checkpoint_nonfinite(ev: Evidence) -> Cause | None:
     """Needs: phase `checkpoint` (weights, optimizer state or buffers already non-finite at the
@@ -272,22 +295,18 @@ def checkpoint_nonfinite(ev: Evidence) -> Cause | None:
     may have rewritten phase and source). Weaker, at step 0 only: a `state` value (a
     parameter the replay found non-finite before any op made it), or a `data` phase with no
     evidence that the batch holds the value.
+    The event it needs: state was loaded (`Evidence.loaded` True, or unknown for a `Guard`
+    created after a load).
 
-    Ruled out: the weaker forms after step 0 (an update may have made the value), and
-    whenever the batch is shown to hold the value (data_nonfinite)."""
-    first = ev.first_nonfinite or {}
-    if ev.phase == "checkpoint" or first.get("tensors"):
-        # `tensors` is the guard's checkpoint finding; a replay may have rewritten the phase.
-        form, conf = "found", 0.97
-    elif ev.step == 0 and first.get("kind") == "state":
-        form, conf = "state", 0.8
-    elif ev.step == 0 and ev.phase == "data" and not _batch_evidence(ev):
-        form, conf = "unexplained", 0.6
-    else:
+    Ruled out: no load anywhere in the script (`nanguard run` tracks every `torch.load` /
+    `load_state_dict`: init_nonfinite), the weaker forms after step 0 (an update may have
+    made the value), and whenever the batch is shown to hold the value (data_nonfinite)."""
+    found = _before_first_update(ev)
+    if found is None or ev.loaded is False:
         return None
-    tensors = [str(t) for t in first.get("tensors") or []]
-    if not tensors and first.get("param"):
-        tensors = [str(first["param"])]
+    form, conf = found
+    first = ev.first_nonfinite or {}
+    tensors = _state_tensors(ev)
     load = first.get("load_source") or (first.get("source") if ev.phase == "checkpoint"
                                          else None)
     if form == "found" and ev.phase != "checkpoint" and not first.get("load_source"):
@@ -320,6 +339,36 @@ def checkpoint_nonfinite(ev: Evidence) -> Cause | None:
         confidence=conf,
         evidence=evidence,
         fix=fix,
+    )
+
+
+@rule
+def init_nonfinite(ev: Evidence) -> Cause | None:
+    """Needs: a parameter, optimizer-state tensor or buffer non-finite before the first
+    update that no op made (the guard's check of the state, or the checker at step 0), AND no
+    load anywhere in the script (`Evidence.loaded` False: `nanguard run` tracked every
+    `torch.load` / `load_state_dict`): the script's own initialisation made it.
+    Ruled out: a load seen or not knowable (checkpoint_nonfinite), no tensor named (a value
+    that may be the batch's), the batch shown to hold the value (data_nonfinite)."""
+    found = _before_first_update(ev)
+    tensors = _state_tensors(ev)
+    if found is None or found[0] == "unexplained" or ev.loaded is not False or not tensors:
+        return None
+    named = ", ".join(f"`{t}`" for t in tensors[:6]) + (" ..." if len(tensors) > 6 else "")
+    were = "were" if len(tensors) > 1 else "was"
+    module = (ev.first_nonfinite or {}).get("module")
+    where = f" of `{module}`" if module else ""
+    return Cause(
+        cause="init_nonfinite",
+        confidence=0.9 if found[0] == "found" else 0.75,
+        evidence=f"{named} {were} non-finite at step {ev.step}, before any update, and the "
+        "script loaded no state (no `torch.load` / `load_state_dict` call anywhere): its own "
+        "initialisation made the value",
+        fix=f"look at the initialisation{where} (a custom `reset_parameters`, `nn.init` call "
+        "or in-place write to the weights); "
+        + ("`nanguard run --preflight-only <your script> ...`" if ev.entry == "run"
+           else "`nanguard preflight`")
+        + " checks every layer's init before training",
     )
 
 

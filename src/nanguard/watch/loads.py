@@ -30,6 +30,9 @@ from nanguard.watch.norms import local
 _OWN = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
 _last: str | None = None
 _patched: list[tuple[Any, str, Any]] = []
+_any = False
+"""Whether any load was seen since the last `track()` (kept after `untrack()`: the report of
+a `nanguard run` is written once the script's hooks are gone)."""
 
 
 def call_site() -> str | None:
@@ -44,10 +47,20 @@ def call_site() -> str | None:
 
 
 def note(site: str | None) -> None:
-    """Remember `site` as the last place state was loaded."""
-    global _last
+    """Remember `site` as the last place state was loaded (None: a load, line unknown)."""
+    global _last, _any
+    _any = True
     if site is not None:
         _last = site
+
+
+def load_seen(whole_script: bool) -> bool | None:
+    """Whether state was loaded: True when a load was seen; False when none was and loads
+    were tracked for the whole script (`whole_script`: `nanguard run`); None when unknown (a
+    `Guard` sees only the loads after it was created)."""
+    if _any:
+        return True
+    return False if whole_script else None
 
 
 def last_site() -> str | None:
@@ -69,8 +82,10 @@ def _wrap(owner: Any, attr: str) -> None:
 
 def track() -> None:
     """Remember the call site of every `torch.load` / `load_state_dict` (idempotent)."""
+    global _any
     if _patched:
         return
+    _any = False
     _wrap(torch, "load")
     _wrap(torch.nn.Module, "load_state_dict")
     _wrap(torch.optim.Optimizer, "load_state_dict")
