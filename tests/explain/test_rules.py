@@ -200,6 +200,21 @@ def test_checkpoint_nonfinite_needs_a_load() -> None:
     assert R.init_nonfinite(Evidence(first_nonfinite=forms[2], loaded=False)) is None
 
 
+def test_a_nan_made_from_an_empty_input_is_division_by_zero() -> None:
+    """A mean (or a loss averaged) over an empty selection: 0 / 0. Not an empty input whose
+    output is finite (a sum: 0) or Inf, nor an op whose inputs all have elements."""
+    empty = [{"index": 0, "shape": [0, 2], "dtype": "float32", "min": None, "max": None}]
+    nan = {"shape": [], "dtype": "float32", "nan": True, "inf": False}
+    ev = _ev(phase="loss", op="aten.nll_loss_forward", inputs=empty, output=nan)
+    cause = R.division_by_zero(ev)
+    assert cause is not None and "input shape [0, 2] (0 rows)" in cause.evidence
+    assert diagnose(ev)[0].cause == "division_by_zero"
+    inf = {**nan, "nan": False, "inf": True}
+    assert R.division_by_zero(_ev(phase="loss", op="aten.mean", inputs=empty, output=inf)) is None
+    full = [{**empty[0], "shape": [4, 2], "min": 0.1, "max": 0.9}]
+    assert R.division_by_zero(_ev(phase="loss", op="aten.mean", inputs=full, output=nan)) is None
+
+
 def test_healthy_evidence_gets_no_diagnosis() -> None:
     assert diagnose(Evidence()) == []
 

@@ -470,3 +470,43 @@ def test_churn_bn_missing_income_in_the_first_batch_is_data_not_a_checkpoint(
     assert "checkpoint_nonfinite" not in g.causes, g.explain()
     assert_failed(g, {"step": 0, "phase": "data", "cause": "data_nonfinite",
                       "samples": [row]})
+
+
+# -------------------------------------------------------------- semi-supervised (few labels)
+
+SEMI = "semi_supervised.py"
+
+
+def _first_unlabelled_batch(labelled: int, epochs: int = 2) -> int:
+    """The first update step whose batch holds no labelled point, from the script's own data
+    and loaders (one per epoch, seeded `seed + epoch`)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    import semi_supervised as semi
+
+    x, y = semi.make_moons(semi.N_POINTS, labelled, 0)
+    step = 0
+    for epoch in range(epochs):
+        for _, yb in semi.loader(x, y, epoch):
+            if not bool((yb >= 0).any()):
+                return step
+            step += 1
+    raise AssertionError("every batch holds a labelled point")
+
+
+def test_semi_supervised_healthy(tmp_path: Path) -> None:
+    """Half the points labelled: every batch has labelled points; healthy, no alarm."""
+    assert_healthy(tmp_path, SEMI)
+
+
+def test_semi_supervised_batch_without_labels_is_an_empty_mean(tmp_path: Path) -> None:
+    """48 labels of 512 points: batch 4 holds none, its cross-entropy over the empty labelled
+    selection is 0 / 0. The origin op's input has 0 rows: `division_by_zero` (an empty
+    reduction), never an empty diagnosis; phase `loss` at that step."""
+    step = _first_unlabelled_batch(48)
+    assert step == 4
+    traced, g = both(tmp_path, SEMI, "--labelled", "48")
+    assert traced.first == {"step": step, "phase": "loss"}, traced
+    assert_failed(g, {"step": step, "phase": "loss", "cause": "division_by_zero"})
+    assert "empty" in g.report["diagnosis"][0]["evidence"], g.explain()

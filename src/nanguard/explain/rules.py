@@ -527,12 +527,40 @@ def saturated_loss(ev: Evidence) -> Cause | None:
     )
 
 
+def _empty_input(ev: Evidence) -> dict[str, Any] | None:
+    """The origin op's first input with no elements (a dimension of size 0), when its output
+    is NaN: a reduction over nothing (a mean, a loss averaged over an empty selection)."""
+    out = (ev.first_nonfinite or {}).get("output") or {}
+    if not out.get("nan"):
+        return None
+    return next((i for i in ev.inputs
+                 if isinstance(i.get("shape"), list) and 0 in i["shape"]), None)
+
+
+def _empty_reduction(ev: Evidence, empty: dict[str, Any]) -> Cause:
+    shape = empty.get("shape")
+    rows = " (0 rows)" if shape and shape[0] == 0 else ""
+    return Cause(
+        cause="division_by_zero",
+        confidence=0.85,
+        evidence=f"{_where(ev)} reduced an empty tensor: input shape {shape}{rows}; the mean "
+        "over no elements is 0 / 0 (an empty selection or split of the batch)",
+        fix="skip the term when the selection is empty (`if mask.any(): ...`), or average "
+        "over a count that cannot be 0: `(per_item * mask).sum() / mask.sum().clamp_min(1)`; "
+        "for an empty split, check its size before training on it",
+    )
+
+
 @rule
 def division_by_zero(ev: Evidence) -> Cause | None:
     """Needs: origin op a division (not in the optimizer, not inside a singular node's
-    backward) whose denominator holds zeros or values within rounding of 0. Ruled out: a
-    denominator range away from 0 (a huge numerator overflowed instead). Without input ranges
-    it fires lower (not in backward: singular_gradient), saying so."""
+    backward) whose denominator holds zeros or values within rounding of 0; or any op that
+    made a NaN out of an input with no elements (a mean or a loss over an empty selection:
+    0 / 0). Ruled out: a denominator range away from 0 (a huge numerator overflowed instead),
+    an empty input with a finite or Inf output. Without input ranges it fires lower (not in
+    backward: singular_gradient), saying so."""
+    if ev.phase != "optimizer" and (empty := _empty_input(ev)) is not None:
+        return _empty_reduction(ev, empty)
     if not ev.op.startswith(("aten.div", "aten.reciprocal", "aten._foreach_div")):
         return None
     if ev.phase == "optimizer" or _singular_node(ev):

@@ -63,8 +63,7 @@ def undetermined(first_nonfinite: dict[str, Any] | None, *, alarms: list[dict[st
     where += f") at {first_nonfinite.get('source')}" if first_nonfinite.get("source") else ")"
     inputs = first_nonfinite.get("inputs") or []
     if inputs:
-        ranges = "; ".join(f"[{i.get('min')}, {i.get('max')}] {i.get('dtype') or ''}".strip()
-                           for i in inputs[:3])
+        ranges = "; ".join(_range(i) for i in inputs[:3])
         missing = (f"its inputs ({ranges}) match no rule of the cause vocabulary (no zero or "
                    "negative at a singular point, no huge magnitude, no mask)")
         fix = ("look at that line with these input ranges; `nanguard replay RUN --step "
@@ -74,3 +73,10 @@ def undetermined(first_nonfinite: dict[str, Any] | None, *, alarms: list[dict[st
         fix = f"to record them, {rerun}"
     evidence = f"the first non-finite value at step {step} came from {where}; {missing}"
     return Cause(cause=CAUSE, confidence=CONFIDENCE, evidence=evidence, fix=fix)
+
+
+def _range(i: dict[str, Any]) -> str:
+    """An input as the checker recorded it: its range, or its shape when it has no elements."""
+    if i.get("min") is None and i.get("max") is None:
+        return f"shape {i.get('shape')}, no elements {i.get('dtype') or ''}".strip()
+    return f"[{i.get('min')}, {i.get('max')}] {i.get('dtype') or ''}".strip()
