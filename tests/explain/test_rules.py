@@ -215,6 +215,55 @@ def test_a_nan_made_from_an_empty_input_is_division_by_zero() -> None:
     assert R.division_by_zero(_ev(phase="loss", op="aten.mean", inputs=full, output=nan)) is None
 
 
+def test_adam_eps_fix_never_repeats_the_runs_eps() -> None:
+    """eps=1e-8 that float16 parameters round to 0: the fix names float16 and an eps it holds,
+    never `eps=1e-8` again; in float32 (or bfloat16, which holds 1e-8) no eps is proposed."""
+    first = {"step": 3, "phase": "optimizer", "param": "emb.weight"}
+    half = R.optimizer_state_nonfinite(Evidence(first_nonfinite=first, eps=1e-8,
+                                                dtype="torch.float16", optimizer="Adam"))
+    assert half is not None and "0 in float16" in half.evidence
+    assert "eps=1e-08 -> eps=1e-4" in half.fix and "eps=1e-8)" not in half.fix
+    for dtype in ("torch.float32", "torch.bfloat16"):
+        full = R.optimizer_state_nonfinite(Evidence(first_nonfinite=first, eps=1e-8,
+                                                    dtype=dtype, optimizer="Adam", lr=1e-3))
+        assert full is not None and "eps=1e-8" not in full.fix and "-> eps" not in full.fix
+    zero = R.optimizer_state_nonfinite(Evidence(first_nonfinite=first, eps=0.0,
+                                                optimizer="Adam"))
+    assert zero is not None and "eps=1e-8" in zero.fix
+
+
+def _diverged(**kw: object) -> Evidence:
+    history = [{"step": 0, "loss": 0.7, "grad_norm": 1.0, "lr": kw.get("lr")},
+               {"step": 1, "loss": 2e3, "grad_norm": 3e4, "lr": kw.get("lr")}]
+    return Evidence(first_nonfinite={"step": 3, "phase": "forward", "op": "aten.addmm"},
+                    history=history, optimizer="AdamW", **kw)  # type: ignore[arg-type]
+
+
+def test_weight_decay_not_the_lr_when_the_lr_is_ordinary() -> None:
+    """AdamW at an ordinary lr=3e-3 with weight_decay=1e4 multiplies the weights by -29 a
+    step: the fix lowers the weight decay, not the LR; an LR typo (lr=1e3 with the usual
+    0.1) is the LR's fault; Adam's L2 decay does not multiply the weights that way."""
+    wd = R.optimizer_divergence(_diverged(lr=3e-3, weight_decay=1e4, decoupled_decay=True))
+    assert wd is not None and "weight_decay=10000 -> weight_decay=0.1" in wd.fix
+    assert "lower the LR" not in wd.fix and "1 - lr * weight_decay = -29" in wd.evidence
+    typo = R.optimizer_divergence(_diverged(lr=1e3, weight_decay=0.1, decoupled_decay=True))
+    assert typo is not None and "lower the LR (lr=1000 ->" in typo.fix
+    l2 = R.optimizer_divergence(_diverged(lr=3e-3, weight_decay=1e4, decoupled_decay=False))
+    assert l2 is not None and "weight_decay=10000 ->" not in l2.fix
+
+
+def test_exp_fix_follows_where_the_value_went() -> None:
+    """An exp whose result goes into `1 + e` / log1p is a softplus or sigmoid by hand: the fix
+    is softplus, not a softmax; into a sum (a softmax by hand): subtract the max."""
+    rng = [{"dtype": "float32", "min": -3.0, "max": 1e5}]
+    by_hand = _ev(phase="loss", op="aten.exp", inputs=rng, propagated_by={"op": "aten.add"})
+    cause = R.exp_overflow(by_hand)
+    assert cause is not None and "F.softplus" in cause.fix and "softmax" not in cause.fix
+    soft = _ev(phase="forward", op="aten.exp", inputs=rng, propagated_by={"op": "aten.sum"})
+    cause = R.exp_overflow(soft)
+    assert cause is not None and "logsumexp" in cause.fix and "softplus" not in cause.fix
+
+
 def test_healthy_evidence_gets_no_diagnosis() -> None:
     assert diagnose(Evidence()) == []
 

@@ -373,6 +373,25 @@ def test_house_prices_without_a_rerun_is_undetermined_not_causeless(tmp_path: Pa
     assert "nanguard run --policy raise" in entry["fix"], entry
 
 
+def test_house_prices_weight_decay_typo_blames_the_decay(tmp_path: Path) -> None:
+    """`--weight-decay 1e4` (meant 1e-4) at the ordinary lr 3e-3: AdamW multiplies every weight
+    by 1 - lr * wd = -29 each step. The fix must name the weight decay with the run's numbers,
+    not lower an LR that is fine; and it must be one: the script run with the proposed decay
+    trains without a non-finite value."""
+    traced, g = both(tmp_path, HOUSES, "--weight-decay", "1e4")
+    expected = traced.first
+    assert expected is not None
+    assert_failed(g, {"step": expected["step"], "phase": expected["phase"],
+                      "cause": "optimizer_divergence"})
+    fix = g.report["diagnosis"][0]["fix"]
+    found = re.search(r"weight_decay=10000 -> weight_decay=([0-9.e+-]+)", fix)
+    assert found is not None and "lower the LR" not in fix, fix
+    fixed = plain(tmp_path, HOUSES, "--weight-decay", found.group(1))
+    mse = [float(m) for m in re.findall(r"^epoch \d+: mse (\S+)$", fixed.stdout, re.M)]
+    assert fixed.returncode == 0 and len(mse) == 2, fixed.stderr[-2000:]
+    assert all(math.isfinite(v) for v in mse) and mse[-1] < mse[0], mse
+
+
 def test_house_prices_shape_error_is_the_scripts_own(tmp_path: Path) -> None:
     """From step 5 on the batches carry one more column: a shape error inside `forward`,
     nothing non-finite anywhere. The run is `crashed` (the script's own error), watched up
@@ -510,3 +529,44 @@ def test_semi_supervised_batch_without_labels_is_an_empty_mean(tmp_path: Path) -
     assert traced.first == {"step": step, "phase": "loss"}, traced
     assert_failed(g, {"step": step, "phase": "loss", "cause": "division_by_zero"})
     assert "empty" in g.report["diagnosis"][0]["evidence"], g.explain()
+
+
+# ------------------------------------------------------------ fixes that fit the run's numbers
+
+HALF = "half_bow.py"
+RANK = "pairwise_rank.py"
+
+
+def test_half_bow_healthy(tmp_path: Path) -> None:
+    """EmbeddingBag + linear head in float32, Adam: healthy, no alarm."""
+    assert_healthy(tmp_path, HALF)
+
+
+def test_half_bow_float16_parameters_round_adam_eps_to_zero(tmp_path: Path) -> None:
+    """`--half`: the model's parameters in float16, Adam's eps the default 1e-8, which is 0 in
+    float16: words absent from the first batch get 0 / 0 in the first update. The fix must not
+    propose the eps the run already has (1e-8); it names float16 and an eps float16 holds."""
+    traced, g = both(tmp_path, HALF, "--half")
+    assert traced.first is not None
+    assert (traced.first["step"], traced.first["phase"]) == (0, "optimizer"), traced.first
+    assert_failed(g, {"step": 0, "phase": "optimizer", "cause": "optimizer_state_nonfinite"})
+    entry = g.report["diagnosis"][0]
+    assert "0 in float16" in entry["evidence"], entry
+    assert "eps=1e-8)" not in entry["fix"] and "float16" in entry["fix"], entry
+
+
+def test_pairwise_rank_healthy(tmp_path: Path) -> None:
+    """RankNet-style loss written by hand on standardized features: healthy, no alarm."""
+    assert_healthy(tmp_path, RANK)
+
+
+def test_pairwise_rank_raw_features_overflow_a_handwritten_softplus(tmp_path: Path) -> None:
+    """`--no-standardize`: raw prices make score differences of ~1e5; `exp(-(s_i - s_j))` in
+    the hand-written `log(1 + exp(...))` overflows in the loss at step 0. The fix is
+    `F.softplus` (there is no max to subtract: a softmax / logsumexp fix does not apply)."""
+    traced, g = both(tmp_path, RANK, "--no-standardize")
+    assert traced.first == {"step": 0, "phase": "loss"}, traced
+    assert_failed(g, {"step": 0, "phase": "loss", "cause": "exp_overflow"})
+    fix = g.report["diagnosis"][0]["fix"]
+    assert "F.softplus" in fix and "logsumexp" not in fix, fix
+    assert g.first["op"] == "aten.exp", g.explain()

@@ -18,7 +18,24 @@ def evidence_from_guard(guard: Guard) -> Evidence:
 
     ev = evidence_from_log(guard.run_log())
     ev.loaded = loads.load_seen(whole_script=ev.entry == "run")
+    ev.weight_decay, ev.decoupled_decay = _weight_decay(guard.optimizer)
     return ev
+
+
+_DECOUPLED = ("AdamW", "SGD", "Lion", "ManualStep")
+"""Optimizers whose weight decay multiplies the weights by (1 - lr * wd) each step."""
+
+
+def _weight_decay(optimizer: Any) -> tuple[float | None, bool]:
+    """(largest weight_decay of the groups, whether it acts multiplicatively)."""
+    groups = getattr(optimizer, "param_groups", None) or []
+    decays = [float(g["weight_decay"]) for g in groups
+              if isinstance(g.get("weight_decay"), (int, float))]
+    if not decays:
+        return None, False
+    decoupled = type(optimizer).__name__ in _DECOUPLED or any(
+        g.get("decoupled_weight_decay") for g in groups)
+    return max(decays), decoupled
 
 
 def evidence_from_log(log: Mapping[str, Any]) -> Evidence:

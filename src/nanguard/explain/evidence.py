@@ -35,6 +35,12 @@ class Evidence:
     """SGD momentum or Adam beta1."""
     eps: float | None = None
     """Adam-family eps."""
+    weight_decay: float | None = None
+    """The largest `weight_decay` of the optimizer's parameter groups."""
+    decoupled_decay: bool = False
+    """Whether that decay multiplies the weights by (1 - lr * weight_decay) each step (AdamW,
+    Lion, SGD's L2 term, Adam with `decoupled_weight_decay`), not through an adaptive
+    normalisation (Adam's L2 term)."""
     dtype: str | None = None
     """Parameter / autocast dtype, e.g. `torch.float16`."""
     healthy_grad_norm: float | None = None

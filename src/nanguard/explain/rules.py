@@ -646,13 +646,29 @@ def exp_overflow(ev: Evidence) -> Cause | None:
         return None
     seen = f"its largest input {top:.4g} > {limit:.3g}" if top is not None else (
         "presumed: the input ranges were not recorded")
+    nxt = str(((ev.first_nonfinite or {}).get("propagated_by") or {}).get("op") or "")
+    if nxt.startswith(_SOFTPLUS_NEXT):
+        # `log(1 + exp(z))` / `1 + exp(z)`: a softplus or a sigmoid written by hand; no max
+        # to subtract (a softmax fix would not apply).
+        what = f"; its result went on into {nxt} (`log(1 + exp(z))` or `1 + exp(z)` by hand)"
+        fix = ("use the stable built-ins: `torch.log(1 + torch.exp(z))` -> "
+               "`F.softplus(z)`; `1 / (1 + torch.exp(-z))` -> `torch.sigmoid(z)`; a logistic "
+               "loss `log(1 + exp(-y * z))` -> `F.softplus(-y * z)` (or "
+               "`F.binary_cross_entropy_with_logits`)")
+    else:
+        what = ""
+        fix = ("subtract the max first: `torch.softmax(x, dim)` / `torch.logsumexp`, or "
+               "`(x - x.amax(dim, keepdim=True)).exp()`")
     return Cause(
         cause="exp_overflow",
         confidence=0.9 if top is not None else 0.6,
-        evidence=f"{_where(ev)}: exp overflows above {limit:.3g} ({seen})",
-        fix="subtract the max first: `torch.softmax(x, dim)` / `torch.logsumexp`, or "
-        "`(x - x.amax(dim, keepdim=True)).exp()`",
+        evidence=f"{_where(ev)}: exp overflows above {limit:.3g} ({seen}){what}",
+        fix=fix,
     )
+
+
+_SOFTPLUS_NEXT = ("aten.add", "aten.rsub", "aten.log1p", "aten.log", "aten.reciprocal")
+"""Ops an exp's result flows into in a hand-written softplus / sigmoid (1 + e, log1p(e))."""
 
 
 @rule
@@ -690,16 +706,40 @@ def optimizer_state_nonfinite(ev: Evidence) -> Cause | None:
         return None  # a cascade that overflowed in the update: optimizer_divergence
     if ev.step == 0 and (ev.first_nonfinite or {}).get("kind") == "state":
         return None  # loaded that way: checkpoint_nonfinite
-    eps_note = " with eps=0" if ev.eps == 0 else ""
     param = (ev.first_nonfinite or {}).get("param") or (ev.first_nonfinite or {}).get("module")
+    name = ev.optimizer or "the optimizer"
+    rounded = _eps_rounds_to_zero(ev)
+    if ev.eps == 0:
+        eps_note, conf = " with eps=0", 0.85
+        fix = f"`{name}(params, eps=1e-8)` (never 0)"
+    elif rounded is not None:
+        # The eps the run set is fine in float32; in the parameters' dtype it is 0.
+        fi = _finfo(rounded)
+        eps_note, conf = (f" with eps={ev.eps:g}, which is 0 in {rounded} parameters (the "
+                          f"smallest {rounded} value is {fi.smallest_normal * fi.eps:.3g})"), 0.85
+        fix = (f"keep float32 master weights (train float32 parameters under autocast + "
+               f"GradScaler instead of {rounded} ones), or raise eps to one {rounded} holds: "
+               f"eps={ev.eps:g} -> eps=1e-4")
+    else:
+        eps_note, conf = (f" (eps={ev.eps:g})" if ev.eps is not None else ""), 0.6
+        lr = f"lr={ev.lr:g}, " if ev.lr is not None else ""
+        fix = (f"look at the update's settings for `{param}` ({lr}eps, weight decay) and at "
+               "its gradient scale")
     return Cause(
         cause="optimizer_state_nonfinite",
-        confidence=0.85 if ev.eps == 0 else 0.6,
-        evidence=f"gradients were finite but {ev.optimizer or 'the optimizer'}{eps_note} "
+        confidence=conf,
+        evidence=f"gradients were finite but {name}{eps_note} "
         f"produced a non-finite update / state for `{param}` at step {ev.step}",
-        fix="`torch.optim.Adam(params, eps=1e-8)` (never 0); check `nanguard audit` on the "
-        "optimizer state of your checkpoint",
+        fix=f"{fix}; check `nanguard audit` on the optimizer state of your checkpoint",
     )
+
+
+def _eps_rounds_to_zero(ev: Evidence) -> str | None:
+    """The parameters' low-precision dtype when the run's eps (> 0) rounds to 0 in it."""
+    if not ev.eps or ev.dtype not in _LOW_PRECISION:
+        return None
+    name = str(ev.dtype).replace("torch.", "")
+    return name if float(torch.tensor(ev.eps, dtype=getattr(torch, name))) == 0.0 else None
 
 
 def _lr_factor(growth: float) -> float:
@@ -796,6 +836,23 @@ def _clip_fix(ev: Evidence, healthy: float | None) -> str:
     return f"clip: {call} (3x the healthy grad norm {healthy:.3g})"
 
 
+ORDINARY_DECAY = 1.0
+"""A weight decay above this is not one anyone tunes to (0 to ~0.5 in practice)."""
+
+
+def _decay_blamed(ev: Evidence) -> tuple[float, float] | None:
+    """(weight_decay, per-step growth |1 - lr * wd|) when the decay, not the LR, makes the
+    weights grow: a multiplicative decay (`Evidence.decoupled_decay`) with lr * wd > 2, a
+    weight decay out of the ordinary, and an LR that an ordinary decay (0.1) would keep
+    stable (lr * 0.1 <= 1: the GPT LR typo lr=1e3 with wd=0.1 is the LR's fault)."""
+    wd, lr = ev.weight_decay, ev.lr
+    if not ev.decoupled_decay or not wd or not lr or lr * wd <= 2:
+        return None
+    if wd <= ORDINARY_DECAY or lr * 0.1 > 1:
+        return None
+    return wd, abs(1 - lr * wd)
+
+
 @rule
 def optimizer_divergence(ev: Evidence) -> Cause | None:
     """Needs, after at least one update (step >= 1): spike / cascade / forecast / overflow
@@ -803,6 +860,10 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
     or (weaker) the origin op overflowing huge finite inputs (about sqrt of the dtype's
     largest value). Ruled out: a value present in the batch or the loaded state; step 0 (no
     update has run: exploding_init).
+
+    A multiplicative weight decay past the ordinary (AdamW, SGD: lr * weight_decay > 2 with
+    weight_decay > 1 while the LR is one a usual decay keeps stable) is what grew the weights:
+    the fix lowers the decay, never the LR the run has right.
 
     The LR it proposes comes from what it measured, never less than 10x below the failing
     one: a run divergent from its first updates (an LR typed too large) is cut by the first
@@ -867,6 +928,23 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
             basis = f"a tenth of the preflight's divergence point {div:.2g}"
     mom = f" with momentum {ev.momentum:g}" if ev.momentum else ""
     lr = f"lr={ev.lr:g}" if ev.lr is not None else "its LR"
+    decay = _decay_blamed(ev)
+    if decay is not None and ev.lr is not None:
+        # The LR is ordinary: the weight decay is what multiplies the weights past 1 a step.
+        wd, mult = decay
+        why.append(f"weight_decay={wd:g} at {lr} multiplies every weight by 1 - lr * "
+                   f"weight_decay = {1 - ev.lr * wd:.3g} each step (|{1 - ev.lr * wd:.3g}| > 1: "
+                   f"{mult:.3g}x growth a step from the decay alone)")
+        target = min(0.1, 0.01 / ev.lr)
+        return Cause(
+            cause="optimizer_divergence",
+            confidence=max(conf, 0.85),
+            evidence=f"{ev.optimizer or 'the optimizer'}{mom} at {lr} amplified the weights "
+            "step after step: " + "; ".join(why),
+            fix=f"lower the weight decay (weight_decay={wd:g} -> weight_decay={target:.3g}: "
+            f"lr * weight_decay = {ev.lr * target:.3g}, far below 1; your {lr} is ordinary "
+            f"and stays); or let nanguard recover: {_rollback(ev)}",
+        )
     sched = ""
     if ev.lr is not None:
         onset = jump["from"] if jump is not None else (warn[0]["step"] if warn else None)
