@@ -381,12 +381,12 @@ class Guard:
               + (f"; traceback in {self.folder / 'nanguard_error.txt'}" if self.folder else ""),
               file=sys.stderr)
 
-    def _on_load(self, *_: Any) -> None:
+    def _on_load(self, loaded: Any, *_: Any) -> None:
         """`load_state_dict` post-hook of the model and the optimizer: loaded values are
         checked for finiteness before the next update, and the line that loaded them kept."""
         self._check_loaded = True
         self._load_site = loads.call_site()
-        loads.note(self._load_site)
+        loads.note(self._load_site, loaded)
 
     def refine(self, finding: dict[str, Any]) -> Report:
         """After `close()`: take a refined first-non-finite finding (e.g. from a re-run with the

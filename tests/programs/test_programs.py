@@ -154,6 +154,14 @@ def test_gpt_resume_poisoned_checkpoint(tmp_path: Path, gpt_checkpoint: Path,
     expected = traced.first
     assert expected is not None and (expected["step"], expected["phase"]) == (0, "checkpoint")
     assert_failed(g, {"step": 0, "phase": "checkpoint", "cause": "checkpoint_nonfinite"})
+    # The line that loaded the poisoned tensor itself: the weights come from the model's
+    # `load_state_dict`, the Adam moment from the optimizer's (the script's own lines, found
+    # by their text: an independent check).
+    call = "model.load_state_dict(" if poison == "weight" else "optimizer.load_state_dict("
+    lines = (Path(__file__).parent / "scripts" / GPT).read_text().splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if call in text)
+    assert g.first["source"] == f"{Path(__file__).parent / 'scripts' / GPT}:{line}", g.explain()
+    assert f"{GPT}:{line}" in g.report["diagnosis"][0]["evidence"], g.explain()
 
 
 # ---------------------------------------------------------------------------------- RNN LM
