@@ -438,12 +438,12 @@ class Guard:
               + (f"; traceback in {self.folder / 'nanguard_error.txt'}" if self.folder else ""),
               file=sys.stderr)
 
-    def _on_load(self, *_: Any) -> None:
+    def _on_load(self, loaded: Any, *_: Any) -> None:
         """`load_state_dict` post-hook of the model and the optimizer: loaded values are
         checked for finiteness before the next update, and the line that loaded them kept."""
         self._check_loaded = True
         self._load_site = loads.call_site()
-        loads.note(self._load_site)
+        loads.note(self._load_site, loaded)
 
     def refine(self, finding: dict[str, Any]) -> Report:
         """After `close()`: take a refined first-non-finite finding (e.g. from a re-run with the
@@ -972,7 +972,7 @@ class Guard:
 
     def _build_report(self) -> Report:
         from nanguard.explain import diagnose
-        from nanguard.explain.context import evidence_from_log
+        from nanguard.explain.context import evidence_from_run
 
         ended, message = getattr(self, "_ended", ("ok", None))
         recovery = self._recovery_verdict()
@@ -981,7 +981,7 @@ class Guard:
             recovery["updates_skipped"] = sum(a["action"] == "skip" for a in self.actions)
             recovery.update(self.recovery.cost() or {})
 
-        causes = diagnose(evidence_from_log(self.run_log()))
+        causes = diagnose(evidence_from_run(self.run_log(), self.optimizer))
         return build_report(
             steps=self.step,
             alarms=[a.to_dict() for a in self.alarms],

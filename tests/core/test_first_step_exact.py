@@ -137,3 +137,25 @@ def test_nan_loaded_from_a_checkpoint_is_named(tmp_path: Path, when: str) -> Non
         line = next(i for i, t in enumerate(Path(__file__).read_text().splitlines(), 1)
                     if "# LOAD LINE" in t)
         assert first["source"] == f"{__file__}:{line}"
+
+
+def test_each_loaded_tensor_keeps_the_line_that_loaded_it(tmp_path: Path) -> None:
+    """A NaN in the model's weights, loaded after the Guard was built by the model's
+    `load_state_dict`, then the optimizer's on the next line: the finding names the weights'
+    line (the model's), not the last load line (the optimizer's)."""
+    _checkpoint(tmp_path / "ckpt.pt")
+    ckpt = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    ckpt["optimizer"]["state"][2]["exp_avg_sq"][0, 5] = 1.0  # a clean optimizer state
+    ckpt["model"]["0.weight"][1, 2] = float("nan")
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    guard = nanguard.Guard(model, opt, out=tmp_path / "r")
+    model.load_state_dict(ckpt["model"])  # WEIGHTS LINE
+    opt.load_state_dict(ckpt["optimizer"])
+    _steps(model, opt, guard, 2)
+    first = guard.close().first_nonfinite
+    assert first is not None and first["phase"] == "checkpoint"
+    assert first["tensors"] == ["0.weight"]
+    line = next(i for i, t in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if "# WEIGHTS LINE" in t)
+    assert first["source"] == f"{__file__}:{line}"

@@ -34,6 +34,13 @@ CASES = [
         _ev(phase="data", step=0, samples=[3]),
     ),
     (
+        R.init_nonfinite,
+        Evidence(first_nonfinite={"step": 0, "phase": "checkpoint", "tensors": ["fc.weight"]},
+                 loaded=False),
+        Evidence(first_nonfinite={"step": 0, "phase": "checkpoint", "tensors": ["fc.weight"]},
+                 loaded=True),
+    ),
+    (
         R.data_nonfinite,
         _ev(phase="data", samples=[3]),
         _ev(phase="data", samples=[]),  # no evidence the batch holds it
@@ -169,6 +176,108 @@ def test_every_rule_states_its_evidence(rule) -> None:
 
 def test_every_rule_is_registered_and_covered() -> None:
     assert {c[0] for c in CASES} == set(R.RULES)
+
+
+def test_a_batch_the_guard_saw_hold_the_value_is_data_whichever_op_read_it() -> None:
+    """The origin was put on the first op that read the batch (an `addmm` in the forward, a
+    collate `stack` in the loss phase): the guard's own batch check is the evidence."""
+    for phase, op in (("forward", "aten.addmm"), ("loss", "aten.stack")):
+        ev = Evidence(first_nonfinite={"step": 3, "phase": phase, "op": op, "samples": [2]},
+                      bad_tensors=[0], n_batch_tensors=2)
+        causes = diagnose(ev)
+        assert causes and causes[0].cause == "data_nonfinite", causes
+        assert "only the first op to read it" in causes[0].evidence
+        ev.bad_tensors = [1]
+        assert diagnose(ev)[0].cause == "label_nonfinite"
+    # Not without the guard's batch check: rows alone, outside `data`, are an op's output rows.
+    assert R.data_nonfinite(_ev(phase="forward", op="aten.addmm", samples=[2])) is None
+    # Nor for a value the guard found in the loaded state.
+    loaded = Evidence(first_nonfinite={"step": 0, "phase": "forward", "op": "aten.addmm",
+                                       "tensors": ["fc.weight"]}, bad_tensors=[0])
+    assert R.data_nonfinite(loaded) is None
+
+
+def test_checkpoint_nonfinite_needs_a_load() -> None:
+    """No `torch.load` / `load_state_dict` anywhere in a `nanguard run` script: never a
+    checkpoint, in any of its forms; unknown (a Guard created after a load): still one."""
+    forms = [
+        {"step": 0, "phase": "checkpoint", "tensors": ["buffer:bn.running_mean"]},
+        {"step": 0, "phase": "optimizer", "kind": "state", "param": "fc.weight"},
+        {"step": 0, "phase": "data", "samples": []},
+    ]
+    for first in forms:
+        assert R.checkpoint_nonfinite(Evidence(first_nonfinite=first, loaded=False)) is None
+        for loaded in (True, None):
+            cause = R.checkpoint_nonfinite(Evidence(first_nonfinite=first, loaded=loaded))
+            assert cause is not None, (first, loaded)
+    # Without a load, the named state is the script's own init; an unnamed value is not.
+    causes = diagnose(Evidence(first_nonfinite=forms[1], loaded=False, entry="run"))
+    assert causes[0].cause == "init_nonfinite" and "--preflight-only" in causes[0].fix
+    assert R.init_nonfinite(Evidence(first_nonfinite=forms[2], loaded=False)) is None
+
+
+def test_a_nan_made_from_an_empty_input_is_division_by_zero() -> None:
+    """A mean (or a loss averaged) over an empty selection: 0 / 0. Not an empty input whose
+    output is finite (a sum: 0) or Inf, nor an op whose inputs all have elements."""
+    empty = [{"index": 0, "shape": [0, 2], "dtype": "float32", "min": None, "max": None}]
+    nan = {"shape": [], "dtype": "float32", "nan": True, "inf": False}
+    ev = _ev(phase="loss", op="aten.nll_loss_forward", inputs=empty, output=nan)
+    cause = R.division_by_zero(ev)
+    assert cause is not None and "input shape [0, 2] (0 rows)" in cause.evidence
+    assert diagnose(ev)[0].cause == "division_by_zero"
+    inf = {**nan, "nan": False, "inf": True}
+    assert R.division_by_zero(_ev(phase="loss", op="aten.mean", inputs=empty, output=inf)) is None
+    full = [{**empty[0], "shape": [4, 2], "min": 0.1, "max": 0.9}]
+    assert R.division_by_zero(_ev(phase="loss", op="aten.mean", inputs=full, output=nan)) is None
+
+
+def test_adam_eps_fix_never_repeats_the_runs_eps() -> None:
+    """eps=1e-8 that float16 parameters round to 0: the fix names float16 and an eps it holds,
+    never `eps=1e-8` again; in float32 (or bfloat16, which holds 1e-8) no eps is proposed."""
+    first = {"step": 3, "phase": "optimizer", "param": "emb.weight"}
+    half = R.optimizer_state_nonfinite(Evidence(first_nonfinite=first, eps=1e-8,
+                                                dtype="torch.float16", optimizer="Adam"))
+    assert half is not None and "0 in float16" in half.evidence
+    assert "eps=1e-08 -> eps=1e-4" in half.fix and "eps=1e-8)" not in half.fix
+    for dtype in ("torch.float32", "torch.bfloat16"):
+        full = R.optimizer_state_nonfinite(Evidence(first_nonfinite=first, eps=1e-8,
+                                                    dtype=dtype, optimizer="Adam", lr=1e-3))
+        assert full is not None and "eps=1e-8" not in full.fix and "-> eps" not in full.fix
+    zero = R.optimizer_state_nonfinite(Evidence(first_nonfinite=first, eps=0.0,
+                                                optimizer="Adam"))
+    assert zero is not None and "eps=1e-8" in zero.fix
+
+
+def _diverged(**kw: object) -> Evidence:
+    history = [{"step": 0, "loss": 0.7, "grad_norm": 1.0, "lr": kw.get("lr")},
+               {"step": 1, "loss": 2e3, "grad_norm": 3e4, "lr": kw.get("lr")}]
+    return Evidence(first_nonfinite={"step": 3, "phase": "forward", "op": "aten.addmm"},
+                    history=history, optimizer="AdamW", **kw)  # type: ignore[arg-type]
+
+
+def test_weight_decay_not_the_lr_when_the_lr_is_ordinary() -> None:
+    """AdamW at an ordinary lr=3e-3 with weight_decay=1e4 multiplies the weights by -29 a
+    step: the fix lowers the weight decay, not the LR; an LR typo (lr=1e3 with the usual
+    0.1) is the LR's fault; Adam's L2 decay does not multiply the weights that way."""
+    wd = R.optimizer_divergence(_diverged(lr=3e-3, weight_decay=1e4, decoupled_decay=True))
+    assert wd is not None and "weight_decay=10000 -> weight_decay=0.1" in wd.fix
+    assert "lower the LR" not in wd.fix and "1 - lr * weight_decay = -29" in wd.evidence
+    typo = R.optimizer_divergence(_diverged(lr=1e3, weight_decay=0.1, decoupled_decay=True))
+    assert typo is not None and "lower the LR (lr=1000 ->" in typo.fix
+    l2 = R.optimizer_divergence(_diverged(lr=3e-3, weight_decay=1e4, decoupled_decay=False))
+    assert l2 is not None and "weight_decay=10000 ->" not in l2.fix
+
+
+def test_exp_fix_follows_where_the_value_went() -> None:
+    """An exp whose result goes into `1 + e` / log1p is a softplus or sigmoid by hand: the fix
+    is softplus, not a softmax; into a sum (a softmax by hand): subtract the max."""
+    rng = [{"dtype": "float32", "min": -3.0, "max": 1e5}]
+    by_hand = _ev(phase="loss", op="aten.exp", inputs=rng, propagated_by={"op": "aten.add"})
+    cause = R.exp_overflow(by_hand)
+    assert cause is not None and "F.softplus" in cause.fix and "softmax" not in cause.fix
+    soft = _ev(phase="forward", op="aten.exp", inputs=rng, propagated_by={"op": "aten.sum"})
+    cause = R.exp_overflow(soft)
+    assert cause is not None and "logsumexp" in cause.fix and "softplus" not in cause.fix
 
 
 def test_healthy_evidence_gets_no_diagnosis() -> None:

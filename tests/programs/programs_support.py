@@ -130,8 +130,10 @@ def report_exit(folder: Path) -> int:
 # ------------------------------------------------------------------------------- data files
 
 
-def write_load_csv(path: Path, rows: int = 600, nan_row: int | None = None) -> Path:
-    """Hourly temperature / humidity / load readings; `nan_row` gets an empty humidity cell."""
+def write_load_csv(path: Path, rows: int = 600, nan_row: int | None = None,
+                   gap: int = 1) -> Path:
+    """Hourly temperature / humidity / load readings; `nan_row` (and the `gap - 1` rows after
+    it) get an empty humidity cell."""
     rng = random.Random(0)
     with path.open("w") as f:
         f.write("timestamp,temperature,humidity,load\n")
@@ -140,7 +142,7 @@ def write_load_csv(path: Path, rows: int = 600, nan_row: int | None = None) -> P
             t = 15 + 8 * day + rng.gauss(0, 0.5)
             h = 0.6 - 0.2 * day + rng.gauss(0, 0.02)
             load = 1 + 0.04 * (t - 15) + 0.3 * math.sin(2 * math.pi * i / 12) + rng.gauss(0, .05)
-            hs = "" if i == nan_row else f"{h:.4f}"
+            hs = "" if nan_row is not None and nan_row <= i < nan_row + gap else f"{h:.4f}"
             f.write(f"2024-01-{1 + i // 24:02d}T{i % 24:02d}:00,{t:.3f},{hs},{load:.4f}\n")
     return path
 

@@ -1,7 +1,10 @@
 """Realistic training programs run black box through `nanguard run` (real subprocesses, the
 scripts unmodified): a nanoGPT-style GPT (AdamW, warm-up + cosine, clipping, checkpoint resume),
 a word-level RNN LM with hand-written SGD updates, a float64 LSTM trained by L-BFGS with a
-closure, a CSV time-series forecaster (Dataset + DataLoader), and a two-network BCE GAN.
+closure, a CSV time-series forecaster (Dataset + DataLoader), and a two-network BCE GAN; and
+(third round) a house-price MLP whose forward checks its own hidden state, a TCN over CSV
+windows built from Python lists, a BatchNorm churn classifier, a semi-supervised loop with few
+labels, a float16 bag-of-words model under Adam and a hand-written pairwise ranking loss.
 
 Each program has a healthy configuration (no alarm: status `healthy`, exit 0) and a failing one,
 broken through a flag, a data file or a checkpoint. The expected finding of every failing case is
@@ -24,6 +27,7 @@ import torch
 from programs_support import (
     Guarded,
     both,
+    guarded,
     plain,
     report_exit,
     write_load_csv,
@@ -153,6 +157,14 @@ def test_gpt_resume_poisoned_checkpoint(tmp_path: Path, gpt_checkpoint: Path,
     expected = traced.first
     assert expected is not None and (expected["step"], expected["phase"]) == (0, "checkpoint")
     assert_failed(g, {"step": 0, "phase": "checkpoint", "cause": "checkpoint_nonfinite"})
+    # The line that loaded the poisoned tensor itself: the weights come from the model's
+    # `load_state_dict`, the Adam moment from the optimizer's (the script's own lines, found
+    # by their text: an independent check).
+    call = "model.load_state_dict(" if poison == "weight" else "optimizer.load_state_dict("
+    lines = (Path(__file__).parent / "scripts" / GPT).read_text().splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if call in text)
+    assert g.first["source"] == f"{Path(__file__).parent / 'scripts' / GPT}:{line}", g.explain()
+    assert f"{GPT}:{line}" in g.report["diagnosis"][0]["evidence"], g.explain()
 
 
 # ---------------------------------------------------------------------------------- RNN LM
@@ -197,6 +209,19 @@ def test_lbfgs_float64_eps0_division_by_zero(tmp_path: Path) -> None:
     expected = traced.first
     assert expected is not None and (expected["step"], expected["phase"]) == (3, "forward")
     assert_failed(g, {"step": 3, "phase": "forward", "cause": "division_by_zero"})
+
+
+def test_lbfgs_gap_from_the_first_closure_call_raise(tmp_path: Path) -> None:
+    """`--gap 3 10`: one lost reading (NaN) in trace 3, which is in the first batch (no
+    shuffling): the first closure call of the first step already meets it, and `raise` stops
+    the run there. nanguard's own epilogue must not fail after that (it once wrote the settled
+    finding into the store the `raise` had closed): no traceback, a report.json, phase `data`,
+    the culprit sample, cause `data_nonfinite`."""
+    traced, g = both(tmp_path, LBFGS, *LBFGS_ARGS, "--gap", "3", "10",
+                     options=("--policy", "raise"))
+    assert traced.first == {"step": 0, "phase": "data", "samples": [3]}, traced
+    assert "Traceback" not in g.proc.stderr, g.explain()
+    assert_failed(g, {"step": 0, "phase": "data", "cause": "data_nonfinite", "samples": [3]})
 
 
 # ------------------------------------------------------------------------- CSV forecaster
@@ -298,3 +323,261 @@ def test_cnn_workers_nan_pixel(tmp_path: Path) -> None:
         step, "data"), traced.first
     assert_failed(g, {"step": step, "phase": "data", "cause": "data_nonfinite",
                       "samples": [micro * cnn_workers.BATCH + row]})
+
+
+# --------------------------------------------------------------------- house prices (MLP)
+
+HOUSES = "house_prices.py"
+
+
+def _house_batch(listing: int) -> tuple[int, int]:
+    """(update step, row in its batch) of `listing`, recomputed from the DataLoader's contract
+    (the script's own `loader` over the listing indices: the same generator, the same
+    order)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    import house_prices
+
+    ids = torch.arange(house_prices.N_LISTINGS, dtype=torch.float32).unsqueeze(1)
+    order = [int(i) for x, _ in house_prices.loader(ids, torch.zeros_like(ids), 0)
+             for i in x.flatten()]
+    return divmod(order.index(listing), house_prices.BATCH)
+
+
+def test_house_prices_healthy(tmp_path: Path) -> None:
+    """Log-transformed features inside the forward, a NaN check of its own, AdamW + cosine:
+    healthy, no alarm."""
+    assert_healthy(tmp_path, HOUSES)
+
+
+def test_house_prices_zero_area_own_nan_check(tmp_path: Path) -> None:
+    """Listing 300 has area 0: `log(area)` is -inf in the forward of the batch holding it and
+    the script's own check raises `FloatingPointError` inside `forward`, before any loss. The
+    user's exception reaches them as it is (no nanguard error, no `degraded`), and what was
+    non-finite before it is the finding: `failed`, that step, phase `forward`, the culprit
+    sample, cause `log_of_nonpositive`, the `log` line; the exit code is the script's."""
+    step, row = _house_batch(300)
+    traced, g = both(tmp_path, HOUSES, "--zero-area", "300")
+    assert traced.first is not None
+    assert (traced.first["step"], traced.first["phase"]) == (step, "forward"), traced.first
+    assert "FloatingPointError: PriceNet: non-finite hidden state" in g.proc.stderr
+    assert "internal error" not in g.proc.stderr, g.explain()
+    assert_failed(g, {"step": step, "phase": "forward", "cause": "log_of_nonpositive",
+                      "samples": [row]})
+    assert (g.first["op"], g.first["source"].rsplit(":", 1)[0]) == (
+        "aten.log", str(Path(__file__).parent / "scripts" / HOUSES)), g.explain()
+
+
+def test_house_prices_without_a_rerun_is_undetermined_not_causeless(tmp_path: Path) -> None:
+    """The same failure with the re-run turned off (`--replay-budget 0`): no op-level origin,
+    so no cause can be shown; the diagnosis still is not empty: an `undetermined` entry says
+    the op is missing, why (the re-run was off) and how to get it."""
+    g = guarded(tmp_path, HOUSES, "--zero-area", "300", options=("--replay-budget", "0"))
+    step, _ = _house_batch(300)
+    assert (g.report["status"], g.first["step"], g.first["phase"]) == (
+        "failed", step, "forward"), g.explain()
+    assert g.causes == ["undetermined"], g.explain()
+    entry = g.report["diagnosis"][0]
+    assert "no op-level origin" in entry["evidence"], entry
+    assert "--replay-budget 0" in entry["evidence"], entry
+    assert "nanguard run --policy raise" in entry["fix"], entry
+
+
+def test_house_prices_weight_decay_typo_blames_the_decay(tmp_path: Path) -> None:
+    """`--weight-decay 1e4` (meant 1e-4) at the ordinary lr 3e-3: AdamW multiplies every weight
+    by 1 - lr * wd = -29 each step. The fix must name the weight decay with the run's numbers,
+    not lower an LR that is fine; and it must be one: the script run with the proposed decay
+    trains without a non-finite value."""
+    traced, g = both(tmp_path, HOUSES, "--weight-decay", "1e4")
+    expected = traced.first
+    assert expected is not None
+    assert_failed(g, {"step": expected["step"], "phase": expected["phase"],
+                      "cause": "optimizer_divergence"})
+    fix = g.report["diagnosis"][0]["fix"]
+    found = re.search(r"weight_decay=10000 -> weight_decay=([0-9.e+-]+)", fix)
+    assert found is not None and "lower the LR" not in fix, fix
+    fixed = plain(tmp_path, HOUSES, "--weight-decay", found.group(1))
+    mse = [float(m) for m in re.findall(r"^epoch \d+: mse (\S+)$", fixed.stdout, re.M)]
+    assert fixed.returncode == 0 and len(mse) == 2, fixed.stderr[-2000:]
+    assert all(math.isfinite(v) for v in mse) and mse[-1] < mse[0], mse
+
+
+def test_house_prices_shape_error_is_the_scripts_own(tmp_path: Path) -> None:
+    """From step 5 on the batches carry one more column: a shape error inside `forward`,
+    nothing non-finite anywhere. The run is `crashed` (the script's own error), watched up
+    to step 5, with the script's exception and exit code; never `degraded`, never `failed`."""
+    traced, g = both(tmp_path, HOUSES, "--extra-column-at", "5")
+    assert (traced.first, traced.steps) == (None, 5)
+    assert "RuntimeError: The size of tensor a (5) must match" in g.proc.stderr
+    got = {"exit": g.proc.returncode, "status": g.report["status"], "steps": g.report["steps"],
+           "first_nonfinite": g.report["first_nonfinite"],
+           "internal": "internal error" in g.proc.stderr}
+    assert got == {"exit": 1, "status": "crashed", "steps": 5, "first_nonfinite": None,
+                   "internal": False}, g.explain()
+
+
+# ------------------------------------------------------------------ station TCN (CSV, lists)
+
+TCN = "station_tcn.py"
+
+
+def _tcn_batch(gap: range, window: int = 12, horizon: int = 3, batch: int = 16,
+               rows: int = 600) -> tuple[int, list[int]]:
+    """(update step, rows of its batch) of the first batch holding a window that covers a row
+    of `gap`, recomputed from the DataLoader's contract (the script's own `loader` over the
+    window indices)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    import station_tcn
+
+    n = rows - window - horizon + 1
+    ids = torch.utils.data.TensorDataset(torch.arange(n))
+    for step, (idx,) in enumerate(station_tcn.loader(ids, batch, 0)):
+        hits = [k for k, i in enumerate(idx.tolist()) if any(i <= r < i + window for r in gap)]
+        if hits:
+            return step, hits
+    raise AssertionError("the gap is in no training window")
+
+
+def test_station_tcn_healthy(tmp_path: Path) -> None:
+    """Windows built by `torch.tensor(rows[...])` in the Dataset, `.to().float()` in the loop,
+    dilated causal convolutions, Huber loss: healthy, no alarm."""
+    assert_healthy(tmp_path, TCN, "--csv", "load.csv",
+                   prepare=lambda d: write_load_csv(d / "load.csv"))
+
+
+@pytest.mark.parametrize("start", [250, 40])
+def test_station_tcn_gap_is_data(tmp_path: Path, start: int) -> None:
+    """Three consecutive empty humidity readings. No op computes the NaN: it is read into the
+    window by `torch.tensor`, assembled by the collate's `stack`, cast by `.float()`; those
+    ops load the batch (phase `data`, not `loss`), and the batch rows holding it are the
+    evidence of `data_nonfinite`. Step and rows recomputed from the loader's order."""
+    step, samples = _tcn_batch(range(start, start + 3))
+    traced, g = both(tmp_path, TCN, "--csv", "load.csv",
+                     prepare=lambda d: write_load_csv(d / "load.csv", nan_row=start, gap=3),
+                     options=("--policy", "raise"))
+    assert traced.first == {"step": step, "phase": "data", "samples": samples}, traced
+    assert_failed(g, {"step": step, "phase": "data", "cause": "data_nonfinite",
+                      "samples": samples})
+    assert g.first["op"] == "aten.stack", g.explain()
+
+
+# ------------------------------------------------------------------ churn (BatchNorm input)
+
+CHURN = "churn_bn.py"
+
+
+def _churn_batch(customer: int) -> tuple[int, int]:
+    """(update step, row in its batch) of `customer`, from the loader's own order."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    import churn_bn
+
+    ids = torch.arange(churn_bn.N_CUSTOMERS, dtype=torch.float32).unsqueeze(1)
+    order = [int(i) for x, _ in churn_bn.loader(ids, torch.zeros_like(ids), 0)
+             for i in x.flatten()]
+    return divmod(order.index(customer), churn_bn.BATCH)
+
+
+def test_churn_bn_healthy(tmp_path: Path) -> None:
+    """BatchNorm input layer, BCE with logits, Adam, eval passes: healthy, no alarm."""
+    assert_healthy(tmp_path, CHURN)
+
+
+def test_churn_bn_missing_income_in_the_first_batch_is_data_not_a_checkpoint(
+        tmp_path: Path) -> None:
+    """Customer 255 (in the first shuffled batch) has no income: BatchNorm writes NaN into its
+    running statistics in that forward, before the first update, so the state is non-finite
+    when the first step starts, but nothing was loaded: never `checkpoint_nonfinite` (that
+    cause needs a load), the batch row is the finding (`data`, `data_nonfinite`)."""
+    step, row = _churn_batch(255)
+    assert step == 0
+    traced, g = both(tmp_path, CHURN, "--missing-income", "255")
+    assert traced.first == {"step": 0, "phase": "data", "samples": [row]}, traced
+    assert "checkpoint_nonfinite" not in g.causes, g.explain()
+    assert_failed(g, {"step": 0, "phase": "data", "cause": "data_nonfinite",
+                      "samples": [row]})
+
+
+# -------------------------------------------------------------- semi-supervised (few labels)
+
+SEMI = "semi_supervised.py"
+
+
+def _first_unlabelled_batch(labelled: int, epochs: int = 2) -> int:
+    """The first update step whose batch holds no labelled point, from the script's own data
+    and loaders (one per epoch, seeded `seed + epoch`)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    import semi_supervised as semi
+
+    x, y = semi.make_moons(semi.N_POINTS, labelled, 0)
+    step = 0
+    for epoch in range(epochs):
+        for _, yb in semi.loader(x, y, epoch):
+            if not bool((yb >= 0).any()):
+                return step
+            step += 1
+    raise AssertionError("every batch holds a labelled point")
+
+
+def test_semi_supervised_healthy(tmp_path: Path) -> None:
+    """Half the points labelled: every batch has labelled points; healthy, no alarm."""
+    assert_healthy(tmp_path, SEMI)
+
+
+def test_semi_supervised_batch_without_labels_is_an_empty_mean(tmp_path: Path) -> None:
+    """48 labels of 512 points: batch 4 holds none, its cross-entropy over the empty labelled
+    selection is 0 / 0. The origin op's input has 0 rows: `division_by_zero` (an empty
+    reduction), never an empty diagnosis; phase `loss` at that step."""
+    step = _first_unlabelled_batch(48)
+    assert step == 4
+    traced, g = both(tmp_path, SEMI, "--labelled", "48")
+    assert traced.first == {"step": step, "phase": "loss"}, traced
+    assert_failed(g, {"step": step, "phase": "loss", "cause": "division_by_zero"})
+    assert "empty" in g.report["diagnosis"][0]["evidence"], g.explain()
+
+
+# ------------------------------------------------------------ fixes that fit the run's numbers
+
+HALF = "half_bow.py"
+RANK = "pairwise_rank.py"
+
+
+def test_half_bow_healthy(tmp_path: Path) -> None:
+    """EmbeddingBag + linear head in float32, Adam: healthy, no alarm."""
+    assert_healthy(tmp_path, HALF)
+
+
+def test_half_bow_float16_parameters_round_adam_eps_to_zero(tmp_path: Path) -> None:
+    """`--half`: the model's parameters in float16, Adam's eps the default 1e-8, which is 0 in
+    float16: words absent from the first batch get 0 / 0 in the first update. The fix must not
+    propose the eps the run already has (1e-8); it names float16 and an eps float16 holds."""
+    traced, g = both(tmp_path, HALF, "--half")
+    assert traced.first is not None
+    assert (traced.first["step"], traced.first["phase"]) == (0, "optimizer"), traced.first
+    assert_failed(g, {"step": 0, "phase": "optimizer", "cause": "optimizer_state_nonfinite"})
+    entry = g.report["diagnosis"][0]
+    assert "0 in float16" in entry["evidence"], entry
+    assert "eps=1e-8)" not in entry["fix"] and "float16" in entry["fix"], entry
+
+
+def test_pairwise_rank_healthy(tmp_path: Path) -> None:
+    """RankNet-style loss written by hand on standardized features: healthy, no alarm."""
+    assert_healthy(tmp_path, RANK)
+
+
+def test_pairwise_rank_raw_features_overflow_a_handwritten_softplus(tmp_path: Path) -> None:
+    """`--no-standardize`: raw prices make score differences of ~1e5; `exp(-(s_i - s_j))` in
+    the hand-written `log(1 + exp(...))` overflows in the loss at step 0. The fix is
+    `F.softplus` (there is no max to subtract: a softmax / logsumexp fix does not apply)."""
+    traced, g = both(tmp_path, RANK, "--no-standardize")
+    assert traced.first == {"step": 0, "phase": "loss"}, traced
+    assert_failed(g, {"step": 0, "phase": "loss", "cause": "exp_overflow"})
+    fix = g.report["diagnosis"][0]["fix"]
+    assert "F.softplus" in fix and "logsumexp" not in fix, fix
+    assert g.first["op"] == "aten.exp", g.explain()

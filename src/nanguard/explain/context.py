@@ -8,6 +8,34 @@ from typing import Any
 from nanguard.explain.evidence import Evidence
 
 
+def evidence_from_run(log: Mapping[str, Any], optimizer: Any) -> Evidence:
+    """Evidence for `diagnose` from a live run: `evidence_from_log(log)` (the guard's
+    `run_log()`), whether state was loaded (`watch/loads.py`: `nanguard run` tracks the whole
+    script) and the optimizer's weight decay. Plain inputs: explain never imports the Guard."""
+    from nanguard.watch import loads
+
+    ev = evidence_from_log(log)
+    ev.loaded = loads.load_seen(whole_script=ev.entry == "run")
+    ev.weight_decay, ev.decoupled_decay = _weight_decay(optimizer)
+    return ev
+
+
+_DECOUPLED = ("AdamW", "SGD", "Lion", "ManualStep")
+"""Optimizers whose weight decay multiplies the weights by (1 - lr * wd) each step."""
+
+
+def _weight_decay(optimizer: Any) -> tuple[float | None, bool]:
+    """(largest weight_decay of the groups, whether it acts multiplicatively)."""
+    groups = getattr(optimizer, "param_groups", None) or []
+    decays = [float(g["weight_decay"]) for g in groups
+              if isinstance(g.get("weight_decay"), (int, float))]
+    if not decays:
+        return None, False
+    decoupled = type(optimizer).__name__ in _DECOUPLED or any(
+        g.get("decoupled_weight_decay") for g in groups)
+    return max(decays), decoupled
+
+
 def evidence_from_log(log: Mapping[str, Any]) -> Evidence:
     """Evidence for `diagnose` from a run log (`Guard.run_log()`: plain data, the same a
     `Guard.state_dict()` carries), never from the Guard itself.

@@ -35,6 +35,12 @@ class Evidence:
     """SGD momentum or Adam beta1."""
     eps: float | None = None
     """Adam-family eps."""
+    weight_decay: float | None = None
+    """The largest `weight_decay` of the optimizer's parameter groups."""
+    decoupled_decay: bool = False
+    """Whether that decay multiplies the weights by (1 - lr * weight_decay) each step (AdamW,
+    Lion, SGD's L2 term, Adam with `decoupled_weight_decay`), not through an adaptive
+    normalisation (Adam's L2 term)."""
     dtype: str | None = None
     """Parameter / autocast dtype, e.g. `torch.float16`."""
     healthy_grad_norm: float | None = None
@@ -54,6 +60,10 @@ class Evidence:
     entry: str = "api"
     """How nanguard was started: `api` (a `Guard` in the user's code) or `run` (zero code,
     `nanguard run SCRIPT`); fixes name the matching knob."""
+    loaded: bool | None = None
+    """Whether state was loaded (`torch.load`, `load_state_dict`): True seen, False none in the
+    whole script (`nanguard run` tracks every call), None unknown (a `Guard` created after a
+    load cannot know). The event `checkpoint_nonfinite` needs."""
     preflight: dict[str, Any] | None = None
     """The preflight's verdict when one ran before training (`nanguard run --preflight`,
     report.json `run.preflight`): `findings` (`code`, `severity`, `location`, `details`),

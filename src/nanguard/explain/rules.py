@@ -264,6 +264,29 @@ def _untrained_loss(ev: Evidence) -> float | None:
 # ---------------------------------------------------------------------- where it came from
 
 
+def _before_first_update(ev: Evidence) -> tuple[str, float] | None:
+    """A value non-finite before the first update that no op made: (`found`: the guard's
+    check of the state found `tensors`; `state`: the checker met a non-finite parameter at
+    step 0; `unexplained`: step 0, phase `data`, no batch evidence), with a confidence."""
+    first = ev.first_nonfinite or {}
+    if ev.phase == "checkpoint" or first.get("tensors"):
+        # `tensors` is the guard's checkpoint finding; a replay may have rewritten the phase.
+        return "found", 0.97
+    if ev.step == 0 and first.get("kind") == "state":
+        return "state", 0.8
+    if ev.step == 0 and ev.phase == "data" and not _batch_evidence(ev):
+        return "unexplained", 0.6
+    return None
+
+
+def _state_tensors(ev: Evidence) -> list[str]:
+    first = ev.first_nonfinite or {}
+    tensors = [str(t) for t in first.get("tensors") or []]
+    if not tensors and first.get("param"):
+        tensors = [str(first["param"])]
+    return tensors
+
+
 @rule
 def checkpoint_nonfinite(ev: Evidence) -> Cause | None:
     """Needs: phase `checkpoint` (weights, optimizer state or buffers already non-finite at the
@@ -272,22 +295,18 @@ def checkpoint_nonfinite(ev: Evidence) -> Cause | None:
     may have rewritten phase and source). Weaker, at step 0 only: a `state` value (a
     parameter the replay found non-finite before any op made it), or a `data` phase with no
     evidence that the batch holds the value.
+    The event it needs: state was loaded (`Evidence.loaded` True, or unknown for a `Guard`
+    created after a load).
 
-    Ruled out: the weaker forms after step 0 (an update may have made the value), and
-    whenever the batch is shown to hold the value (data_nonfinite)."""
-    first = ev.first_nonfinite or {}
-    if ev.phase == "checkpoint" or first.get("tensors"):
-        # `tensors` is the guard's checkpoint finding; a replay may have rewritten the phase.
-        form, conf = "found", 0.97
-    elif ev.step == 0 and first.get("kind") == "state":
-        form, conf = "state", 0.8
-    elif ev.step == 0 and ev.phase == "data" and not _batch_evidence(ev):
-        form, conf = "unexplained", 0.6
-    else:
+    Ruled out: no load anywhere in the script (`nanguard run` tracks every `torch.load` /
+    `load_state_dict`: init_nonfinite), the weaker forms after step 0 (an update may have
+    made the value), and whenever the batch is shown to hold the value (data_nonfinite)."""
+    found = _before_first_update(ev)
+    if found is None or ev.loaded is False:
         return None
-    tensors = [str(t) for t in first.get("tensors") or []]
-    if not tensors and first.get("param"):
-        tensors = [str(first["param"])]
+    form, conf = found
+    first = ev.first_nonfinite or {}
+    tensors = _state_tensors(ev)
     load = first.get("load_source") or (first.get("source") if ev.phase == "checkpoint"
                                          else None)
     if form == "found" and ev.phase != "checkpoint" and not first.get("load_source"):
@@ -323,6 +342,36 @@ def checkpoint_nonfinite(ev: Evidence) -> Cause | None:
     )
 
 
+@rule
+def init_nonfinite(ev: Evidence) -> Cause | None:
+    """Needs: a parameter, optimizer-state tensor or buffer non-finite before the first
+    update that no op made (the guard's check of the state, or the checker at step 0), AND no
+    load anywhere in the script (`Evidence.loaded` False: `nanguard run` tracked every
+    `torch.load` / `load_state_dict`): the script's own initialisation made it.
+    Ruled out: a load seen or not knowable (checkpoint_nonfinite), no tensor named (a value
+    that may be the batch's), the batch shown to hold the value (data_nonfinite)."""
+    found = _before_first_update(ev)
+    tensors = _state_tensors(ev)
+    if found is None or found[0] == "unexplained" or ev.loaded is not False or not tensors:
+        return None
+    named = ", ".join(f"`{t}`" for t in tensors[:6]) + (" ..." if len(tensors) > 6 else "")
+    were = "were" if len(tensors) > 1 else "was"
+    module = (ev.first_nonfinite or {}).get("module")
+    where = f" of `{module}`" if module else ""
+    return Cause(
+        cause="init_nonfinite",
+        confidence=0.9 if found[0] == "found" else 0.75,
+        evidence=f"{named} {were} non-finite at step {ev.step}, before any update, and the "
+        "script loaded no state (no `torch.load` / `load_state_dict` call anywhere): its own "
+        "initialisation made the value",
+        fix=f"look at the initialisation{where} (a custom `reset_parameters`, `nn.init` call "
+        "or in-place write to the weights); "
+        + ("`nanguard run --preflight-only <your script> ...`" if ev.entry == "run"
+           else "`nanguard preflight`")
+        + " checks every layer's init before training",
+    )
+
+
 _LABEL_KEYS = ("y", "target", "targets", "label", "labels")
 
 
@@ -333,10 +382,10 @@ _LOSS_OPS = ("aten.mse_loss", "aten.l1_loss", "aten.smooth_l1_loss", "aten.huber
 def _only_targets(ev: Evidence) -> bool:
     """The non-finite value is in the batch's last element (the targets), not the inputs."""
     first = ev.first_nonfinite or {}
+    if ev.bad_tensors:  # the guard read the batch tensors themselves
+        return ev.n_batch_tensors > 1 and ev.bad_tensors == [ev.n_batch_tensors - 1]
     if first.get("module") is None and str(first.get("op") or "").startswith(_LOSS_OPS):
         return True  # first consumed by the loss, outside every module: not a model input
-    if ev.bad_tensors:
-        return ev.n_batch_tensors > 1 and ev.bad_tensors == [ev.n_batch_tensors - 1]
     item = str((ev.first_nonfinite or {}).get("batch_item") or "")  # e.g. "[1]" or "['y']"
     key = item.strip("[]'\"")
     if key in _LABEL_KEYS:
@@ -344,14 +393,32 @@ def _only_targets(ev: Evidence) -> bool:
     return key.isdigit() and ev.n_batch_tensors > 1 and int(key) == ev.n_batch_tensors - 1
 
 
+def _batch_held(ev: Evidence) -> bool:
+    """The batch held the value before the step: phase `data` with evidence that the batch
+    holds it (`_batch_evidence`), or, whatever op first touched it and in whichever phase the
+    origin was put, the guard's own check of the batch found non-finite batch tensors."""
+    if ev.phase == "data":
+        return _batch_evidence(ev)
+    return bool(ev.bad_tensors) and not (ev.first_nonfinite or {}).get("tensors")
+
+
+def _first_reader(ev: Evidence) -> str:
+    """`; {op} ({phase}) only read it first` when the origin names another phase than data."""
+    if ev.phase in ("data", "") or not ev.op:
+        return ""
+    return f"; {_where(ev)} was only the first op to read it"
+
+
 @rule
 def data_nonfinite(ev: Evidence) -> Cause | None:
     """Needs: phase `data` and evidence that the batch holds the value: its rows (`samples`),
-    the guard's non-finite batch tensors, or the checker's batch element (`batch_item`).
+    the guard's non-finite batch tensors, or the checker's batch element (`batch_item`); or, in
+    any phase, the guard's non-finite batch tensors (the batch held the value whichever op
+    first touched it: a collate `stack`, `.float()`, the first layer).
     Ruled out: no such evidence (samples [] and no bad batch tensor: e.g. a loaded tensor,
     see checkpoint_nonfinite), or a watched batch found finite; only the targets
     (label_nonfinite)."""
-    if ev.phase != "data" or not _batch_evidence(ev):
+    if not _batch_held(ev):
         return None
     if _only_targets(ev):
         return None  # only the targets: label_nonfinite
@@ -361,7 +428,7 @@ def data_nonfinite(ev: Evidence) -> Cause | None:
         cause="data_nonfinite",
         confidence=0.95,
         evidence=f"the batch at step {ev.step} already holds NaN/Inf in its inputs ({rows}), "
-        "before any op ran",
+        f"before any op computed on it{_first_reader(ev)}",
         fix="drop or repair those rows at load time; find all of them with "
         "`nanguard scan <your data file>`"
         + (" (or nanguard.audit.scan_dataset(dataset))" if ev.entry != "run" else ""),
@@ -370,16 +437,16 @@ def data_nonfinite(ev: Evidence) -> Cause | None:
 
 @rule
 def label_nonfinite(ev: Evidence) -> Cause | None:
-    """Needs: phase `data`, evidence that the batch holds the value (as data_nonfinite), and
-    only the last batch tensor (the targets) non-finite. Ruled out: inputs non-finite too."""
-    if ev.phase != "data" or not _batch_evidence(ev) or not _only_targets(ev):
+    """Needs: evidence that the batch holds the value (as data_nonfinite), and only the last
+    batch tensor (the targets) non-finite. Ruled out: inputs non-finite too."""
+    if not _batch_held(ev) or not _only_targets(ev):
         return None
     samples = (ev.first_nonfinite or {}).get("samples") or []
     return Cause(
         cause="label_nonfinite",
         confidence=0.95,
         evidence=f"the targets of step {ev.step} hold NaN/Inf (samples {samples[:8]}); "
-        "the inputs are finite",
+        f"the inputs are finite{_first_reader(ev)}",
         fix="fix or drop those labels; `nanguard scan <data> --label <column>` lists every row",
     )
 
@@ -460,12 +527,40 @@ def saturated_loss(ev: Evidence) -> Cause | None:
     )
 
 
+def _empty_input(ev: Evidence) -> dict[str, Any] | None:
+    """The origin op's first input with no elements (a dimension of size 0), when its output
+    is NaN: a reduction over nothing (a mean, a loss averaged over an empty selection)."""
+    out = (ev.first_nonfinite or {}).get("output") or {}
+    if not out.get("nan"):
+        return None
+    return next((i for i in ev.inputs
+                 if isinstance(i.get("shape"), list) and 0 in i["shape"]), None)
+
+
+def _empty_reduction(ev: Evidence, empty: dict[str, Any]) -> Cause:
+    shape = empty.get("shape")
+    rows = " (0 rows)" if shape and shape[0] == 0 else ""
+    return Cause(
+        cause="division_by_zero",
+        confidence=0.85,
+        evidence=f"{_where(ev)} reduced an empty tensor: input shape {shape}{rows}; the mean "
+        "over no elements is 0 / 0 (an empty selection or split of the batch)",
+        fix="skip the term when the selection is empty (`if mask.any(): ...`), or average "
+        "over a count that cannot be 0: `(per_item * mask).sum() / mask.sum().clamp_min(1)`; "
+        "for an empty split, check its size before training on it",
+    )
+
+
 @rule
 def division_by_zero(ev: Evidence) -> Cause | None:
     """Needs: origin op a division (not in the optimizer, not inside a singular node's
-    backward) whose denominator holds zeros or values within rounding of 0. Ruled out: a
-    denominator range away from 0 (a huge numerator overflowed instead). Without input ranges
-    it fires lower (not in backward: singular_gradient), saying so."""
+    backward) whose denominator holds zeros or values within rounding of 0; or any op that
+    made a NaN out of an input with no elements (a mean or a loss over an empty selection:
+    0 / 0). Ruled out: a denominator range away from 0 (a huge numerator overflowed instead),
+    an empty input with a finite or Inf output. Without input ranges it fires lower (not in
+    backward: singular_gradient), saying so."""
+    if ev.phase != "optimizer" and (empty := _empty_input(ev)) is not None:
+        return _empty_reduction(ev, empty)
     if not ev.op.startswith(("aten.div", "aten.reciprocal", "aten._foreach_div")):
         return None
     if ev.phase == "optimizer" or _singular_node(ev):
@@ -551,13 +646,29 @@ def exp_overflow(ev: Evidence) -> Cause | None:
         return None
     seen = f"its largest input {top:.4g} > {limit:.3g}" if top is not None else (
         "presumed: the input ranges were not recorded")
+    nxt = str(((ev.first_nonfinite or {}).get("propagated_by") or {}).get("op") or "")
+    if nxt.startswith(_SOFTPLUS_NEXT):
+        # `log(1 + exp(z))` / `1 + exp(z)`: a softplus or a sigmoid written by hand; no max
+        # to subtract (a softmax fix would not apply).
+        what = f"; its result went on into {nxt} (`log(1 + exp(z))` or `1 + exp(z)` by hand)"
+        fix = ("use the stable built-ins: `torch.log(1 + torch.exp(z))` -> "
+               "`F.softplus(z)`; `1 / (1 + torch.exp(-z))` -> `torch.sigmoid(z)`; a logistic "
+               "loss `log(1 + exp(-y * z))` -> `F.softplus(-y * z)` (or "
+               "`F.binary_cross_entropy_with_logits`)")
+    else:
+        what = ""
+        fix = ("subtract the max first: `torch.softmax(x, dim)` / `torch.logsumexp`, or "
+               "`(x - x.amax(dim, keepdim=True)).exp()`")
     return Cause(
         cause="exp_overflow",
         confidence=0.9 if top is not None else 0.6,
-        evidence=f"{_where(ev)}: exp overflows above {limit:.3g} ({seen})",
-        fix="subtract the max first: `torch.softmax(x, dim)` / `torch.logsumexp`, or "
-        "`(x - x.amax(dim, keepdim=True)).exp()`",
+        evidence=f"{_where(ev)}: exp overflows above {limit:.3g} ({seen}){what}",
+        fix=fix,
     )
+
+
+_SOFTPLUS_NEXT = ("aten.add", "aten.rsub", "aten.log1p", "aten.log", "aten.reciprocal")
+"""Ops an exp's result flows into in a hand-written softplus / sigmoid (1 + e, log1p(e))."""
 
 
 @rule
@@ -595,16 +706,40 @@ def optimizer_state_nonfinite(ev: Evidence) -> Cause | None:
         return None  # a cascade that overflowed in the update: optimizer_divergence
     if ev.step == 0 and (ev.first_nonfinite or {}).get("kind") == "state":
         return None  # loaded that way: checkpoint_nonfinite
-    eps_note = " with eps=0" if ev.eps == 0 else ""
     param = (ev.first_nonfinite or {}).get("param") or (ev.first_nonfinite or {}).get("module")
+    name = ev.optimizer or "the optimizer"
+    rounded = _eps_rounds_to_zero(ev)
+    if ev.eps == 0:
+        eps_note, conf = " with eps=0", 0.85
+        fix = f"`{name}(params, eps=1e-8)` (never 0)"
+    elif rounded is not None:
+        # The eps the run set is fine in float32; in the parameters' dtype it is 0.
+        fi = _finfo(rounded)
+        eps_note, conf = (f" with eps={ev.eps:g}, which is 0 in {rounded} parameters (the "
+                          f"smallest {rounded} value is {fi.smallest_normal * fi.eps:.3g})"), 0.85
+        fix = (f"keep float32 master weights (train float32 parameters under autocast + "
+               f"GradScaler instead of {rounded} ones), or raise eps to one {rounded} holds: "
+               f"eps={ev.eps:g} -> eps=1e-4")
+    else:
+        eps_note, conf = (f" (eps={ev.eps:g})" if ev.eps is not None else ""), 0.6
+        lr = f"lr={ev.lr:g}, " if ev.lr is not None else ""
+        fix = (f"look at the update's settings for `{param}` ({lr}eps, weight decay) and at "
+               "its gradient scale")
     return Cause(
         cause="optimizer_state_nonfinite",
-        confidence=0.85 if ev.eps == 0 else 0.6,
-        evidence=f"gradients were finite but {ev.optimizer or 'the optimizer'}{eps_note} "
+        confidence=conf,
+        evidence=f"gradients were finite but {name}{eps_note} "
         f"produced a non-finite update / state for `{param}` at step {ev.step}",
-        fix="`torch.optim.Adam(params, eps=1e-8)` (never 0); check `nanguard audit` on the "
-        "optimizer state of your checkpoint",
+        fix=f"{fix}; check `nanguard audit` on the optimizer state of your checkpoint",
     )
+
+
+def _eps_rounds_to_zero(ev: Evidence) -> str | None:
+    """The parameters' low-precision dtype when the run's eps (> 0) rounds to 0 in it."""
+    if not ev.eps or ev.dtype not in _LOW_PRECISION:
+        return None
+    name = str(ev.dtype).replace("torch.", "")
+    return name if float(torch.tensor(ev.eps, dtype=getattr(torch, name))) == 0.0 else None
 
 
 def _lr_factor(growth: float) -> float:
@@ -701,6 +836,23 @@ def _clip_fix(ev: Evidence, healthy: float | None) -> str:
     return f"clip: {call} (3x the healthy grad norm {healthy:.3g})"
 
 
+ORDINARY_DECAY = 1.0
+"""A weight decay above this is not one anyone tunes to (0 to ~0.5 in practice)."""
+
+
+def _decay_blamed(ev: Evidence) -> tuple[float, float] | None:
+    """(weight_decay, per-step growth |1 - lr * wd|) when the decay, not the LR, makes the
+    weights grow: a multiplicative decay (`Evidence.decoupled_decay`) with lr * wd > 2, a
+    weight decay out of the ordinary, and an LR that an ordinary decay (0.1) would keep
+    stable (lr * 0.1 <= 1: the GPT LR typo lr=1e3 with wd=0.1 is the LR's fault)."""
+    wd, lr = ev.weight_decay, ev.lr
+    if not ev.decoupled_decay or not wd or not lr or lr * wd <= 2:
+        return None
+    if wd <= ORDINARY_DECAY or lr * 0.1 > 1:
+        return None
+    return wd, abs(1 - lr * wd)
+
+
 @rule
 def optimizer_divergence(ev: Evidence) -> Cause | None:
     """Needs, after at least one update (step >= 1): spike / cascade / forecast / overflow
@@ -708,6 +860,10 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
     or (weaker) the origin op overflowing huge finite inputs (about sqrt of the dtype's
     largest value). Ruled out: a value present in the batch or the loaded state; step 0 (no
     update has run: exploding_init).
+
+    A multiplicative weight decay past the ordinary (AdamW, SGD: lr * weight_decay > 2 with
+    weight_decay > 1 while the LR is one a usual decay keeps stable) is what grew the weights:
+    the fix lowers the decay, never the LR the run has right.
 
     The LR it proposes comes from what it measured, never less than 10x below the failing
     one: a run divergent from its first updates (an LR typed too large) is cut by the first
@@ -772,6 +928,23 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
             basis = f"a tenth of the preflight's divergence point {div:.2g}"
     mom = f" with momentum {ev.momentum:g}" if ev.momentum else ""
     lr = f"lr={ev.lr:g}" if ev.lr is not None else "its LR"
+    decay = _decay_blamed(ev)
+    if decay is not None and ev.lr is not None:
+        # The LR is ordinary: the weight decay is what multiplies the weights past 1 a step.
+        wd, mult = decay
+        why.append(f"weight_decay={wd:g} at {lr} multiplies every weight by 1 - lr * "
+                   f"weight_decay = {1 - ev.lr * wd:.3g} each step (|{1 - ev.lr * wd:.3g}| > 1: "
+                   f"{mult:.3g}x growth a step from the decay alone)")
+        target = min(0.1, 0.01 / ev.lr)
+        return Cause(
+            cause="optimizer_divergence",
+            confidence=max(conf, 0.85),
+            evidence=f"{ev.optimizer or 'the optimizer'}{mom} at {lr} amplified the weights "
+            "step after step: " + "; ".join(why),
+            fix=f"lower the weight decay (weight_decay={wd:g} -> weight_decay={target:.3g}: "
+            f"lr * weight_decay = {ev.lr * target:.3g}, far below 1; your {lr} is ordinary "
+            f"and stays); or let nanguard recover: {_rollback(ev)}",
+        )
     sched = ""
     if ev.lr is not None:
         onset = jump["from"] if jump is not None else (warn[0]["step"] if warn else None)

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any, TypeVar, cast
 
 import torch
@@ -61,6 +62,7 @@ from torch.utils.hooks import RemovableHandle
 from nanguard.config import GuardConfig, RecordConfig
 from nanguard.errors import NanguardError
 from nanguard.guard import Guard
+from nanguard.integrations import held
 from nanguard.integrations.amp_scalers import ScalerTracker, served
 from nanguard.integrations.manual import ManualBoundaries, ManualStep, forked, replaying
 from nanguard.integrations.resume import ResumePoints
@@ -372,15 +374,21 @@ class Discovery:
 
     # ------------------------------------------------------------------ end-of-run evidence
 
-    def nonfinite_evidence(self, *, on_error: bool) -> dict[str, Any] | None:
+    def nonfinite_evidence(self, *, on_error: bool, tb: TracebackType | None = None
+                           ) -> dict[str, Any] | None:
         """Whether the script saw a non-finite value that no guarded step recorded: the last
         loss backpropagated after the last step, or the last outputs of grad-enabled root
         forwards (a NaN; on the error path also an Inf: an error such as BCE's "all elements
         of input should be between 0 and 1" follows from it). Called once, when the script has
         ended (a few host reads); never on the hot path.
 
+        With `tb`, the traceback of the exception the script died of: when nothing else
+        held one, the tensors held by the module frames it unwound through
+        (integrations/held.py: a forward that raised on its own NaN check).
+
         Returns:
-            `{"signals": [...], "module": ...}` naming what held the value, or None.
+            `{"signals": [...], "module": ...}` naming what held the value (with `phase` when
+            a raised forward held it), or None.
         """
         signals: list[str] = []
         module = None
@@ -393,7 +401,7 @@ class Discovery:
                 signals.append(f"output of {name}")
                 module = module or name
         if not signals:
-            return None
+            return held.nonfinite_locals(tb, self._roots.values()) if tb is not None else None
         return {"signals": signals, "module": module}
 
     # ------------------------------------------------------------------ hooks
@@ -450,13 +458,20 @@ class Discovery:
             rec.other = tensors
 
     @_fail_open("nanguard run's forward hook")
-    def _forward_post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                      output: Any) -> None:
+    def _forward_post(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
+        """A module's forward returned: `(module, args, kwargs, output)`. Registered with
+        `always_call`, so that the depth count stays right when a forward raises (the script's
+        own NaN check, a shape error): torch then calls it while the exception unwinds, as
+        `(module, args, result)` without the keywords, and nothing but the count is taken."""
         if forked() or self._quiet or replaying():
             return
         self._depth = max(0, self._depth - 1)
-        if self._depth:
+        raised = len(rest) != 2
+        if raised and not self._depth:
+            self.recorder.saw_raise(module)
+        if self._depth or raised:
             return
+        kwargs, output = rest
         self.recorder.saw_output(module, kwargs, output)
         if kwargs and torch.is_grad_enabled() and self._has_params.get(module):
             self._keyword_batch(module, kwargs)

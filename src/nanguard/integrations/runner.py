@@ -28,7 +28,11 @@ guard to every optimizer that steps. When the script is done:
 4. the summary is printed (rank 0 only) and the exit code chosen: the script's own non-zero
    code, or an error of the script itself, wins (with a line saying what it was); else 1 when
    the status is not `healthy`, `warned` or `recovered` (`failed`, `crashed`, `unwatched`,
-   `degraded`, `interrupted`) or `raise` stopped training, else 0.
+   `degraded`, `interrupted`) or `raise` stopped training, else 0;
+5. an error inside this epilogue (nanguard's, not the script's) fails open like any hook: one
+   line, the traceback in DIR/nanguard_error.txt, and report.json from what the guards
+   recorded (`failed` if a non-finite value was seen, else `degraded`), never a traceback
+   instead of a report.
 
 With `--preflight` (`preflight=True`), the script's first optimizer step first runs the
 preflight (audit/preflight_live.py) on copies of its model, optimizer and batch: the verdict is
@@ -46,6 +50,7 @@ and `sys.argv` / `sys.path` restored.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -58,6 +63,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from nanguard.audit.preflight_live import LivePreflight, PreflightStop, verdict_lines
@@ -191,6 +197,19 @@ def run(opts: RunOptions) -> int:
         points.close()
         return _preflight_only(disc, outcome, live, folder)
 
+    try:
+        return _finish(opts, script, out, folder, disc, outcome, points, live, initial_rng)
+    except Exception as exc:  # noqa: BLE001 - fail open: the run still ends with a report
+        points.close()
+        return _finish_failed(folder, disc, outcome, exc, summary=opts.summary)
+
+
+def _finish(opts: RunOptions, script: Path, out: Path, folder: Path, disc: Discovery,
+            outcome: ScriptOutcome, points: ResumePoints, live: LivePreflight | None,
+            initial_rng: dict[str, Any]) -> int:
+    """After the script: settle and close the guards, pinpoint by a re-run when needed, write
+    the run folder (merged under torchrun), print the summary; returns the exit code."""
+    rank, world_size = world()
     late = _late_finding(disc, outcome, rank)
     for w in disc.watched:
         if w.guard is not None:  # the closing summary below prints the finding
@@ -256,6 +275,66 @@ def run(opts: RunOptions) -> int:
         _print_summary(report, disc, target)
         _print_outcome(outcome, script, replay, report=report, disc=disc)
     return _exit_code(outcome, report)
+
+
+def _finish_failed(folder: Path, disc: Discovery, outcome: ScriptOutcome, exc: Exception, *,
+                   summary: bool) -> int:
+    """An error inside nanguard's own epilogue (settling, closing, re-running, merging): the
+    script has ended already, so fail open here too: say so once, keep the traceback in the
+    run folder and write report.json from what the guards recorded (each guard's report as
+    it stands; the earliest finding wins). A run that had seen a non-finite value stays
+    `failed`; one that had not is `degraded` (its record may be incomplete). The exit code
+    follows the same rules as ever: the script's own error code wins."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    where = folder / "nanguard_error.txt"
+    internal: dict[str, Any] = {"where": "nanguard run's epilogue",
+                                "error": f"{type(exc).__name__}: {exc}"}
+    try:
+        where.write_text(text)
+        internal["traceback"] = str(where)
+    except OSError:
+        pass
+    _say(f"internal error after the script ended ({type(exc).__name__}: {exc}); the report "
+         f"holds what was recorded; traceback in {where} (a nanguard bug, please report it)")
+    parts: list[tuple[str, Report]] = []
+    for w in disc.watched:
+        if w.guard is None:
+            continue
+        try:
+            guard = w.guard
+            part = guard.report if guard.closed and guard.report is not None else guard.close(
+                ended=outcome.ended, error=outcome.message)
+        except Exception:  # noqa: BLE001 - a guard that cannot close adds nothing
+            continue
+        parts.append((w.name, part))
+    with contextlib.suppress(Exception):  # releasing references must not stop the report
+        disc.release()
+    report = _salvage(parts, folder)
+    report.run.update({"folder": str(folder), "script": outcome.to_dict(),
+                       "internal_error": internal})
+    if report.status in OK_STATUSES or report.status == "unwatched":
+        report.status = "degraded"
+    report.write(folder)
+    if summary:
+        _say(f"status: {report.status}"
+             + (f"; first non-finite value at step {report.first_nonfinite.get('step')}"
+                if report.first_nonfinite else ""))
+    return _exit_code(outcome, report)
+
+
+def _salvage(parts: list[tuple[str, Report]], folder: Path) -> Report:
+    """One report over the guards' own (merged when there are several; the first failing
+    one if merging fails too)."""
+    if len(parts) == 1:
+        return parts[0][1]
+    if parts:
+        try:
+            return merge_reports(parts, {"folder": str(folder)})
+        except Exception:  # noqa: BLE001 - fall back to a part as it stands
+            failing = [r for _, r in parts if r.first_nonfinite]
+            return (failing or [parts[0][1]])[0]
+    return Report(status="degraded", run={"note": "nanguard stood down before it watched a "
+                                                  "step"})
 
 
 # ---------------------------------------------------------------------- the preflight
@@ -330,7 +409,7 @@ def _run_script(script: Path, args: list[str], disc: Discovery) -> ScriptOutcome
             _print_script_traceback(exc, script)
             outcome = ScriptOutcome("error", 1, f"{type(exc).__name__}: {exc}")
             _end_steps(disc)
-            outcome.evidence = _evidence(disc, on_error=True)
+            outcome.evidence = _evidence(disc, on_error=True, tb=exc.__traceback__)
         exc.__traceback__ = None  # let the script's frames (and tensors) go
     finally:
         # A resume point's child ends here, whichever way the script stopped in it.
@@ -371,11 +450,12 @@ def _end_steps(disc: Discovery) -> None:
         _say(f"could not end the last hand-written step: {type(exc).__name__}: {exc}")
 
 
-def _evidence(disc: Discovery, *, on_error: bool) -> dict[str, Any] | None:
+def _evidence(disc: Discovery, *, on_error: bool, tb: TracebackType | None = None
+              ) -> dict[str, Any] | None:
     if any(w.guard is not None and w.guard.first_nonfinite for w in disc.watched):
         return None  # already recorded by a step: nothing to add
     try:
-        return disc.nonfinite_evidence(on_error=on_error)
+        return disc.nonfinite_evidence(on_error=on_error, tb=tb)
     except Exception:  # noqa: BLE001 - a check at the end must never fail the run
         return None
 
@@ -479,9 +559,12 @@ def _late_finding(disc: Discovery, outcome: ScriptOutcome, rank: int
     if w is None or w.guard is None:
         return None
     step = w.guard.step
-    finding = {"step": step, "phase": None, "module": None, "op": None, "source": None,
-               "samples": [], "rank": rank, "signals": list(outcome.evidence["signals"]),
-               "after_last_step": True}
+    evidence = outcome.evidence
+    # A raised forward that held the value names its phase and module (held.py); the re-run
+    # then names the op.
+    finding = {"step": step, "phase": evidence.get("phase"), "module": evidence.get("module"),
+               "op": None, "source": None, "samples": [], "rank": rank,
+               "signals": list(evidence["signals"]), "after_last_step": True}
     return w, finding
 
 
@@ -504,6 +587,7 @@ def _settle_in_process(w: Watched) -> None:
         return
     first = guard.first_nonfinite
     error = first.pop("replay_error", None)
+    changed = error is not None  # the report of a closed guard still holds it
     if error is not None and str(error).startswith(NotReplayable.__name__):
         info.setdefault("reason", str(error).partition(": ")[2])
     elif error is not None:
@@ -518,6 +602,14 @@ def _settle_in_process(w: Watched) -> None:
                     "step (it came with the step's inputs?)")
     if first != info["before"]:
         guard.first_nonfinite = dict(info["before"])
+        changed = True
+    if not changed:
+        return
+    if guard.closed:
+        # The `raise` policy closed the guard (and its store) while the script ran: the
+        # finding goes into its report instead, diagnosed again.
+        guard.refine(guard.first_nonfinite)
+    else:
         guard.store.write_finding(guard.first_nonfinite)
 
 
@@ -598,6 +690,7 @@ def _write(
         report.run["notes"] = notes
     if replay is not None:
         report.run["replay"] = {k: v for k, v in replay.items() if k != "origin"}
+        _why_undetermined(report, replay)
     if errors:
         report.run["errors"] = errors
     if resume is not None:
@@ -610,6 +703,14 @@ def _write(
         report.run["rank"] = rank
     report.write(folder)
     return report
+
+
+def _why_undetermined(report: Report, replay: dict[str, Any]) -> None:
+    """An `undetermined` diagnosis says why the re-run could not give the op, when it tried."""
+    reason = replay.get("reason") or replay.get("in_process")
+    for entry in report.diagnosis:
+        if entry.get("cause") == "undetermined" and reason and reason not in entry["evidence"]:
+            entry["evidence"] += f" (the re-run: {reason})"
 
 
 def _move_into(src: Path, dst: Path) -> None:

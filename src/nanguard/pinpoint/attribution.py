@@ -112,8 +112,10 @@ class Attribution:
     def install(self) -> Attribution:
         """Register the global module forward hooks (removed by `remove`)."""
         mm = torch.nn.modules.module
+        # always_call: a forward that raises (the script's own NaN check) still pops its
+        # module, or every later op would be taken for that module's forward.
         self._handles += [mm.register_module_forward_pre_hook(self._pre),
-                          mm.register_module_forward_hook(self._post)]
+                          mm.register_module_forward_hook(self._post, always_call=True)]
         return self
 
     def hook_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

@@ -68,6 +68,11 @@ _TRANSPORT_OPS = frozenset({
     "split_with_sizes", "chunk", "narrow", "diagonal", "clone", "_to_copy", "copy_", "copy",
     "contiguous", "lift_fresh", "view_as_real", "view_as_complex", "unfold",
 })
+# Ops that assemble a batch from pieces: the rows of their output are the batch's rows.
+_ASSEMBLE_OPS = frozenset({"stack", "cat", "index", "index_select", "_unsafe_index", "gather",
+                           "take", "repeat", "flip", "roll", "constant_pad_nd"})
+# Ops that make a tensor from Python values (`torch.tensor(rows)`): a NaN they hold was read.
+_FROM_PYTHON_OPS = frozenset({"lift_fresh", "lift_fresh_copy"})
 _mutated_cache: dict[Any, tuple[int, ...]] = {}
 
 
@@ -242,15 +247,27 @@ class NonfiniteChecker(TorchDispatchMode):
                     ext.append(t)
         if name in _ADOPT_OPS and not tainted and not external and outs:
             external, ext = True, [outs[0]]
+        elif (not tainted and not external and outs[0].dim() and has_nan(outs)
+              and (name in _FROM_PYTHON_OPS
+                   or (intended and name in _TRANSPORT_OPS | _ASSEMBLE_OPS))):
+            # A NaN read from Python data (`torch.tensor(parsed_rows)` in a Dataset), or moved
+            # or assembled (a collate's `stack`, `.float()`) out of constants that held it: no
+            # op computed it, it came with the data (a `-inf` mask never holds a NaN).
+            external, ext = True, [outs[0]]
         fill = name in _FILL_OPS or _scalar_inf(args, kwargs)
         if fill and not tainted:
             self._mark_intended(outs)
             return
+        # Written in place through a view (`x[:, c] = torch.log(x[:, c])`): the tensor it views
+        # holds the value now, and later ops read that one, not the view. (Not a constant
+        # written on purpose, `x[i] = float("nan")`: that stays with the view, as before.)
+        bases = [b for t in targets if isinstance(b := t._base, torch.Tensor)
+                 and b.is_floating_point() and all(b is not o for o in outs)]
         if external:
             tainted.append(self._open_external(ext[0], outs))
         if tainted:
             low = min(tainted)
-            for t in outs:
+            for t in outs + bases:
                 self._taint[id(t)] = (weakref.ref(t), low)
                 self._cands[low].refs.append(weakref.ref(t))
             if name not in _TRANSPORT_OPS and not fill:
@@ -261,7 +278,8 @@ class NonfiniteChecker(TorchDispatchMode):
         if intended and not has_nan(outs):
             self._mark_intended(outs)
             return
-        self._open(self._describe(name, args, kwargs, ins, outs), outs)
+        self._open(self._describe(name, args, kwargs, ins, outs),
+                   outs if intended else outs + bases)
         self._settle()
 
     # ------------------------------------------------------------------ candidates
@@ -288,10 +306,20 @@ class NonfiniteChecker(TorchDispatchMode):
                 return j
         return None
 
+    def _phase(self, name: str) -> str:
+        """The attribution's phase, except that an op which only moves or assembles values
+        before any forward of the step (a collate's `stack`, `.to()`, `.float()`, indexing)
+        is loading the batch: `data`, not `loss`."""
+        phase = self.attr.phase()
+        if (phase == "loss" and not self.attr.seen_forward
+                and name in _TRANSPORT_OPS | _ASSEMBLE_OPS | _ADOPT_OPS):
+            return "data"
+        return phase
+
     def _describe(self, name: str, args: Any, kwargs: Any, ins: list[torch.Tensor],
                   outs: list[torch.Tensor]) -> Origin:
         attr = self.attr
-        phase = attr.phase()
+        phase = self._phase(name)
         bad = next(t for t in outs if not all_finite([t]))
         node = torch._C._current_autograd_node()
         module, source, param = attr.module(), None, None
@@ -350,7 +378,7 @@ class NonfiniteChecker(TorchDispatchMode):
             return
         c.confirmed = True
         attr = self.attr
-        phase, module = attr.phase(), attr.module()
+        phase, module = self._phase(name), attr.module()
         node = torch._C._current_autograd_node()
         if node is not None:
             module = node_origin(node)[0]

@@ -173,6 +173,15 @@ class StepRecorder:
         w.calls.append(RootCall(module, args, {}, _flat_versions(args, {}), rng.capture_step(),
                                 _amp_state()))
 
+    def saw_raise(self, module: nn.Module) -> None:
+        """A root call raised instead of returning (a script that catches the error and goes
+        on, e.g. skipping a bad batch): the call is dropped, as if it had not been made."""
+        w = self._window
+        for i in range(len(w.calls) - 1, -1, -1):
+            if w.calls[i].module is module and w.calls[i].output is None:
+                del w.calls[i]
+                return
+
     def saw_output(self, module: nn.Module, kwargs: dict[str, Any], output: Any) -> None:
         """A root call returned (the global forward hook, at depth 0, `with_kwargs`: global
         pre-hooks are not given the keyword arguments, this hook is)."""

@@ -10,7 +10,9 @@ alarms          [{step, kind, signal, value, message}]
 first_nonfinite null | {step, phase, module, op, source, samples, rank, signals, param};
                 after an op-level replay also reproduced, node, inputs, kind, output,
                 propagated_by, batch_item (see nanguard.pinpoint.Origin)
-diagnosis       [{cause, confidence, evidence, fix}], best first
+diagnosis       [{cause, confidence, evidence, fix}], best first; a `failed` run always has
+                one: a cause, or `undetermined` saying what evidence was missing and how
+                to get it (explain/undetermined.py)
 actions         [{step, action, detail}]
 first_warning   null | step of the first alarm that is not `nonfinite` (on a failed run:
                 the first within `lead_window` steps before the first non-finite value)
@@ -191,6 +193,12 @@ def build_report(
         status = "warned"
     else:
         status = "healthy"
+    if status == "failed" and not diagnosis:
+        # Never a failed run without a cause: say what evidence was missing and how to get it.
+        from nanguard.explain.undetermined import undetermined
+
+        diagnosis = [undetermined(first_nonfinite, alarms=alarms, actions=actions,
+                                  entry=str((run or {}).get("entry") or "api")).to_dict()]
     return Report(
         status=status,
         steps=steps,

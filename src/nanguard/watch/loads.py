@@ -10,6 +10,10 @@ the tensor and the line that loaded it. The guard learns the line two ways:
   exists): it wraps `torch.load`, `nn.Module.load_state_dict` and
   `Optimizer.load_state_dict` to remember the last call site. Removed by `untrack()`.
 
+Each loaded tensor keeps the line that loaded it: a module's `load_state_dict` marks its
+parameters and buffers, an optimizer's its state tensors (by identity, weakly), so a resume
+that loads the weights on one line and the optimizer on the next names the right one.
+
 `finiteness_flags` puts one flag per loaded tensor into the first step's packet (no extra
 host read); `finding` turns the flags read with it into report.json's `first_nonfinite`.
 Nothing here reads a device value.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +35,18 @@ from nanguard.watch.norms import local
 _OWN = (str(Path(torch.__file__).parent), str(Path(__file__).parents[1]))
 _last: str | None = None
 _patched: list[tuple[Any, str, Any]] = []
+_any = False
+"""Whether any load was seen since the last `track()` (kept after `untrack()`: the report of
+a `nanguard run` is written once the script's hooks are gone)."""
+_sites: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+"""id(tensor) -> (the tensor, weakly; the line whose load wrote it)."""
+
+
+class LoadedNames(list[str]):
+    """The names `finiteness_flags` returns, with `sites`: the line that loaded each tensor
+    (None when unknown), carried with the names to `finding`."""
+
+    sites: list[str | None]
 
 
 def call_site() -> str | None:
@@ -43,11 +60,40 @@ def call_site() -> str | None:
     return None
 
 
-def note(site: str | None) -> None:
-    """Remember `site` as the last place state was loaded."""
-    global _last
+def note(site: str | None, loaded: Any = None) -> None:
+    """Remember `site` as the last place state was loaded (None: a load, line unknown) and,
+    given the module or optimizer that `load_state_dict` loaded, as the line of each of its
+    tensors."""
+    global _last, _any
+    _any = True
     if site is not None:
         _last = site
+        for t in _tensors_of(loaded):
+            _sites[id(t)] = (weakref.ref(t), site)
+
+
+def _tensors_of(loaded: Any) -> list[torch.Tensor]:
+    if isinstance(loaded, torch.nn.Module):
+        return [*loaded.parameters(), *loaded.buffers()]
+    if isinstance(loaded, torch.optim.Optimizer):
+        return [v for st in loaded.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor)]
+    return []
+
+
+def site_of(t: torch.Tensor) -> str | None:
+    """The line whose `load_state_dict` wrote `t`, when one did."""
+    hit = _sites.get(id(t))
+    return hit[1] if hit is not None and hit[0]() is t else None
+
+
+def load_seen(whole_script: bool) -> bool | None:
+    """Whether state was loaded: True when a load was seen; False when none was and loads
+    were tracked for the whole script (`whole_script`: `nanguard run`); None when unknown (a
+    `Guard` sees only the loads after it was created)."""
+    if _any:
+        return True
+    return False if whole_script else None
 
 
 def last_site() -> str | None:
@@ -60,8 +106,12 @@ def _wrap(owner: Any, attr: str) -> None:
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        note(call_site())
-        return original(*args, **kwargs)
+        site = call_site()
+        note(site)
+        out = original(*args, **kwargs)
+        if attr == "load_state_dict" and args:  # after it: the optimizer's state is new
+            note(site, args[0])
+        return out
 
     _patched.append((owner, attr, original))
     setattr(owner, attr, wrapper)
@@ -69,8 +119,11 @@ def _wrap(owner: Any, attr: str) -> None:
 
 def track() -> None:
     """Remember the call site of every `torch.load` / `load_state_dict` (idempotent)."""
+    global _any
     if _patched:
         return
+    _any = False
+    _sites.clear()
     _wrap(torch, "load")
     _wrap(torch.nn.Module, "load_state_dict")
     _wrap(torch.optim.Optimizer, "load_state_dict")
@@ -105,7 +158,9 @@ def finiteness_flags(
         device = local(named[0][1]).device
         flags = torch.stack([torch.isfinite(local(t.detach())).all().to(device)
                              for _, t in named])
-    return [n for n, _ in named], flags.double()
+    names = LoadedNames(n for n, _ in named)
+    names.sites = [site_of(t) for _, t in named]
+    return names, flags.double()
 
 
 def finding(step: int, names: list[str], flags: list[float], source: str | None
@@ -116,12 +171,20 @@ def finding(step: int, names: list[str], flags: list[float], source: str | None
     bad = [n for n, ok in zip(names, flags, strict=True) if not ok]
     if not bad:
         return None
+    # The line that loaded the first bad tensor itself, before the last load line seen.
+    sites = dict(zip(names, getattr(names, "sites", None) or [None] * len(names),
+                     strict=True))
+    own = {n: sites[n] for n in bad if sites.get(n)}
+    source = own.get(bad[0]) or source
     signals = sorted({"buffer" if n.startswith("buffer:") else
                       n.split("[")[0] if n.startswith("optimizer.") else "param" for n in bad})
     first = bad[0]
     param = first.split("[", 1)[1].rstrip("]") if first.startswith("optimizer.") else (
         None if first.startswith("buffer:") else first)
     module = owner(param) if param else owner(first.removeprefix("buffer:"))
-    return {"step": step, "phase": "checkpoint", "module": module, "op": None,
-            "source": source, "samples": [], "rank": None, "signals": signals, "param": param,
-            "tensors": bad}
+    found = {"step": step, "phase": "checkpoint", "module": module, "op": None,
+             "source": source, "samples": [], "rank": None, "signals": signals, "param": param,
+             "tensors": bad}
+    if len(set(own.values())) > 1:  # loaded on several lines: each tensor's own
+        found["load_sources"] = own
+    return found

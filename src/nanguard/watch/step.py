@@ -196,13 +196,19 @@ class StepWatch:
                 dtypes = {self.act_probe.dtypes[m] for m in p.act_names
                           if m in self.act_probe.dtypes}
                 stats.act_limit = min((dtype_max(d) for d in dtypes), default=None)
+        self.batch_probe.decode_taken(slots, p.batch, stats)
         if p.loaded:
-            self._on_loaded(p.step, p.loaded, slots["loaded"])
+            flags = slots["loaded"]
+            if stats.nonfinite_samples or stats.nonfinite_tensors:
+                # This step's forward read a non-finite batch: buffers it writes (BatchNorm's
+                # running statistics) hold the value because of the batch, not of a load.
+                flags = [1.0 if n.startswith("buffer:") else f
+                         for n, f in zip(p.loaded, flags, strict=True)]
+            self._on_loaded(p.step, p.loaded, flags)
         if "scale" in slots:
             stats.amp_scale = slots["scale"][0]
         if "found_inf" in slots:
             p.found_inf = bool(slots["found_inf"][0])
-        self.batch_probe.decode_taken(slots, p.batch, stats)
         if self.batch_probe.dropped is not None:
             stats.dropped_samples, self.batch_probe.dropped = self.batch_probe.dropped, None
         if live and any(math.isinf(stats.grad_norms[i]) for i in stats.nonfinite_grads):

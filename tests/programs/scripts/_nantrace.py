@@ -7,7 +7,8 @@ NaN/Inf), module outputs of grad-enabled forwards, the loss, the gradients, and 
 and optimizer state after the update. The first non-finite value it meets is printed once to
 stderr as `NANTRACE {"step": K, "phase": P, ...}` where K is the 0-based index of the update
 step (updates completed before it); at exit `NANTRACE_END {"steps": N}` gives the number of
-update steps. The tests compare nanguard's report against these lines.
+update steps (a forward that held a non-finite value and never reached its loss, because the
+script raised there, is printed at exit). The tests compare nanguard's report against these lines.
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ class Tracer:
         atexit.register(self._end)
 
     def _end(self) -> None:
+        if self.forward_bad is not None:
+            # The script ended inside a step whose forward held a non-finite value and never
+            # reached its loss (it raised in the forward: the program's own check, or an
+            # error that followed the value).
+            self.emit("forward", module=self.forward_bad)
         print(END + json.dumps({"steps": self.step}), file=sys.stderr, flush=True)
 
     def _hook(self, name: str) -> Any:

@@ -9,10 +9,12 @@ The data holds a few dead-sensor traces that read exactly 0.0 throughout.
 
     python lbfgs_seq.py --max-iters 8
     python lbfgs_seq.py --eps 0          # fails
+    python lbfgs_seq.py --gap 3 10       # fails
 
 How it fails: `--eps 0`: a dead trace has zero variance, the standardization divides 0 by
 sqrt(0) = 0 and the forward of the batch holding it yields NaN (division by zero); L-BFGS then
-writes NaN into every weight.
+writes NaN into every weight. `--gap TRACE T`: reading T of trace TRACE was lost (NaN, as a
+logger writes a dropped sample); the batch holding it is NaN from the first closure call.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ def main() -> None:
     p.add_argument("--length", type=int, default=40)
     p.add_argument("--dead", type=int, nargs="*", default=[29, 50],
                    help="indices of all-zero (dead sensor) traces in the generated data")
+    p.add_argument("--gap", type=int, nargs=2, default=None, metavar=("TRACE", "T"),
+                   help="reading T of trace TRACE is missing (NaN)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--hidden", type=int, default=16)
     p.add_argument("--lr", type=float, default=0.8)
@@ -87,6 +91,8 @@ def main() -> None:
         data = torch.load(args.data).double()
     else:
         data = make_traces(args.traces, args.length, args.dead, args.seed)
+    if args.gap:
+        data[args.gap[0], args.gap[1]] = float("nan")
     # next-value prediction: input x[:, :-1], target x[:, 1:] (standardized the same way)
     dataset = TensorDataset(data[:, :-1], data[:, 1:])
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=False)
