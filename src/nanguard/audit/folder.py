@@ -108,8 +108,28 @@ def _files(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
 def _each(root: Path, files: list[Path], report: FolderReport[R], one: Callable[[str], R],
           skip: Callable[[Path], str | None]) -> None:
     """Run the single-file auditor `one` on each file; a file it cannot read becomes a
-    finding of the folder (an error: the folder is not what it should be), not an abort."""
+    finding of the folder (an error: the folder is not what it should be), not an abort.
+    Over `PROGRESS_BYTES` in all, a progress bar says how far it got (stderr, a terminal)."""
+    size = sum(p.stat().st_size for p in files)
+    if size < PROGRESS_BYTES or len(files) < 2:
+        _each_file(root, files, report, one, skip, lambda: None)
+        return
+    from nanguard.show.progress import waiting
+
+    with waiting(f"reading {len(files)} files ({size / 2**30:.1f} GiB) under {root}",
+                 total=len(files), unit="files") as tick:
+        _each_file(root, files, report, one, skip, tick)
+
+
+PROGRESS_BYTES = 512 * 2**20
+"""A folder this large takes seconds to read and hash: show progress (a wait over ~2 s)."""
+
+
+def _each_file(root: Path, files: list[Path], report: FolderReport[R],
+               one: Callable[[str], R], skip: Callable[[Path], str | None],
+               tick: Callable[[], None]) -> None:
     for path in files:
+        tick()
         rel = str(path.relative_to(root))
         reason = skip(path)
         if reason is not None:

@@ -36,7 +36,8 @@ def waiting(what: str, total: float | None = None, *, unit: str = "") -> Iterato
         unit: shown after the count (`s`, `seeds`).
     """
     if not _tty():
-        print(f"nanguard: {what}" + (f" (up to {total:g}{unit})" if total else "") + " ...",
+        print(f"nanguard: {what}" + (f" ({total:g} {unit})".replace("  ", " ") if total
+                                       else "") + " ...",
               file=sys.stderr, flush=True)
         yield lambda completed=None, *, note=None: None
         return
