@@ -145,8 +145,12 @@ def spike_line(m: dict[str, Any] | None) -> str | None:
         return None
     n = int(m.get("episodes_total") or 0)
     opened = sum(bool(e.get("open")) for e in m.get("episodes") or [])
-    score = ", ".join(f"{k.replace('_', ' ')} {_pct(v)}" for k, v in m["score"].items()
-                      if v is not None)
+    scored = m.get("steps_scored") or {}
+    # A score over a handful of steps says little: the count shows how many it rests on.
+    score = ", ".join(f"{k.replace('_', ' ')} {_pct(v)}"
+                      + (f" of {scored[k]} steps" if isinstance(scored.get(k), int)
+                         and scored[k] < 100 else "")
+                      for k, v in m["score"].items() if v is not None)
     first = (m.get("episodes") or [{}])[0]
     lead = ""
     if first.get("before"):
