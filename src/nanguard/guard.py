@@ -725,6 +725,9 @@ class Guard:
         signals = self.first_nonfinite.get("signals")
         self.first_nonfinite.update({k: v for k, v in found.items()
                                      if v is not None or k == "reproduced"})
+        if isinstance(found.get("reproduced"), bool):  # the replay re-ran the step bit for bit
+            self.first_nonfinite["verdict"] = ("reproducible" if found["reproduced"]
+                                               else "transient")
         self.first_nonfinite["signals"] = signals
         self.store.write_finding(self.first_nonfinite)
         self.events.finding(self.first_nonfinite)
@@ -948,8 +951,30 @@ class Guard:
                 )
         except Exception as exc:  # noqa: BLE001 - an explanation must never stop training
             found = {"layers": [], "samples": [], "error": f"{type(exc).__name__}: {exc}"}
+        if compute is not None:
+            found["rerun"] = self._rerun(stats, compute)
         self.spikes.append({"step": stats.step, **found})
         alarm.message += carried_by(found)
+        if found.get("rerun", {}).get("verdict"):
+            alarm.message += f"; re-run: {found['rerun']['verdict']}"
+
+    def _rerun(self, stats: StepStats, compute: Callable[[Any], torch.Tensor]
+               ) -> dict[str, Any]:
+        """Does the alarmed step (before its update) re-run the same? (`pinpoint.rerun`).
+        Only for a step one batch made, without a GradScaler (its gradients are scaled)."""
+        from nanguard.pinpoint.rerun import rerun_verdict
+
+        if len(self.batch_probe.step_batches) > 1 or self.recovery.amp is not None:
+            return {"verdict": None, "why": "several micro-batches or a GradScaler: the step's "
+                    "gradients are not one re-runnable forward and backward"}
+        try:
+            with activations_paused(self.act_probe):
+                return rerun_verdict(compute, model=self.model, params=self.params,
+                                     batch=self.batch_probe.last,
+                                     step_rng=self._current.rng if self._current else None,
+                                     loss=stats.loss)
+        except Exception as exc:  # noqa: BLE001 - a verdict must never stop training
+            return {"verdict": None, "why": f"the re-run failed: {type(exc).__name__}: {exc}"}
 
     def _record(self, stats: StepStats, p: Pending) -> None:
         self._last_stats = stats

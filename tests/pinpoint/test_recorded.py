@@ -252,7 +252,7 @@ def test_a_spike_names_its_sample_in_a_zero_code_run(tmp_path: Path) -> None:
     assert spikes and "error" not in spikes[0], report["spikes"]
     assert [d["index"] for d in spikes[0]["samples"]] == [11], spikes[0]
     alarm = next(a for a in report["alarms"] if a["step"] == 40 and a["kind"] == "spike")
-    assert alarm["message"].endswith("samples 11"), alarm
+    assert alarm["message"].endswith("samples 11; re-run: reproducible"), alarm
 
 
 GAN_CRITIC = """

@@ -1,0 +1,98 @@
+"""Re-execution verdicts: does an alarmed step run again the same, bit for bit?
+
+A spike (or a non-finite value) that a second run of the same step from the same parameters,
+RNG states and batch reproduces bit for bit comes from the software or the data: go on to
+pinpoint and explain it. One that does not is `transient`: a non-deterministic kernel (atomic
+adds in scatter / index_add, cuDNN autotuning, a reduction split across threads) or a hardware
+fault. The verdict says which evidence points where: whether deterministic algorithms were on,
+and the device. Large runs do the same (Megatron-LM's rerun state machine re-runs a step that
+spiked; a mismatch there is a transient or a faulty device).
+
+Runs only on an alarm, before the update, where the guard has the step's forward and loss
+(`Guard(replay=...)`) and a single batch made the step's gradients: one extra forward and
+backward, with `torch.autograd.grad` so `.grad`, the parameters and (restored) the buffers and
+RNG states stay exactly as training left them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanguard.pinpoint.inprocess import _KeepBuffers
+from nanguard.watch import rng
+
+VERDICTS = ("reproducible", "transient")
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Bitwise equal, NaN where NaN is (torch.equal calls NaN unequal to itself)."""
+    if a is None or b is None:
+        return a is None and b is None
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    return bool(torch.equal(nan_a, nan_b)) and bool(torch.equal(a[~nan_a], b[~nan_b]))
+
+
+def rerun_verdict(
+    compute_loss: Callable[[Any], torch.Tensor],
+    *,
+    model: nn.Module,
+    params: list[torch.Tensor],
+    batch: Any,
+    step_rng: dict[str, Any] | None,
+    loss: float | None,
+) -> dict[str, Any]:
+    """Run the step again and compare its loss and every gradient with the step's own.
+
+    Args:
+        compute_loss: the step's forward and loss (`Guard(replay=...)`).
+        model: its model (buffers restored after the re-run).
+        params: the watched parameters, whose `.grad` holds the step's gradients.
+        batch: the step's batch.
+        step_rng: the RNG states at the start of the step (None: as they are now).
+        loss: the loss the step computed (None when it was not watched).
+
+    Returns:
+        `{verdict, loss_same, grads_same, differing, deterministic_algorithms, device,
+        why}`; `verdict` is `reproducible` or `transient`.
+    """
+    trainable = [p for p in params if p.requires_grad]
+    now = rng.capture()
+    keep = _KeepBuffers(model)
+    try:
+        if step_rng is not None:
+            rng.restore(step_rng)
+        out = compute_loss(batch)
+        grads = torch.autograd.grad(out, trainable, allow_unused=True)
+    finally:
+        keep.__exit__()
+        rng.restore(now)
+    value = float(out.detach().reshape(-1)[0]) if out.numel() else float("nan")
+    loss_same = loss is None or value == loss or (math.isnan(value) and math.isnan(loss))
+    differing = sum(not _same(g, p.grad) for g, p in zip(grads, trainable, strict=True))
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    device = trainable[0].device.type if trainable else "cpu"
+    verdict = "reproducible" if loss_same and differing == 0 else "transient"
+    if verdict == "reproducible":
+        why = "the re-run gave the same loss and gradients bit for bit: software or data"
+    elif device == "cpu" or deterministic:
+        why = (f"the re-run differs ({'loss' if not loss_same else ''}"
+               f"{', ' if not loss_same and differing else ''}"
+               f"{f'{differing} gradient(s)' if differing else ''}) although "
+               f"{'deterministic algorithms were on' if deterministic else 'CPU kernels are'}"
+               " deterministic: suspect the hardware, or state the forward keeps outside "
+               "the RNG (a counter, Python's random, a data race)")
+    else:
+        why = (f"the re-run differs ({differing} gradient(s)"
+               f"{', the loss' if not loss_same else ''}) with deterministic algorithms off: "
+               "a non-deterministic kernel is the first suspect "
+               "(torch.use_deterministic_algorithms(True) to tell it from a device fault)")
+    return {"verdict": verdict, "loss_same": loss_same, "grads_same": differing == 0,
+            "differing": differing, "deterministic_algorithms": deterministic,
+            "device": device, "why": why}
