@@ -215,6 +215,10 @@ class Guard:
         self.saturation = saturation.attach(self, cfg.detect.saturation_every)
         # Issue 28: replica agreement under DDP, its own post-hook (watch/replicas.py); None: off.
         self.replicas = replicas.attach(self, cfg.detect.replica_every)
+        self._hooked = hook_optimizer
+        self._in_hook: str | None = None  # `pre` / `post` while a step hook runs
+        self._agreed = False  # that hook took part in its cross-rank agreement
+        self._exit: distributed.LockstepExit | None = None  # owed after standing down
         self._handles = [
             *([optimizer.register_step_pre_hook(self._pre_hook),
                optimizer.register_step_post_hook(self._post_hook)] if hook_optimizer else []),
@@ -333,12 +337,16 @@ class Guard:
             raise ValueError("this Guard is closed: create a new Guard for another run")
         if self.error is None:
             self._pre_hook(self.optimizer, (), {})
+        elif self._exit is not None:
+            self._exit.pay("pre")
 
     def after_update(self) -> None:
         """For adapters built with `hook_optimizer=False`: call right after the optimizer's
         update (or where it would have been, when the step was skipped)."""
         if self.error is None and not self._closed:
             self._post_hook(self.optimizer, (), {})
+        elif self._exit is not None:
+            self._exit.pay("post")
 
     def __enter__(self) -> Guard:
         if self._closed:
@@ -437,6 +445,16 @@ class Guard:
               f"({type(exc).__name__}: {exc}); nanguard stands down, training goes on"
               + (f"; traceback in {self.folder / 'nanguard_error.txt'}" if self.folder else ""),
               file=sys.stderr)
+        if (self.config.policy != "observe" and distributed.active()
+                and not isinstance(exc, distributed.PeerStoodDown)):
+            # The other ranks agree every decision with this one: take part in the next
+            # agreement, saying so, and every rank stands down in it (nobody waits).
+            self._exit = distributed.LockstepExit(self.optimizer, self._agree_device,
+                                                  hooked=self._hooked)
+            if self._in_hook is not None and not self._agreed:
+                self._exit.pay_now()  # the others are in this hook's agreement now
+            else:
+                self._exit.owe("post" if self._in_hook == "pre" else "pre")
 
     def _on_load(self, loaded: Any, *_: Any) -> None:
         """`load_state_dict` post-hook of the model and the optimizer: loaded values are
@@ -617,23 +635,29 @@ class Guard:
 
         Fails open: an error of nanguard's own stands it down (`_stand_down`) and the step goes
         on untouched; only the `raise` policy's NanguardError leaves this hook."""
+        self._in_hook, self._agreed = "pre", False
         try:
             self._pre(optimizer)
         except NanguardError:
             raise
         except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
             self.stand_down(exc, "optimizer step pre-hook")
+        finally:
+            self._in_hook = None
 
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Runs inside `optimizer.step()`, right after the update. Fails open like `_pre_hook`."""
         if self._current is None:  # stood down in the pre-hook of this very step
             return
+        self._in_hook, self._agreed = "post", False
         try:
             self._post()
         except NanguardError:
             raise
         except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
             self.stand_down(exc, "optimizer step post-hook")
+        finally:
+            self._in_hook = None
 
     def _pre(self, optimizer: torch.optim.Optimizer) -> None:
         cfg = self.config
@@ -825,15 +849,20 @@ class Guard:
             self.events.alarm(a.to_dict())
         return alarms
 
+    @property
+    def _agree_device(self) -> torch.device:
+        return self.params[0].device if self.params else torch.device("cpu")
+
     def _decide(self, stats: StepStats, alarms: list[Alarm], post: bool = False) -> bool:
         """This rank's verdict, agreed with every other rank under torch.distributed: all ranks
-        act in the same step, or none does (one small int32 all-reduce)."""
+        act in the same step, or none does (one small int32 all-reduce). Raises
+        `PeerStoodDown` when another rank's guard stood down (this one then does too)."""
         act = wants_to_act(stats, alarms, self.config.acting_on, post)
         if not distributed.active():
             return act
-        device = self.params[0].device if self.params else torch.device("cpu")
         phase = self._locate(stats)["phase"] or "" if stats.nonfinite_signals() else None
-        act, bad_rank = distributed.agree(act, phase, device)
+        act, bad_rank = distributed.agree(act, phase, self._agree_device)
+        self._agreed = True
         if bad_rank is not None:
             stats.agreed_bad_rank = bad_rank
         return act

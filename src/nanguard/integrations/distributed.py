@@ -11,6 +11,9 @@ optimizer) and MAX picks the earliest phase, then the lowest rank.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -27,7 +30,20 @@ def rank() -> int:
 PHASE_ORDER = ("data", "forward", "loss", "backward", "optimizer")
 
 
-def agree(act: bool, nonfinite_phase: str | None, device: torch.device) -> tuple[bool, int | None]:
+class PeerStoodDown(RuntimeError):
+    """Another rank's guard stood down after an internal error and said so in an agreement:
+    this rank stands down too, in the same step, so that no rank waits in a collective the
+    others will not join."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(f"rank {rank} stood down after an internal error of nanguard's own; "
+                         "every rank stands down with it (none may wait in a collective the "
+                         "others will not join)")
+        self.rank = rank
+
+
+def agree(act: bool, nonfinite_phase: str | None, device: torch.device, *,
+          down: bool = False) -> tuple[bool, int | None]:
     """Reduce this rank's verdict with every other rank's.
 
     Args:
@@ -35,11 +51,16 @@ def agree(act: bool, nonfinite_phase: str | None, device: torch.device) -> tuple
         nonfinite_phase: where this rank saw a non-finite value on this step (a name from
             PHASE_ORDER, "" if unknown), or None when it saw none.
         device: where the collective runs (the gradients' device; CPU for gloo).
+        down: this rank's guard has stood down: this is the last agreement it takes part in
+            (`LockstepExit`), and it tells the others.
 
     Returns:
         (whether any rank acts, the rank where the value showed first — earliest phase, then
         lowest rank — or None).
         Without a process group: this rank's own verdict.
+
+    Raises:
+        PeerStoodDown: another rank said `down` (not raised on the rank that said it).
     """
     if not active():
         return act, (rank() if nonfinite_phase is not None else None)
@@ -50,10 +71,65 @@ def agree(act: bool, nonfinite_phase: str | None, device: torch.device) -> tuple
     if nonfinite_phase is not None:
         order = PHASE_ORDER.index(nonfinite_phase) if nonfinite_phase in PHASE_ORDER else 3
         score = (len(PHASE_ORDER) - order) * world + (world - me)
-    flags = torch.tensor([int(act), score], dtype=torch.int32, device=device)
+    flags = torch.tensor([int(act), score, world - me if down else 0], dtype=torch.int32,
+                         device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    any_act, best = flags.tolist()
+    any_act, best, gone = flags.tolist()
+    if gone and not down:
+        raise PeerStoodDown(world - gone)
     if not best:
         return bool(any_act), None
     # best % world == (world - rank) % world: 0 for rank 0, else world - rank.
     return bool(any_act), (world - best % world) % world
+
+
+class LockstepExit:
+    """The one agreement a rank still owes the others after its guard stood down.
+
+    Acting policies agree every step's decision across ranks twice: before the update and
+    after it. A guard that stands down between two agreements would leave the other ranks
+    waiting in the next one (and then pairing it with DDP's own all-reduces: a hang or a
+    crash). So it takes part in that next agreement with `down=True`, which makes every other
+    rank stand down in the same call, and then no rank makes another.
+
+    Args:
+        optimizer: the guard's optimizer (its step hooks mark the agreement points).
+        device: where the agreement's collective runs.
+        hooked: the guard hooked `optimizer.step()`; False for framework adapters, which call
+            `pay` from `before_update` / `after_update`.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device,
+                 hooked: bool) -> None:
+        self.optimizer = optimizer
+        self.device = device
+        self.hooked = hooked
+        self.owed: str | None = None
+        self._handle: Any = None
+
+    def pay_now(self) -> None:
+        """Take part in the agreement the other ranks are in right now."""
+        self.owed = None
+        self.close()
+        # A broken group: nothing more to owe (and nothing to raise into training).
+        with contextlib.suppress(Exception):
+            agree(False, None, self.device, down=True)
+
+    def owe(self, when: str) -> None:
+        """Take part in the next agreement, at the next `pre` or `post` update point."""
+        assert when in ("pre", "post")
+        self.owed = when
+        if self.hooked:
+            register = (self.optimizer.register_step_pre_hook if when == "pre"
+                        else self.optimizer.register_step_post_hook)
+            self._handle = register(lambda *_: self.pay(when))
+
+    def pay(self, when: str) -> None:
+        """At an update point: the owed agreement, if it is this one's."""
+        if self.owed == when:
+            self.pay_now()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None

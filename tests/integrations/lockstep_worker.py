@@ -1,0 +1,65 @@
+"""One rank of the lockstep stand-down test: `python lockstep_worker.py OUT RANK PORT WHERE`.
+
+Two gloo ranks train a DDP MLP under `skip` (so every step's decision is agreed across ranks in
+one all-reduce). At step 3, rank 0 alone hits an internal error of nanguard's own, WHERE:
+`pre` (in its optimizer pre-hook, before the step's agreement) or `post` (in its post-hook,
+before that agreement). Both ranks must finish every step: nobody waits in a collective the
+other will never join. Prints one `RESULT {json}` line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from nanguard import Guard, GuardConfig, RecordConfig
+
+STEPS, BREAK_AT = 10, 3
+
+
+def main() -> None:
+    out, rank, port, where = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    guard = Guard(model, opt, policy="skip", out=os.path.join(out, f"rank-{rank}"),
+                  config=GuardConfig(record=RecordConfig(summary=False)))
+    if rank == 0:  # an internal error of nanguard's own, at one step, on one rank
+        target = guard.steps.read_pre if where == "pre" else guard.recovery.after_update
+        name = "read_pre" if where == "pre" else "after_update"
+        owner = guard.steps if where == "pre" else guard.recovery
+
+        def broken(*args: object, **kwargs: object) -> object:
+            if guard.step == BREAK_AT:
+                raise RuntimeError("injected internal error")
+            return target(*args, **kwargs)
+
+        setattr(owner, name, broken)
+    torch.manual_seed(100 + rank)
+    done = 0
+    for _ in range(STEPS):
+        x = torch.randn(16, 8)
+        loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+        guard.watch(loss=loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        done += 1
+    report = guard.close()
+    print("RESULT " + json.dumps({"steps": done, "status": report.status, "error": guard.error,
+                                  "recorded": report.steps}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)
