@@ -845,8 +845,8 @@ class Guard:
             self.store.write_rng(stats.step, rng.dumps(step_rng))
         self.alarms += alarms
         stats.alarms += alarms
-        for a in alarms:
-            self.events.alarm(a.to_dict())
+        if alarms:
+            self.events.alarms([a.to_dict() for a in alarms])
         return alarms
 
     @property

@@ -190,14 +190,28 @@ class Events:
                          message=f"run closed, status {report.get('status')}", notable=False,
                          data=report), self.close_listeners)
 
-    def alarm(self, alarm: dict[str, Any]) -> Event:
-        """An alarm was recorded (a dict with report.json's alarm keys)."""
+    def alarm(self, alarm: dict[str, Any], message: str | None = None) -> Event:
+        """An alarm was recorded (a dict with report.json's alarm keys); `message` replaces
+        its text in the event (see `alarms`)."""
         notable = self.episodes.see(int(alarm["step"]), str(alarm["kind"]))
         event = Event(type="alarm", step=int(alarm["step"]), kind=str(alarm["kind"]),
                       signal=str(alarm.get("signal", "")), value=alarm.get("value"),
-                      message=str(alarm.get("message", "")), notable=notable, data=dict(alarm))
+                      message=message or str(alarm.get("message", "")), notable=notable,
+                      data=dict(alarm))
         self.emit(event)
         return event
+
+    def alarms(self, alarms: list[dict[str, Any]]) -> None:
+        """The alarms of one step, in order. Several `nonfinite` ones (loss, gradients,
+        parameters, optimizer state) are one trouble: the first says all of them, so the line
+        the log shows names every signal that went non-finite in that step."""
+        nonfinite = [a for a in alarms if a.get("kind") == "nonfinite"]
+        summary = None
+        if len(nonfinite) > 1:
+            what = ", ".join(str(a.get("signal")) for a in nonfinite)
+            summary = f"non-finite values at step {nonfinite[0]['step']} in: {what}"
+        for a in alarms:
+            self.alarm(a, summary if summary and a is nonfinite[0] else None)
 
     def action(self, step: int, action: str, detail: str) -> None:
         """An action was taken (skip, rollback, raise, give_up, ...)."""
