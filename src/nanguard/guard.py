@@ -743,8 +743,14 @@ class Guard:
                                          else cur.rng)
         except Exception as exc:  # noqa: BLE001 - a failing replay must not kill training
             self.first_nonfinite["replay_error"] = f"{type(exc).__name__}: {exc}"
-            found = None
+            return
         if found is None:
+            # The same step from the same parameters, RNG states and batch ran clean: what
+            # made the value is not in them (a non-deterministic kernel, state outside the
+            # RNG, a device fault: `pinpoint.rerun`).
+            self.first_nonfinite.update(reproduced=False, verdict="transient")
+            self.store.write_finding(self.first_nonfinite)
+            self.events.finding(self.first_nonfinite)
             return
         signals = self.first_nonfinite.get("signals")
         self.first_nonfinite.update({k: v for k, v in found.items()
