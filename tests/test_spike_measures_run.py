@@ -126,3 +126,31 @@ def test_healthy_run_has_measures_and_an_old_report_gets_them(tmp_path: Path) ->
     old.pop("schema_version", None)  # schema: both keys came in the same release)
     path.write_text(json.dumps(old))
     assert load_report(out).spike_measures == m
+
+
+def test_summary_leaves_out_the_spike_line_of_a_run_nonfinite_from_its_first_step(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A NaN row in every batch from step 0: each step is "in spike" by the measure's
+    definition, which says nothing the failure does not; a run that failed later keeps it."""
+    def train(out: Path, nan_from: int) -> None:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        guard = nanguard.Guard(model, opt, out=out)
+        for step in range(30):
+            x = torch.randn(8, 4)
+            if step >= nan_from:
+                x[3, 1] = float("nan")
+            loss = ((model(x) - 1) ** 2).mean()
+            guard.watch(loss=loss, batch=x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        guard.close()
+
+    train(tmp_path / "at0", nan_from=0)
+    first = capsys.readouterr().err  # the summary goes to stderr
+    assert "failed after 30 steps" in first and "of steps in spike" not in first
+    train(tmp_path / "at25", nan_from=25)
+    later = capsys.readouterr().err
+    assert "failed after 30 steps" in later and "of steps in spike" in later

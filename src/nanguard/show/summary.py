@@ -101,7 +101,7 @@ def print_summary(
         console.print(f"    why: {cause['evidence']}")
         console.print(f"    fix: {cause['fix']}")
     line = spike_line(report.spike_measures)
-    if line:
+    if line and not _nonfinite_from_start(report):
         console.print(f"  {line}")
     if report.alarms:
         table = Table(title="alarms", title_justify="left", show_edge=False)
@@ -132,6 +132,13 @@ def print_summary(
             print_last_steps(console, [step_row(s) for s in steps])
     elif history:
         print_last_steps(console, [step_row(s) for s in history])
+
+
+def _nonfinite_from_start(report: Report) -> bool:
+    """Non-finite from the first step: every step is "in spike" by the measure's definition (a
+    non-finite value counts as one), which says nothing the failure does not."""
+    first = report.first_nonfinite
+    return report.status == "failed" and first is not None and not first.get("step")
 
 
 def _pct(x: float | None) -> str:
