@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +50,8 @@ def ref_episodes(xs: list[float], window: int = 1000, min_window: int = 20, sigm
     return out + ([(start, None)] if start is not None else [])
 
 
-def slingshot(out: Path, *, lr: float = 0.03, steps: int = 2000) -> list[float]:
+def slingshot(out: Path, *, lr: float = 0.03, steps: int = 2000,
+              stream: Callable[[nanguard.Guard], object] | None = None) -> list[float]:
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1))
     opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -60,6 +62,8 @@ def slingshot(out: Path, *, lr: float = 0.03, steps: int = 2000) -> list[float]:
     losses = []
     with nanguard.Guard(model, opt, config=GuardConfig(record=RecordConfig(
             out=str(out), summary=False))) as guard:
+        if stream is not None:
+            stream(guard)
         for _ in range(steps):
             loss = nn.functional.mse_loss(model(x), y)
             guard.watch(loss=loss)
@@ -73,8 +77,11 @@ def slingshot(out: Path, *, lr: float = 0.03, steps: int = 2000) -> list[float]:
 
 @pytest.fixture(scope="module")
 def spiky(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
+    from nanguard.export.tensorboard import stream
+
     out = tmp_path_factory.mktemp("spiky") / "run"
-    return out, slingshot(out)
+    # Streamed live to TensorBoard as it trains (observing: the run is the same without it).
+    return out, slingshot(out, stream=lambda g: stream(g, log_dir=out.parent / "tb"))
 
 
 def test_report_holds_measures_equal_to_an_independent_computation(
@@ -154,3 +161,30 @@ def test_summary_leaves_out_the_spike_line_of_a_run_nonfinite_from_its_first_ste
     train(tmp_path / "at25", nan_from=25)
     later = capsys.readouterr().err
     assert "failed after 30 steps" in later and "of steps in spike" in later
+
+
+def test_live_stream_plots_the_measures_step_by_step(spiky: tuple[Path, list[float]]) -> None:
+    """The TensorBoard stream of the spiky run: `in_spike` is 1 exactly on the steps of the
+    independently computed episodes, and the last step's running score, episode count and time
+    in spike are the report's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, losses = spiky
+    acc = EventAccumulator(str(out.parent / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+
+    def series(tag: str) -> dict[int, float]:
+        return {e.step: e.value for e in acc.Scalars(f"nanguard/{tag}")}
+
+    in_spike = series("in_spike")
+    assert sorted(in_spike) == list(range(len(losses)))
+    expected = {i for s, end in ref_episodes(losses)
+                for i in range(s, end if end is not None else len(losses))}
+    assert {i for i, v in in_spike.items() if v == 1.0} == expected
+    m = json.loads((out / "report.json").read_text())["spike_measures"]
+    last = len(losses) - 1
+    assert series("spike_episodes")[last] == m["episodes_total"] == len(ref_episodes(losses))
+    assert series("time_in_spike")[last] == pytest.approx(m["time_in_spike"], rel=1e-6)
+    spikes, scored = ref_score(losses)
+    assert series("spike_score_loss")[last] == pytest.approx(spikes / scored, rel=1e-6)
+    assert 0 < series("spike_score_grad_norm")[last] < 1

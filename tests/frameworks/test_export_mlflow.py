@@ -47,6 +47,10 @@ def test_nan_step_kept_and_marked(tmp_path, monkeypatch):
     assert tags["nanguard.first_nonfinite_step"] == str(BAD)
     assert tags["nanguard.top_cause"] == "data_nonfinite"
     assert tags["nanguard.status"] == "recovered"
+    # The NaN loss at BAD opens a spike episode: the per-step series and the run's count.
+    in_spike = _series(client, rid, "in_spike")
+    assert [in_spike[s] for s in range(BAD + 1)] == [0.0] * BAD + [1.0]
+    assert tags["nanguard.spike_episodes"] == "1"
     assert client.get_run(rid).info.status == "FINISHED"
     events = client.download_artifacts(rid, "nanguard/events.md", str(tmp_path / "dl"))
     assert f"## step {BAD}: first_nonfinite" in Path(events).read_text()

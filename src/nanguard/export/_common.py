@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanguard.record.report import REPORT_NAME
+from nanguard.record.spikes import SpikeMeter
 from nanguard.record.store import DB_NAME, dec, open_run
 
 if TYPE_CHECKING:
@@ -38,6 +39,8 @@ class Step:
         values: signal name -> value (NaN and +-Inf as they are); signals not recorded absent.
         nonfinite: something watched was non-finite at this step.
         skipped: the update of this step was discarded.
+        spikes: the spike measures up to this step (`SpikeMeter.now`: `in_spike`,
+            `spike_episodes`, `time_in_spike`, `spike_score_<signal>`).
     """
 
     step: int
@@ -45,6 +48,7 @@ class Step:
     values: dict[str, float]
     nonfinite: bool
     skipped: bool
+    spikes: dict[str, float] = field(default_factory=dict)
 
     def markers(self) -> dict[str, float]:
         """The finite 0/1 marker series, plotted where the value itself cannot be."""
@@ -52,8 +56,10 @@ class Step:
                 "skipped": 1.0 if self.skipped else 0.0}
 
     def scalars(self) -> dict[str, float]:
-        """The values and the markers, named `nanguard/<name>` as every exporter writes them."""
-        return {f"nanguard/{k}": v for k, v in {**self.values, **self.markers()}.items()}
+        """The values, the markers and the spike measures, named `nanguard/<name>` as every
+        exporter writes them."""
+        return {f"nanguard/{k}": v
+                for k, v in {**self.values, **self.markers(), **self.spikes}.items()}
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,10 @@ def load_run(folder: Path) -> RunData:
     finally:
         db.close()
     steps = []
+    # The spike measures step by step, as a live stream plots them. Over the steps run.db
+    # still holds: on a compacted run (over `RecordConfig.compact_after` steps) the thinned
+    # part counts less than report.json's `spike_measures`, which counted every step.
+    meter = SpikeMeter()
     for row in rows:
         values = {}
         for name, raw in zip(SIGNALS, row[2:2 + len(SIGNALS)], strict=True):
@@ -114,8 +124,9 @@ def load_run(folder: Path) -> RunData:
                 values[name] = value
         flagged = json.loads(row[-2] or "[]")
         nonfinite = bool(flagged) or any(not math.isfinite(v) for v in values.values())
+        meter.update(int(row[0]), values)
         steps.append(Step(int(row[0]), None if row[1] is None else float(row[1]), values,
-                          nonfinite, bool(row[-1])))
+                          nonfinite, bool(row[-1]), meter.now()))
     report: dict[str, Any] = {}
     if (folder / REPORT_NAME).exists():
         report = json.loads((folder / REPORT_NAME).read_text())
@@ -176,6 +187,13 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     diagnosis = report.get("diagnosis") or []
     if diagnosis:
         out["top_cause"] = diagnosis[0]["cause"]
+    m = report.get("spike_measures") or {}
+    if "episodes_total" in m:  # every step counted (report.json's, not the per-step series)
+        out["spike_episodes"] = m["episodes_total"]
+        out["time_in_spike"] = m.get("time_in_spike")
+        for k, v in (m.get("score") or {}).items():
+            if v is not None:
+                out[f"spike_score_{k}"] = v
     return out
 
 
@@ -196,14 +214,15 @@ def live_line(event: LiveEvent) -> str:
 class Stream:
     """Base of the live exporters: subscribes to a guard and hands each tracker what to write.
 
-    A recorded step's signals reach `write` as scalars `nanguard/<signal>` (NaN/Inf as they
-    are, plus the 0/1 `nanguard/nonfinite` and `nanguard/skipped`), together with the texts of
-    the events of that step: the guard announces a step's alarms and actions before the step
-    itself, so they are held until it comes and one text per tag and step is written. An event
-    of a step already written (the finding, told at close; an episode's end, told once quiet)
-    is written at once. When the guard closes, the held texts, the closing report (and the
-    diagnosis) are written and `finish` ends what the stream opened. A tracker error drops the
-    listener that met it (logged once by the guard); training goes on. A guard left open at
+    A recorded step's signals reach `write` as scalars `nanguard/<signal>` (NaN/Inf as they are,
+    plus the 0/1 `nanguard/nonfinite` and `nanguard/skipped` and the spike measures so far,
+    `SpikeMeter.now`: `nanguard/in_spike`, `nanguard/spike_score_loss`, ...), together with the
+    texts of the events of that step: the guard announces a step's alarms and actions before the
+    step itself, so they are held until it comes and one text per tag and step is written. An
+    event of a step already written (the finding, told at close; an episode's end, told once
+    quiet) is written at once. When the guard closes, the held texts, the closing report (and
+    the diagnosis) are written and `finish` ends what the stream opened. A tracker error drops
+    the listener that met it (logged once by the guard); training goes on. A guard left open at
     exit is closed by the stream's own exit hook, which runs before the tracker's (registered
     earlier, when its run started), so the report still reaches a run the tracker has not torn
     down yet.
@@ -217,6 +236,7 @@ class Stream:
         self.last = -1  # last step written
         self.closed = False
         self._held: dict[int, dict[str, list[str]]] = {}
+        self.meter = SpikeMeter()  # O(1) a step, on the training thread only when streaming
         guard.add_listener(self._on_step, only="step")
         guard.add_listener(self._on_event)
         guard.add_listener(self._on_close, only="close")
@@ -249,7 +269,10 @@ class Stream:
         if self.closed:
             return
         texts = self._take(event.step)
-        self.write(event.step, {f"nanguard/{k}": float(v) for k, v in event.data.items()}, texts)
+        self.meter.update(event.step, event.data)
+        scalars = {f"nanguard/{k}": float(v) for k, v in {**event.data,
+                                                          **self.meter.now()}.items()}
+        self.write(event.step, scalars, texts)
         self.last = max(self.last, event.step)
 
     def _on_event(self, event: LiveEvent) -> None:

@@ -193,6 +193,20 @@ class SpikeMeter:
                                     "baseline": base}
         return before, at_jump
 
+    def now(self) -> dict[str, float]:
+        """The measures so far, as scalars a tracker plots per step: `in_spike` (1 while a
+        loss episode is open), `spike_episodes` (episodes so far), `time_in_spike` and the
+        running spike score of each scored signal (`spike_score_<signal>`, fractions 0..1; a
+        score or share with nothing counted yet is left out). O(1)."""
+        out = {"in_spike": 1.0 if self.open is not None else 0.0,
+               "spike_episodes": float(self.episodes_total)}
+        if self.loss_steps:
+            out["time_in_spike"] = self.in_spike / self.loss_steps
+        for k in SCORED:
+            if self.scored[k]:
+                out[f"spike_score_{k}"] = self.spikes[k] / self.scored[k]
+        return out
+
     def summary(self) -> dict[str, Any]:
         """report.json's `spike_measures` (ratios and scores as fractions, 0..1)."""
         d = self.definition
