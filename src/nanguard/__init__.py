@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from nanguard._version import __version__
 
 if TYPE_CHECKING:
+    from nanguard.audit.load import CheckpointMismatch, load
     from nanguard.audit.preflight import preflight
     from nanguard.audit.save import save
     from nanguard.config import (
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 
 # Public name -> the module that defines it.
 _LAZY: dict[str, str] = {
+    "CheckpointMismatch": "nanguard.audit.load",
+    "load": "nanguard.audit.load",
     "preflight": "nanguard.audit.preflight",
     "save": "nanguard.audit.save",
     "AmpConfig": "nanguard.config",
@@ -55,6 +58,7 @@ _LAZY: dict[str, str] = {
 __all__ = [
     "Alarm",
     "AmpConfig",
+    "CheckpointMismatch",
     "ClipConfig",
     "DetectConfig",
     "Guard",
@@ -65,6 +69,7 @@ __all__ = [
     "Report",
     "WatchConfig",
     "__version__",
+    "load",
     "load_report",
     "preflight",
     "save",

@@ -668,6 +668,8 @@ class Guard:
         if self._check_loaded:
             self._check_loaded = False
             loaded, flags = self._loaded_flags()
+            for mismatch in loads.take_mismatches():  # `nanguard run`: verified at load
+                self.record_alarm(loads.mismatch_alarm(self.step, mismatch))
         self._current, grads = self.steps.begin(
             self.step, _lr(optimizer), self._device, self._loss, self.recovery.scale_tensor(),
             loaded, flags, self._step_rng)

@@ -202,3 +202,50 @@ def test_manifest_flag_and_bad_input(tmp_path, cli):
     with pytest.raises(ValueError, match="tied weights"):
         nanguard.save({"embed": tied, "head": tied}, tmp_path / "tied.safetensors")
     assert not list(tmp_path.glob("*tied*")) and not list(tmp_path.glob(".*"))  # no leftovers
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_load_verifies_before_handing_over(tmp_path, fmt):
+    """`nanguard.load`: an untouched checkpoint loads and equals what was saved; one bit
+    flipped on disk is refused with a one-line error naming exactly the tensor that changed
+    (the ground truth read back independently); `verify=False` loads it anyway."""
+    state = _trained_state()
+    if fmt == "torch":
+        path = tmp_path / "ckpt.pt"
+        nanguard.save(state, path)
+        before, offset = state, _torch_storage_offset(path, "2") + 4 * 7
+    else:
+        path = tmp_path / "model.safetensors"
+        nanguard.save(state["model"], path)
+        before, offset = state["model"], _safetensors_offset(path, "2.weight") + 4 * 5
+    assert _changed(before, nanguard.load(path)) == set()
+    _flip_bit_on_disk(path, offset)
+    after = torch.load(path, weights_only=True) if fmt == "torch" else load_file(path)
+    (truth,) = _changed(before, after)
+    with pytest.raises(ValueError) as info:
+        nanguard.load(path)
+    assert isinstance(info.value, nanguard.CheckpointMismatch)
+    assert "\n" not in str(info.value) and truth in str(info.value)
+    assert [(m.name, m.status) for m in info.value.check.mismatches] == [(truth, "changed")]
+    assert _changed(before, nanguard.load(path, verify=False)) == {truth}
+
+
+def test_load_without_manifest_and_bad_input(tmp_path):
+    state = _trained_state()
+    torch.save(state, tmp_path / "plain.pt")  # no manifest: nothing to verify against
+    assert _changed(state, nanguard.load(tmp_path / "plain.pt")) == set()
+    with pytest.raises(ValueError, match="no such checkpoint file"):
+        nanguard.load(tmp_path / "missing.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="cannot load") as info:
+        nanguard.load(tmp_path / "junk.pt")
+    assert "\n" not in str(info.value)
+
+    class Evil:  # a pickle that would run code: refused, never executed
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    torch.save({"x": Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(ValueError, match="cannot load"):
+        nanguard.load(tmp_path / "evil.pt")
+    assert not (tmp_path / "pwned").exists()

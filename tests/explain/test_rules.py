@@ -155,6 +155,14 @@ CASES = [
         Evidence(),
     ),
     (R.nondeterministic, Evidence(reproduced=False), Evidence(reproduced=True)),
+    (
+        R.checkpoint_corrupt,
+        Evidence(alarms=[{"step": 0, "kind": "checkpoint_mismatch", "signal": "checkpoint",
+                          "value": 1.0, "message": "ckpt.pt (loaded at train.py:12) differs "
+                          "from its manifest in 1 tensor(s): model.fc.weight"}]),
+        Evidence(alarms=[{"step": 0, "kind": "spike", "signal": "grad_norm", "value": 9.0,
+                          "message": "grad norm 9 is 30x its recent median"}]),
+    ),
 ]
 
 

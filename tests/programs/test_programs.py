@@ -167,6 +167,37 @@ def test_gpt_resume_poisoned_checkpoint(tmp_path: Path, gpt_checkpoint: Path,
     assert f"{GPT}:{line}" in g.report["diagnosis"][0]["evidence"], g.explain()
 
 
+def test_gpt_resume_from_a_checkpoint_that_changed_after_its_save(
+        tmp_path: Path, gpt_checkpoint: Path) -> None:
+    """The script's checkpoint saved with its manifest (`nanguard.save`), then one mantissa bit
+    of one weight flipped in the file: it loads without error and every value stays finite, so
+    only the manifest can tell. `nanguard run` says so while the script runs (an ERROR line
+    naming the tensor) and the report is never `healthy`: a `checkpoint_mismatch` alarm and the
+    cause `checkpoint_corrupt`, naming exactly the tensor that differs (found independently by
+    comparing the file with what was saved)."""
+    import nanguard
+
+    name = "transformer.h.1.mlp.c_fc.weight"
+    state = torch.load(gpt_checkpoint, map_location="cpu")
+    (tmp_path / "ckpt").mkdir()
+    path = tmp_path / "ckpt" / "ckpt.pt"
+    nanguard.save(state, path)
+    flipped = torch.load(path, map_location="cpu")
+    flipped["model"][name].view(torch.int32)[3, 5] ^= 1 << 4  # a low mantissa bit
+    torch.save(flipped, path)  # as a corrupting copy would leave it: the manifest is the old one
+    differ = [k for k, v in flipped["model"].items() if not v.equal(state["model"][k])]
+    assert differ == [name] and torch.isfinite(flipped["model"][name]).all()
+
+    g = guarded(tmp_path, GPT, *RESUME_ARGS)
+    assert g.proc.returncode == 0, g.explain()
+    assert f"differs from its manifest in 1 tensor(s): model.{name}" in g.proc.stderr
+    assert g.report["status"] == "warned", g.explain()
+    [alarm] = [a for a in g.report["alarms"] if a["kind"] == "checkpoint_mismatch"]
+    assert alarm["step"] == 0 and f"model.{name}" in alarm["message"]
+    assert g.causes[0] == "checkpoint_corrupt" and f"model.{name}" in \
+        g.report["diagnosis"][0]["evidence"], g.explain()
+
+
 # ---------------------------------------------------------------------------------- RNN LM
 
 RNN = "rnn_lm.py"

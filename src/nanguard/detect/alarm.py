@@ -18,6 +18,8 @@ ALARM_KINDS = (
     # (a warning from a sampled probe, nanguard.watch.saturation: recorded, never acted on)
     "replica_divergence",  # data-parallel replicas' parameters differ bit for bit
     # (nanguard.watch.replicas, every DetectConfig.replica_every steps: recorded, never acted on)
+    "checkpoint_mismatch",  # a loaded checkpoint differs from the manifest of its save
+    # (nanguard.watch.loads, under `nanguard run`: recorded, never acted on)
 )
 
 

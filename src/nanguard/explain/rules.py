@@ -1126,3 +1126,21 @@ def nondeterministic(ev: Evidence) -> Cause | None:
         fix="suspect hardware or a race: rerun with `torch.use_deterministic_algorithms(True)`; "
         "if it still differs, test the device (memory errors, a faulty GPU)",
     )
+
+
+@rule
+def checkpoint_corrupt(ev: Evidence) -> Cause | None:
+    """Needs: a `checkpoint_mismatch` alarm (a checkpoint loaded under `nanguard run` whose
+    tensors differ from the manifest written at its save). Ruled out: none raised (no manifest
+    beside the file, or every tensor matched)."""
+    alarms = [a for a in ev.alarms if a["kind"] == "checkpoint_mismatch"]
+    if not alarms:
+        return None
+    return Cause(
+        cause="checkpoint_corrupt",
+        confidence=0.85,
+        evidence=f"step {alarms[0]['step']}: {alarms[0]['message']}",
+        fix="the checkpoint changed after it was saved (storage, a copy, or memory): resume "
+        "from another copy or an earlier checkpoint whose manifest verifies (`nanguard audit "
+        "CKPT`; `nanguard.load(path)` refuses one that does not)",
+    )

@@ -45,6 +45,7 @@ MEANING = {
     "amp_collapse": "fp16 overflows at any loss scale: the values themselves are too large",
     "saturation": "a probability a log reads is about to round to 0 or 1",
     "replica_divergence": "silent corruption: ranks that should hold the same weights do not",
+    "checkpoint_mismatch": "silent corruption: the state trained from is not what was saved",
 }
 
 

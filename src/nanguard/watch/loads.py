@@ -10,6 +10,12 @@ the tensor and the line that loaded it. The guard learns the line two ways:
   exists): it wraps `torch.load`, `nn.Module.load_state_dict` and
   `Optimizer.load_state_dict` to remember the last call site. Removed by `untrack()`.
 
+Under `track()`, a `torch.load` of a file that has a manifest beside it (`nanguard.save`,
+`nanguard.audit.write_manifest`) is verified against it, from the loaded tensors in memory:
+a tensor whose bytes changed since the save is an ERROR line at once, and the guard's first
+step after it records a `checkpoint_mismatch` alarm naming the tensors (`take_mismatches`).
+Tensors only: a scalar saved as an object's repr cannot be compared after a full unpickle.
+
 Each loaded tensor keeps the line that loaded it: a module's `load_state_dict` marks its
 parameters and buffers, an optimizer's its state tensors (by identity, weakly), so a resume
 that loads the weights on one line and the optimizer on the next names the right one.
@@ -22,6 +28,8 @@ Nothing here reads a device value.
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import sys
 import weakref
 from pathlib import Path
@@ -29,6 +37,7 @@ from typing import Any
 
 import torch
 
+from nanguard.detect.alarm import Alarm
 from nanguard.detect.locate import owner
 from nanguard.watch.norms import local
 
@@ -40,6 +49,8 @@ _any = False
 a `nanguard run` is written once the script's hooks are gone)."""
 _sites: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
 """id(tensor) -> (the tensor, weakly; the line whose load wrote it)."""
+_mismatches: list[dict[str, Any]] = []
+"""Loaded checkpoints that differ from their manifests, not yet recorded by a guard."""
 
 
 class LoadedNames(list[str]):
@@ -111,10 +122,56 @@ def _wrap(owner: Any, attr: str) -> None:
         out = original(*args, **kwargs)
         if attr == "load_state_dict" and args:  # after it: the optimizer's state is new
             note(site, args[0])
+        elif attr == "load":
+            path = args[0] if args else kwargs.get("f")
+            if isinstance(path, (str, os.PathLike)):
+                verify(out, os.fspath(path), site)
         return out
 
     _patched.append((owner, attr, original))
     setattr(owner, attr, wrapper)
+
+
+def verify(loaded: Any, path: str, site: str | None) -> None:
+    """Compare what `torch.load(path)` returned with the manifest beside `path`, if any (see
+    the module docstring). Never raises: a file nanguard cannot verify loads as it would."""
+    try:
+        from nanguard.audit.load import verify_loaded
+
+        check = verify_loaded(loaded, path)
+    except Exception:  # noqa: BLE001 - verifying must never break the user's load
+        return
+    if check is None:
+        return
+    changed = [m for m in check.mismatches if m.kind == "tensor"]
+    if not changed:
+        return
+    names = [m.name for m in changed]
+    _mismatches.append({"path": path, "manifest": check.manifest, "site": site,
+                        "tensors": names, "statuses": [m.status for m in changed]})
+    logging.getLogger("nanguard").error(
+        "%s (loaded at %s) differs from its manifest in %d tensor(s): %s -- the checkpoint "
+        "changed after it was saved (storage, copy or memory corruption); training goes on "
+        "from these values; `nanguard audit %s` lists every difference", path, site or "?",
+        len(names), ", ".join(names[:5]) + (" ..." if len(names) > 5 else ""), path)
+
+
+def take_mismatches() -> list[dict[str, Any]]:
+    """The checkpoints found differing from their manifests since the last call."""
+    out = list(_mismatches)
+    _mismatches.clear()
+    return out
+
+
+def mismatch_alarm(step: int, found: dict[str, Any]) -> Alarm:
+    """The `checkpoint_mismatch` alarm for one entry of `take_mismatches`, at `step` (the first
+    step after the load)."""
+    names = found["tensors"]
+    return Alarm(step=step, kind="checkpoint_mismatch", signal="checkpoint",
+                 value=float(len(names)),
+                 message=f"{found['path']} (loaded at {found['site'] or '?'}) differs from its "
+                 f"manifest in {len(names)} tensor(s): {', '.join(names[:5])}"
+                 + (" ..." if len(names) > 5 else ""))
 
 
 def track() -> None:
