@@ -270,3 +270,39 @@ def test_replay_with_several_optimizers_refused(tmp_path):
     cb = NanguardCallback(out=tmp_path / "run", config=QUIET, replay=lambda b: b[0].sum())
     with pytest.raises(ValueError, match="replay= computes one loss"):
         trainer([cb], 2).fit(Two(), loader(make_data(BATCH * 2)))
+
+
+def test_manifests_beside_model_checkpoints_and_verified_at_resume(tmp_path, caplog):
+    """`manifests=True`: every checkpoint ModelCheckpoint writes gets its manifest (and loses
+    it when rotated out: top-1 by step); one mantissa bit flipped in a weight of the kept
+    checkpoint (still finite, found independently by comparing the weights) makes the resumed
+    fit say so (an ERROR line) and record a `checkpoint_mismatch` alarm naming the tensor."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from nanguard.audit import verify_manifest
+
+    data = make_data(BATCH * STEPS)
+    cb = NanguardCallback(out=tmp_path / "run", config=QUIET, manifests=True)
+    ckpts = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=4, save_top_k=1,
+                            monitor="step", mode="max")
+    _fit([cb, ckpts], data, enable_checkpointing=True)
+    kept = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    (ckpt,) = [tmp_path / "ck" / k for k in kept if k.endswith(".ckpt")]
+    assert kept == sorted([ckpt.name, ckpt.name + ".nanguard-manifest.json"])  # rotated: gone
+    assert verify_manifest(ckpt).ok
+
+    state = torch.load(ckpt, weights_only=True)
+    before = {k: v.clone() for k, v in state["state_dict"].items()}
+    state["state_dict"]["net.0.weight"].view(torch.int32)[2, 3] ^= 1 << 3
+    torch.save(state, ckpt)  # as a corrupting copy leaves it: the manifest is the old one
+    after = torch.load(ckpt, weights_only=True)["state_dict"]
+    assert [k for k in before if not before[k].equal(after[k])] == ["net.0.weight"]
+
+    cb2 = NanguardCallback(out=tmp_path / "resumed", config=QUIET, manifests=True)
+    with caplog.at_level("ERROR", logger="nanguard"):
+        trainer([cb2], STEPS + 4).fit(Regressor(), loader(data), ckpt_path=ckpt)
+    assert any("differs from its manifest" in r.getMessage() and "net.0.weight" in
+               r.getMessage() for r in caplog.records)
+    report = json.loads((tmp_path / "resumed" / "report.json").read_text())
+    [alarm] = [a for a in report["alarms"] if a["kind"] == "checkpoint_mismatch"]
+    assert "state_dict.net.0.weight" in alarm["message"] and report["status"] != "healthy"

@@ -110,3 +110,61 @@ def test_resume_without_a_saved_state_warns_and_starts_afresh(tmp_path):
         trainer.train(resume_from_checkpoint=True)
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["steps"] == STEPS - SAVE
+
+
+def test_manifests_written_at_save_and_verified_at_resume(tmp_path, caplog):
+    """`manifests=True`: `checkpoint-4/` gets a manifest that verifies as saved; after one bit
+    of one weight flips in `model.safetensors` (every value still finite), the resumed run
+    says so (an ERROR line) and its report carries a `checkpoint_mismatch` alarm at its first
+    step naming that tensor (found independently, by comparing the weights) and the cause
+    `checkpoint_corrupt`; a resume from an untouched copy raises nothing."""
+    import struct
+
+    import torch
+    from safetensors.torch import load_file
+
+    from nanguard.audit import verify_manifest
+
+    data = Embeds(BATCH * STEPS, None)  # healthy: only the manifest can tell
+    cb = NanguardCallback(out=tmp_path / "run", config=QUIET, manifests=True)
+    Trainer(model=make_model(), args=_args(tmp_path), train_dataset=data,
+            callbacks=[cb, StopAt(SAVE)]).train()
+    ckpt = tmp_path / "hf" / f"checkpoint-{SAVE}"
+    assert (ckpt / "nanguard-manifest.json").is_file()
+    check = verify_manifest(ckpt)
+    assert check.ok and check.checked > 20
+    clean = tmp_path / "clean"
+    shutil.copytree(ckpt, clean)
+
+    weights = ckpt / "model.safetensors"
+    before = {k: v.clone() for k, v in load_file(weights).items()}
+    with open(weights, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    name = next(k for k in header if k.endswith("mlp.c_fc.weight"))
+    offset = 8 + n + header[name]["data_offsets"][0] + 4 * 3
+    with open(weights, "rb+") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+    after = load_file(weights)
+    assert [k for k in before if not before[k].equal(after[k])] == [name]
+    assert torch.isfinite(after[name]).all()
+
+    def resume(folder, out):
+        cb = NanguardCallback(out=out, config=QUIET, manifests=True)
+        Trainer(model=make_model(), args=_args(tmp_path), train_dataset=data,
+                callbacks=[cb]).train(resume_from_checkpoint=str(folder))
+        return json.loads((out / "report.json").read_text())
+
+    with caplog.at_level("ERROR", logger="nanguard"):
+        report = resume(ckpt, tmp_path / "resumed")
+    assert any("differs from its manifest" in r.getMessage() and name in r.getMessage()
+               for r in caplog.records)
+    [alarm] = [a for a in report["alarms"] if a["kind"] == "checkpoint_mismatch"]
+    assert alarm["step"] == SAVE and name in alarm["message"]
+    assert report["status"] != "healthy" and report["diagnosis"][0]["cause"] == \
+        "checkpoint_corrupt"
+    good = resume(clean, tmp_path / "resumed_clean")
+    assert not [a for a in good["alarms"] if a["kind"] == "checkpoint_mismatch"]

@@ -212,7 +212,33 @@ def audit_folder(path: str | os.PathLike[str]) -> FolderReport[Any]:
                               f"{', '.join(CHECKPOINT_SUFFIXES)})")
     _each(root, files, report, audit_checkpoint, _checkpoint_skip)
     _index_findings(root, report)
+    _folder_manifest_findings(root, report)
     return report
+
+
+def _folder_manifest_findings(root: Path, report: FolderReport[Any]) -> None:
+    """With a folder manifest (`write_manifest(folder)`): the files it lists that are missing,
+    and those it hashed as bytes (unsafe to load: a Trainer's `rng_state.pth`) whose bytes
+    changed. Tensor files are verified tensor by tensor by `audit_checkpoint` itself."""
+    from nanguard.audit.manifest import FOLDER_MANIFEST, ManifestCheck, file_entries
+
+    where = root / FOLDER_MANIFEST
+    if not where.is_file():
+        return
+    try:
+        listed = json.loads(where.read_text()).get("files") or {}
+    except (OSError, ValueError, AttributeError) as exc:
+        report.findings.append(Finding(code="manifest_unreadable", severity="error",
+                                       location=str(where), message=one_line(exc)))
+        return
+    check = ManifestCheck(manifest=str(where))
+    for name, expected in sorted(listed.items()):
+        path = root / name
+        if not path.is_file():
+            check.compare(name, expected, None)
+        elif isinstance(expected, dict) and "file_sha256" in expected:
+            check.compare(name, expected, file_entries(str(path)))
+    report.findings.extend(check.findings())
 
 
 def scan_folder(path: str | os.PathLike[str], config: Any = None) -> FolderReport[Any]:

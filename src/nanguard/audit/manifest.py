@@ -14,13 +14,14 @@ executes pickled code (checkpoints are opened through `ckpt_load`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 from collections.abc import Iterator
 from typing import Any
 
-from nanguard.audit._common import AuditInputError, json_safe, one_line
+from nanguard.audit._common import AuditInputError, UnsafeCheckpointError, json_safe, one_line
 from nanguard.audit.ckpt_load import Source, TorchSource, new_digest, open_checkpoint, sniff
 from nanguard.audit.ckpt_load import update_digest as _update
 from nanguard.audit.manifest_check import (
@@ -93,8 +94,23 @@ def _shard_files(folder: str) -> Iterator[str]:
 
 
 def _hash_file(path: str) -> dict[str, Any]:
-    with open_checkpoint(path) as source:
-        return hash_source(source)
+    """Per-tensor hashes of a checkpoint file; for a file that cannot be opened without
+    executing pickled code (a Trainer's `rng_state.pth` and `training_args.bin` in a
+    checkpoint folder), the sha256 of its bytes (`file_sha256`): still verified, never loaded."""
+    try:
+        with open_checkpoint(path) as source:
+            return hash_source(source)
+    except UnsafeCheckpointError:
+        return file_entries(path)
+
+
+def file_entries(path: str) -> dict[str, Any]:
+    """A file's manifest entries as bytes: the sha256 of its contents (`file_sha256`)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return {"tensors": {}, "scalars": {}, "file_sha256": digest.hexdigest()}
 
 
 def dump_manifest(manifest: dict[str, Any], path: str) -> None:

@@ -45,6 +45,7 @@ Nothing here is imported by `import nanguard`; importing this module imports Lig
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -58,6 +59,7 @@ from torch import nn
 
 from nanguard.errors import NanguardError
 from nanguard.guard import Guard
+from nanguard.integrations import manifests
 from nanguard.integrations.options import check_options, guard_setup
 from nanguard.record import ending
 from nanguard.record.events import Event
@@ -67,12 +69,14 @@ log = logging.getLogger("nanguard")
 
 try:  # the unified package first, the standalone one else
     from lightning.pytorch import Callback, LightningModule, Trainer
+    from lightning.pytorch.plugins.io import CheckpointIO
 except ImportError:  # pragma: no cover - depends on what is installed
     from pytorch_lightning import (  # type: ignore[assignment]
         Callback,
         LightningModule,
         Trainer,
     )
+    from pytorch_lightning.plugins.io import CheckpointIO  # type: ignore[assignment]
 
 
 class NanguardCallback(Callback):
@@ -83,6 +87,11 @@ class NanguardCallback(Callback):
         out: run folder; None: the Guard's default (`nanguard_runs/<time>-<pid>`). Required
             under multi-process training (ranks must agree on one folder); each rank then
             records into `out/rank-R/`.
+        manifests: write a manifest (per-tensor sha256, `nanguard.audit.write_manifest`)
+            beside every checkpoint the strategy saves (ModelCheckpoint's, `save_checkpoint`;
+            removed with it), and verify the checkpoint `fit(ckpt_path=...)` resumes from:
+            a difference is an ERROR line and a `checkpoint_mismatch` alarm at the first step.
+            Costs one sha256 pass over each checkpoint saved (and resumed from, per process).
         **options: the Guard's other options: `activations`, `replay` (`replay(batch) ->
             loss`, e.g. `lambda b: module.training_step(b, 0)` when it only computes the
             loss; one optimizer only), `scheduler` and `scaler` (default: the Trainer's LR
@@ -98,11 +107,12 @@ class NanguardCallback(Callback):
     (None before fit starts and in the main process of `ddp_spawn`).
     """
 
-    def __init__(self, policy: str | None = None, out: str | Path | None = None,
-                 **options: Any) -> None:
+    def __init__(self, policy: str | None = None, out: str | Path | None = None, *,
+                 manifests: bool = False, **options: Any) -> None:
         check_options(policy, options)
         self.policy = policy
         self.out = out
+        self.manifests = manifests
         self.options = options
         self.guards: list[Guard] = []
         self.report: Report | None = None
@@ -145,6 +155,8 @@ class NanguardCallback(Callback):
                              "leave it out (each optimizer still gets its own guard)")
         self._world, self._rank = trainer.world_size, trainer.global_rank
         self._trainer = trainer
+        if self.manifests:
+            _with_manifests(trainer)
         opts = dict(self.options)
         out, cfg = guard_setup(self.out, opts.pop("config", None), self._world, self._rank,
                                self._state, "NanguardCallback")
@@ -397,3 +409,45 @@ def _owner(root: nn.Module, optimizer: torch.optim.Optimizer,
 
 def _param_ids(optimizer: torch.optim.Optimizer) -> set[int]:
     return {id(p) for g in optimizer.param_groups for p in g["params"]}
+
+
+class _ManifestIO(CheckpointIO):
+    """The strategy's checkpoint IO, and a manifest written after every save (removed with
+    the checkpoint when ModelCheckpoint rotates it out). Saving happens where the strategy
+    saves (global rank 0 for a single-file checkpoint)."""
+
+    def __init__(self, inner: CheckpointIO) -> None:
+        self.inner = inner
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
+                        storage_options: Any = None) -> None:
+        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        manifests.write(path)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        loaded: dict[str, Any] = self.inner.load_checkpoint(path, map_location=map_location,
+                                                            weights_only=weights_only)
+        return loaded
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.inner.remove_checkpoint(path)
+        from nanguard.audit.manifest import MANIFEST_SUFFIX
+
+        with contextlib.suppress(OSError):
+            os.remove(os.fspath(path) + MANIFEST_SUFFIX)
+
+    def teardown(self) -> None:
+        self.inner.teardown()
+
+
+def _with_manifests(trainer: Trainer) -> None:
+    """`manifests=True`: verify the checkpoint `fit(ckpt_path=...)` resumes from (before its
+    training state is restored, on every rank: each rank's guard gets the alarm) and write a
+    manifest after every checkpoint the strategy saves."""
+    ckpt = getattr(trainer, "ckpt_path", None)
+    if ckpt and os.path.exists(os.fspath(ckpt)):
+        manifests.verify(ckpt, f"Trainer.fit(ckpt_path={os.fspath(ckpt)!r})")
+    strategy = trainer.strategy
+    if not isinstance(strategy.checkpoint_io, _ManifestIO):
+        strategy.checkpoint_io = _ManifestIO(strategy.checkpoint_io)

@@ -36,7 +36,8 @@ What the Trainer hides and how the callback gets it:
 - Checkpoints. `on_save` writes the guard's state as JSON (`nanguard_state.json`) into the
   `checkpoint-N/` folder the Trainer just wrote; `train(resume_from_checkpoint=...)` loads it
   when training starts again: step numbering, detector history, alarms, actions and the run
-  folder carry on.
+  folder carry on. With `manifests=True` each `checkpoint-N/` also gets a manifest of
+  per-tensor hashes, and a resume verifies the folder against it (`integrations/manifests.py`).
 
 Clipping happens before the callback sees the gradients: with `max_grad_norm > 0` a NaN in one
 gradient turns every gradient NaN through the clip coefficient, so `first_nonfinite.param` may
@@ -64,6 +65,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from nanguard.errors import NanguardError
 from nanguard.guard import Guard
+from nanguard.integrations import manifests
 from nanguard.integrations.options import check_options, guard_setup
 from nanguard.record import ending
 from nanguard.record.events import Event
@@ -79,6 +81,11 @@ class NanguardCallback(TrainerCallback):
         policy: `observe` (default), `raise`, `skip` or `rollback` (see `nanguard.Guard`).
         out: run folder; None: the Guard's default. Required under multi-process training
             (each rank records into `out/rank-R/`).
+        manifests: write a manifest (per-tensor sha256, `nanguard.audit.write_manifest`)
+            into every `checkpoint-N/` the Trainer saves, and verify the checkpoint a
+            `train(resume_from_checkpoint=...)` resumed from against its manifest: a
+            difference is an ERROR line and a `checkpoint_mismatch` alarm at the first step.
+            Costs one sha256 pass over each checkpoint saved (and resumed from, per process).
         **options: the Guard's other options: `activations`, `replay` (`replay(batch) ->
             loss`, e.g. `lambda b: model(**b).loss`), `scheduler` (default: the Trainer's),
             `scaler`, `config` (a `GuardConfig`).
@@ -91,11 +98,12 @@ class NanguardCallback(TrainerCallback):
     multi-process training) and `guard` the Guard.
     """
 
-    def __init__(self, policy: str | None = None, out: str | Path | None = None,
-                 **options: Any) -> None:
+    def __init__(self, policy: str | None = None, out: str | Path | None = None, *,
+                 manifests: bool = False, **options: Any) -> None:
         check_options(policy, options)
         self.policy = policy
         self.out = out
+        self.manifests = manifests
         self.options = options
         self.guard: Guard | None = None
         self.report: Report | None = None
@@ -126,6 +134,10 @@ class NanguardCallback(TrainerCallback):
         raw = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
         self._world, self._rank = int(args.world_size), int(args.process_index)
         resumed = self._resumed_state(args, state)
+        if self.manifests and int(state.global_step) > 0:
+            # Loaded by now: what the model and optimizer hold came from this folder.
+            folder = self._resumed_folder(args, state)
+            manifests.verify(folder, f"Trainer.train(resume_from_checkpoint={folder!r})")
         opts = dict(self.options)
         out, cfg = guard_setup(self.out, opts.pop("config", None), self._world, self._rank,
                                resumed, "NanguardCallback")
@@ -217,11 +229,16 @@ class NanguardCallback(TrainerCallback):
         """Runs right after the Trainer wrote `checkpoint-N/` (after the step's update): the
         guard's state goes next to it, as JSON (`nanguard_state.json`, one per rank under
         multi-process training), so `train(resume_from_checkpoint=...)` resumes the guard."""
-        guard = self.guard
-        if guard is None or guard.closed or guard.error is not None:
-            return
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if not folder.is_dir():  # a hyperparameter search's trial folder: not ours to guess
+            return
+        if self.manifests:
+            if self._world > 1 and torch.distributed.is_initialized():
+                torch.distributed.barrier()  # every rank's files written before the hashing
+            if self._rank == 0:
+                manifests.write(folder)
+        guard = self.guard
+        if guard is None or guard.closed or guard.error is not None:
             return
         run = guard.folder
         payload = {"format": 1, "global_step": int(state.global_step),
@@ -237,9 +254,7 @@ class NanguardCallback(TrainerCallback):
         None for a fresh run. A resumed Trainer has `global_step > 0` already here."""
         if int(state.global_step) <= 0:
             return None
-        folder = self.resume_from or _resume_argument() or str(
-            Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        path = Path(folder) / _state_file(self._world, self._rank)
+        path = Path(self._resumed_folder(args, state)) / _state_file(self._world, self._rank)
         if not path.is_file():
             warnings.warn(f"nanguard: the Trainer resumed at step {state.global_step} but "
                           f"{path} does not exist; the guard starts afresh (its steps counted "
@@ -247,6 +262,11 @@ class NanguardCallback(TrainerCallback):
             return None
         saved: dict[str, Any] = json.loads(path.read_text())
         return saved
+
+    def _resumed_folder(self, args: Any, state: Any) -> str:
+        """The checkpoint folder a resumed Trainer loaded (at `on_train_begin`)."""
+        return self.resume_from or _resume_argument() or str(
+            Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
 
     # ------------------------------------------------------------------ the end
 

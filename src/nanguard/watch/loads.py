@@ -144,11 +144,15 @@ def verify(loaded: Any, path: str, site: str | None) -> None:
     if check is None:
         return
     changed = [m for m in check.mismatches if m.kind == "tensor"]
-    if not changed:
-        return
-    names = [m.name for m in changed]
-    _mismatches.append({"path": path, "manifest": check.manifest, "site": site,
-                        "tensors": names, "statuses": [m.status for m in changed]})
+    if changed:
+        report_mismatch(path, check.manifest, site, [m.name for m in changed])
+
+
+def report_mismatch(path: str, manifest: str, site: str | None, names: list[str]) -> None:
+    """A checkpoint at `path` differs from its `manifest` in `names` (tensors, or files of a
+    checkpoint folder): an ERROR line now, and a `checkpoint_mismatch` alarm at the next
+    guard step (`take_mismatches`). Framework adapters that verify their checkpoints call it."""
+    _mismatches.append({"path": path, "manifest": manifest, "site": site, "tensors": names})
     logging.getLogger("nanguard").error(
         "%s (loaded at %s) differs from its manifest in %d tensor(s): %s -- the checkpoint "
         "changed after it was saved (storage, copy or memory corruption); training goes on "
