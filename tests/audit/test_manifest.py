@@ -249,3 +249,28 @@ def test_load_without_manifest_and_bad_input(tmp_path):
     with pytest.raises(ValueError, match="cannot load"):
         nanguard.load(tmp_path / "evil.pt")
     assert not (tmp_path / "pwned").exists()
+
+
+def test_folder_with_files_unsafe_to_load(tmp_path, cli):
+    """A Trainer-style `checkpoint-N/`: weights, and an `rng_state.pth` that only unpickles by
+    running code (NumPy's RNG state). The manifest hashes that file as bytes without loading
+    it; `nanguard audit DIR` passes untouched and names the file once one bit of it flips."""
+    import numpy as np
+
+    folder = tmp_path / "checkpoint-4"
+    folder.mkdir()
+    save_file(_trained_state()["model"], folder / "model.safetensors")
+    torch.save({"numpy": np.random.get_state(), "python": (3, (1, 2), None)},
+               folder / "rng_state.pth")
+    write_manifest(folder)
+    listed = json.loads((folder / "nanguard-manifest.json").read_text())["files"]
+    assert set(listed["rng_state.pth"]) >= {"file_sha256"} and not listed["rng_state.pth"][
+        "tensors"]
+    assert verify_manifest(folder).ok
+    code, out, _ = cli("audit", folder)
+    assert code == 0, out
+    _flip_bit_on_disk(folder / "rng_state.pth", 200)
+    assert [(m.name, m.status) for m in verify_manifest(folder).mismatches] == [
+        ("rng_state.pth", "changed")]
+    code, out, _ = cli("audit", folder)
+    assert code == 1 and "manifest_mismatch" in out and "rng_state.pth" in out, out
