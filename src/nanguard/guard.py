@@ -23,12 +23,10 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import math
-import statistics
 import sys
 import time
 import traceback
 import weakref
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,17 +38,20 @@ from nanguard._version import __version__
 from nanguard.config import GuardConfig
 from nanguard.detect import Alarm, default_detectors
 from nanguard.detect.detectors import Detector
-from nanguard.detect.locate import locate
 from nanguard.errors import NanguardError
 from nanguard.integrations import distributed
-from nanguard.pinpoint.step_replay import activations_paused, carried_by, replay_batches
+from nanguard.pinpoint import live as pinpoint
 from nanguard.policy import device_skip, make_policy, wants_to_act
+from nanguard.policy.act import device_skip_effects, effects_of
 from nanguard.record import ending
+from nanguard.record.closing import recovery_summary, run_report
 from nanguard.record.events import EVENT_TYPES, Event, Events, Listener
-from nanguard.record.report import Report, build_report
+from nanguard.record.finding import Finding
+from nanguard.record.report import Report
 from nanguard.record.rows import step_signals, write_step
-from nanguard.record.spike_run import measure_run
+from nanguard.record.runlog import RunLog
 from nanguard.record.store import open_store
+from nanguard.recover.effects import Discard, Effect, FollowPeers, Record, Stop
 from nanguard.recover.policy import Recovery
 from nanguard.recover.verdict import LossWatch
 from nanguard.show import live
@@ -172,14 +173,8 @@ class Guard:
         self._by_phase = {"pre": pre, "post": post, "both": pre + post}
 
         self.step = 0
-        self.alarms: list[Alarm] = []
-        self.actions: list[dict[str, Any]] = []
-        self.first_nonfinite: dict[str, Any] | None = None
-        self.failing_stats: StepStats | None = None  # the step where it first showed
-        self.history: deque[StepStats] = deque(maxlen=64)  # the last steps, for the summary
         self._last_stats: StepStats | None = None
         self._grad_baseline: dict[int, float] = {}  # per-parameter EMA of healthy grad norms
-        self.spikes: list[dict[str, Any]] = []  # where each spike sits (layers, samples)
         self._loss: torch.Tensor | None = None
         self._pending: list[Pending] = []
         self._current: Pending | None = None
@@ -191,17 +186,17 @@ class Guard:
         self._watch_calls = 0  # watch(loss=...) calls since the last optimizer step
         self._skips_in_row = 0  # consecutive updates the `skip` policy discarded
         self._losses = LossWatch()  # the loss level before any trouble, and since
-        self._recovered_from = False  # a skip or rollback was recorded
         self.report: Report | None = None
         self.events = Events(quiet_steps=max(cfg.detect.lead_window, 10))
         self.events.summary_follows = cfg.record.summary
         """Every alarm, action and finding as it happens; `add_listener` subscribes."""
+        self.log = RunLog(self.store, self.events)
+        """Alarms, actions, the first non-finite finding, spikes and the steps before it."""
         live.ensure_handler()
         self.events.add(live.log_event)
         for fn, kind in ((on_alarm, "alarm"), (on_action, "action"), (on_finding, "finding")):
             if fn is not None:
                 self.add_listener(fn, only=kind)
-        self._resumed: dict[str, Any] = {}  # run log from before a resume (`load_state_dict`)
         self.recovery = Recovery(RecoveryLink(self), scheduler=scheduler, scaler=scaler)
         self.policy = make_policy(cfg.policy, cfg.acting_on, cfg.recover.max_consecutive_skips)
 
@@ -310,7 +305,7 @@ class Guard:
             self._watch_calls += 1
             if self._watch_calls > self.config.amp.stall_steps:
                 # No optimizer step for a while: a GradScaler may be skipping every step.
-                self.recovery.check_stall(self.step)
+                self.apply(self.recovery.check_stall(self.step))
         if batch is not None:
             self.batch_probe.observe(batch, accumulate=accumulate)
 
@@ -326,6 +321,42 @@ class Guard:
     def closed(self) -> bool:
         """True once `close()` ran (the report is written; the guard cannot be used again)."""
         return self._closed
+
+    @property
+    def alarms(self) -> list[Alarm]:
+        """Every alarm so far, in the order recorded (the run log's list)."""
+        return self.log.alarms
+
+    @property
+    def actions(self) -> list[dict[str, Any]]:
+        """Every action so far (`step`, `action`, `detail`), as report.json's `actions`."""
+        return self.log.actions
+
+    @property
+    def spikes(self) -> list[dict[str, Any]]:
+        """Where each spike sits (step, layers, samples), as report.json's `spikes`."""
+        return self.log.spikes
+
+    @property
+    def history(self) -> list[StepStats]:
+        """The last recorded steps, up to one past the first non-finite one."""
+        return list(self.log.history)
+
+    @property
+    def failing_stats(self) -> StepStats | None:
+        """The statistics of the step where the first non-finite value showed."""
+        return self.log.failing
+
+    @property
+    def first_nonfinite(self) -> dict[str, Any] | None:
+        """report.json's `first_nonfinite` so far (a copy: set it, or `refine` after close,
+        to change it), or None."""
+        return self.log.finding_dict()
+
+    @first_nonfinite.setter
+    def first_nonfinite(self, found: dict[str, Any] | None) -> None:
+        # Not written to run.db nor announced: the caller decides (`nanguard run` does).
+        self.log.finding = None if found is None else Finding.from_dict(found)
 
     def before_update(self) -> None:
         """For adapters built with `hook_optimizer=False`: call when the gradients are final
@@ -466,7 +497,7 @@ class Guard:
     def refine(self, finding: dict[str, Any]) -> Report:
         """After `close()`: take a refined first-non-finite finding (e.g. from a re-run with the
         op checker armed), diagnose again and rewrite report.json. Returns the new report."""
-        self.first_nonfinite = dict(finding)
+        self.log.set_finding(finding, write=False)
         report = self._build_report()
         if self.folder is not None:
             report.write(self.folder)
@@ -490,45 +521,11 @@ class Guard:
 
         Set by other parts, read here with a default: `run_entry`, `script_clip` (the
         `max_norm` of the script's own clipping, 0 when off) and `preflight`."""
-        from nanguard.detect.detectors import SpikeDetector
-
-        group = self.optimizer.param_groups[0] if self.optimizer.param_groups else {}
-        momentum = group.get("momentum")
-        if momentum is None and isinstance(group.get("betas"), (tuple, list)):
-            momentum = group["betas"][0]
-        healthy = None
-        for d in self.detectors:
-            if isinstance(d, SpikeDetector) and d.history["grad_norm"]:
-                healthy = 10 ** statistics.median(d.history["grad_norm"])
-        dtypes = {str(p.dtype) for p in self.params}
-        failing = self.failing_stats
-        name = type(self.optimizer).__name__
-        return {
-            "first_nonfinite": self.first_nonfinite,
-            "alarms": [a.to_dict() for a in self.alarms],
-            "actions": list(self.actions),
-            "spikes": list(self.spikes),
-            "optimizer": {
-                # `nanguard run`'s stand-in for hand-written updates is no optimizer the user
-                # knows.
-                "name": "your hand-written update" if name == "ManualStep" else name,
-                "lr": group.get("lr") if isinstance(group.get("lr"), (int, float)) else None,
-                "momentum": momentum if isinstance(momentum, (int, float)) else None,
-                "eps": group.get("eps") if isinstance(group.get("eps"), (int, float)) else None,
-                "dtype": dtypes.pop() if len(dtypes) == 1 else None,
-            },
-            "failing": self._resumed.get("failing") if failing is None else {
-                "step": failing.step, "lr": failing.lr,
-                "bad_tensors": list(failing.nonfinite_tensors),
-                "n_batch_tensors": failing.batch_tensors,
-            },
-            "healthy_grad_norm": healthy,
-            "history": self._resumed.get("history", []) + [s.record() for s in self.history],
-            "lead_window": self.config.detect.lead_window,
-            "script_clip": self.script_clip,
-            "entry": getattr(self, "run_entry", "api"),
-            "preflight": self.preflight,
-        }
+        return self.log.plain(
+            optimizer=self.optimizer, params=self.params, detectors=self.detectors,
+            lead_window=self.config.detect.lead_window,
+            facts={"script_clip": self.script_clip, "entry": getattr(self, "run_entry", "api"),
+                   "preflight": self.preflight})
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume watching where this guard left off, the run log
@@ -538,12 +535,9 @@ class Guard:
         return {
             "step": self.step,
             "detectors": [d.state_dict() for d in self.detectors],
-            "alarms": [a.to_dict() for a in self.alarms],
-            "actions": list(self.actions),
-            "first_nonfinite": self.first_nonfinite,
+            **self.log.state_dict(),
             "recovery": self.recovery.state_dict(),
             "grad_baseline": {str(i): v for i, v in self._grad_baseline.items()},
-            "spikes": list(self.spikes),
             "log": {"history": log["history"][-64:], "failing": log["failing"]},
         }
 
@@ -557,15 +551,10 @@ class Guard:
         self.step = int(state["step"])
         for d, s in zip(self.detectors, state["detectors"], strict=True):
             d.load_state_dict(s)
-        self.alarms = [Alarm(**a) for a in state["alarms"]]
-        self.actions = list(state["actions"])
-        self._recovered_from = any(a["action"] in ("skip", "rollback") for a in self.actions)
-        self.first_nonfinite = state["first_nonfinite"]
+        self.log.load_state_dict(state)
         if "recovery" in state:
             self.recovery.load_state_dict(state["recovery"])
         self._grad_baseline = {int(i): float(v) for i, v in state.get("grad_baseline", {}).items()}
-        self.spikes = list(state.get("spikes", []))
-        self._resumed = dict(state.get("log") or {})
 
     # ------------------------------------------------------------------ hooks
 
@@ -596,35 +585,32 @@ class Guard:
     def _loaded_flags(self) -> tuple[list[str], torch.Tensor | None]:
         """Before the first update (and the first after a `load_state_dict`): finiteness flags
         of every parameter, optimizer-state tensor and buffer, riding in that step's packet."""
-        if self.first_nonfinite is not None:
+        if self.log.finding is not None:
             return [], None
         return loads.finiteness_flags(self.param_names, self.params, self.optimizer,
                                       self.buffer_names, self.probe.buffers)
 
     def _loaded_finding(self, step: int, names: list[str], flags: list[float]) -> None:
         """The first non-finite finding for loaded state (phase `checkpoint`)."""
-        if self.first_nonfinite is not None:
+        if self.log.finding is not None:
             return
         found = loads.finding(step, names, flags, self._load_site or loads.last_site())
         if found is not None:
             found["rank"] = distributed.rank()
-            self.first_nonfinite = found
-            self.store.write_finding(found)
+            self.log.set_finding(found)
 
     def _check_leftover(self) -> None:
         """At close: a loss or batch handed to `watch` after the last optimizer step (the run
         died in its first iteration, or before the next step) is checked too, so a NaN that
         never reached an optimizer step is not lost. One host read, only when there is one."""
-        if self.first_nonfinite is not None:
+        if self.log.finding is not None:
             return
         stats = self.steps.leftover(self.step, self._device, self._loss)
         self._loss = None
         if stats is not None and (stats.nonfinite_signals() or stats.nonfinite_samples):
             found = self._locate(stats)
             found["signals"] = found["signals"] or ["data"]
-            self.first_nonfinite = found
-            self.failing_stats = stats
-            self.store.write_finding(found)
+            self.log.set_finding(found, failing=stats)
 
     def _write_params(self) -> None:
         self.store.write_params([(n, tuple(p.shape), p.numel())
@@ -674,7 +660,7 @@ class Guard:
         pre = self._current.pre
         self._loss = None
         self._watch_calls = 0
-        replaying = self.replay is not None and self.first_nonfinite is None
+        replaying = self.replay is not None and self.log.finding is None
         if cfg.policy == "observe" and not replaying and cfg.clip is None:
             return
         if not replaying and cfg.clip is None and device_skip.applies(
@@ -690,7 +676,7 @@ class Guard:
         # were before it: read the pre-step statistics now.
         stats = self.steps.read_pre(self._current)
         alarms = self._detect(stats, "pre", self._current.rng)
-        if replaying and self.first_nonfinite is not None:
+        if replaying and self.log.finding is not None:
             self._pinpoint(stats, self._current)
         elif replaying and stats.amp_skipped:
             self._check_scaler_skip(stats)
@@ -698,69 +684,29 @@ class Guard:
             self._act(stats, alarms)
         if not stats.skipped:
             self._skips_in_row = 0
-            self.recovery.before_update(stats)
+            self.apply(self.recovery.before_update(stats))
             stats.lr = _lr(optimizer)  # the LR this update really uses (after any backoff)
 
-    def _replay_batches(self, batches: list[Any], stats: StepStats,
-                        step_rng: dict[str, Any] | None) -> dict[str, Any] | None:
-        """`pinpoint.step_replay.replay_batches` with this guard's model and replay."""
-        assert self.replay is not None
-        return replay_batches(self.replay, model=self.model, params=self.params,
-                              batches=batches, step=stats.step, loss=stats.loss,
-                              step_rng=step_rng, act_probe=self.act_probe)
-
     def _check_scaler_skip(self, stats: StepStats) -> None:
-        """The GradScaler skipped the step before this one: an fp16 overflow, or a real fault
-        (sqrt at 0, a NaN row) that it hid? With `replay`, its batch is replayed in float32
-        (outside autocast) from the same parameters (a skipped step changed none): a value
-        that is non-finite there too was not an overflow. One replay per skip, until found."""
+        """The GradScaler skipped the step before this one: with `replay`, was it an fp16
+        overflow or a real fault it hid? (`pinpoint.live.scaler_skip_finding`)."""
         skipped, self.batch_probe.skipped = self.batch_probe.skipped, []
-        if not skipped or self.replay is None or self.first_nonfinite is not None:
+        if self.replay is None or self.log.finding is not None:
             return
-        try:
-            found = self._replay_batches(skipped, stats, None)
-        except Exception:  # noqa: BLE001 - the skip stays what the scaler said it was
-            return
-        if found is None:
-            return
-        found.update(step=stats.step, rank=distributed.rank(), signals=["grad"],
-                     skipped_by="GradScaler")
-        self.first_nonfinite = found
-        self.failing_stats = stats
-        self.store.write_finding(found)
-        self.events.finding(found)
+        found = pinpoint.scaler_skip_finding(
+            stats, self.replay, model=self.model, params=self.params, skipped=skipped,
+            act_probe=self.act_probe, rank=distributed.rank())
+        if found is not None:
+            self.log.set_finding(found, failing=stats, announce=True)
 
     def _pinpoint(self, stats: StepStats, cur: Pending) -> None:
         """Refine the first non-finite finding by replaying this step before its update."""
-        assert self.replay is not None and self.first_nonfinite is not None
-        if self.first_nonfinite.get("phase") == "checkpoint":
-            return  # loaded non-finite: no op of this step made it, nothing to replay
-        # NaN rows of a batch the GradScaler skipped: that batch is the one to replay.
-        batches = (self.batch_probe.skipped if stats.dropped_samples and self.batch_probe.skipped
-                   else self.batch_probe.step_batches or [self.batch_probe.last])
-        try:
-            found = self._replay_batches(batches, stats, None if stats.dropped_samples
-                                         else cur.rng)
-        except Exception as exc:  # noqa: BLE001 - a failing replay must not kill training
-            self.first_nonfinite["replay_error"] = f"{type(exc).__name__}: {exc}"
-            return
-        if found is None:
-            # The same step from the same parameters, RNG states and batch ran clean: what
-            # made the value is not in them (a non-deterministic kernel, state outside the
-            # RNG, a device fault: `pinpoint.rerun`).
-            self.first_nonfinite.update(reproduced=False, verdict="transient")
-            self.store.write_finding(self.first_nonfinite)
-            self.events.finding(self.first_nonfinite)
-            return
-        signals = self.first_nonfinite.get("signals")
-        self.first_nonfinite.update({k: v for k, v in found.items()
-                                     if v is not None or k == "reproduced"})
-        if isinstance(found.get("reproduced"), bool):  # the replay re-ran the step bit for bit
-            self.first_nonfinite["verdict"] = ("reproducible" if found["reproduced"]
-                                               else "transient")
-        self.first_nonfinite["signals"] = signals
-        self.store.write_finding(self.first_nonfinite)
-        self.events.finding(self.first_nonfinite)
+        assert self.replay is not None and self.log.finding is not None
+        update, news = pinpoint.refine_by_replay(
+            self.log.finding, stats, self.replay, model=self.model, params=self.params,
+            batches=self.batch_probe, act_probe=self.act_probe, step_rng=cur.rng)
+        if update:
+            self.log.refine_finding(update, write=news, announce=news)
 
     def _post(self) -> None:
         cur = self._current
@@ -828,7 +774,9 @@ class Guard:
         alarms on the guard and the step."""
         alarms: list[Alarm] = []
         if phase != "post":
-            alarms += self.recovery.check_amp(stats)
+            effects, alarms = self.recovery.check_amp(stats)
+            if effects:
+                self.apply(effects)
             if stats.amp_skipped and stats.activations:
                 # The activations include the forward of a step the GradScaler skipped on an
                 # expected fp16 overflow: its inf/NaN are not this step's (nor an alarm).
@@ -842,17 +790,17 @@ class Guard:
             if a.kind == "spike":
                 self._explain_spike(stats, a)
         if signals:
-            if self.first_nonfinite is None:
-                self.first_nonfinite = self._locate(stats)
-            if self.failing_stats is None:
-                self.failing_stats = stats
-        if alarms and step_rng is not None:
-            # Keep the RNG state at the start of an alarmed step: a replay needs it.
-            self.store.write_rng(stats.step, rng.dumps(step_rng))
-        self.alarms += alarms
-        stats.alarms += alarms
+            log = self.log
+            if log.finding is None:
+                log.finding = Finding.from_dict(self._locate(stats))  # run.db: with the step
+            if log.failing is None:
+                log.failing = stats
         if alarms:
-            self.events.alarms([a.to_dict() for a in alarms])
+            if step_rng is not None:
+                # Keep the RNG state at the start of an alarmed step: a replay needs it.
+                self.store.write_rng(stats.step, rng.dumps(step_rng))
+            stats.alarms += alarms
+            self.log.add_alarms(alarms)
         return alarms
 
     @property
@@ -876,35 +824,10 @@ class Guard:
     def _act(self, stats: StepStats, alarms: list[Alarm], post: bool = False) -> None:
         """Apply what the policy stage decides for this step (see `nanguard.policy`)."""
         d = self.policy.decide(stats, alarms, post=post, skips_in_row=self._skips_in_row)
-        if d.action == "skip":
-            self.discard_update(stats)
-            self._skips_in_row += 1
-            self._action(stats.step, "skip", f"update discarded ({d.why})")
-        elif d.action == "discard_spike":
-            # The spike was seen before its update: no rollback, no LR change, nothing counted.
-            self.discard_update(stats)
-            self._action(stats.step, "skip", f"update discarded ({d.why}): the state before it "
-                         "is still good, no rollback needed")
-        elif d.action == "rollback":
-            self.recovery.rollback(stats, d.why, post)
-        elif d.action == "escalate":
-            limit = self.config.recover.max_consecutive_skips
-            if self.recovery.escalate(stats, f"{limit} skips in a row ({d.why})", post):
-                self._skips_in_row = 0  # recover.skip_escalation="rollback" rolled back
-                return
-            detail = (f"{self._skips_in_row} updates discarded in a row and the next is "
-                      f"bad too ({d.why}); skipping does not heal this run: stopped")
-            self._action(stats.step, "give_up", detail)
-            self.stop(stats, detail)
-        elif d.action == "cannot_skip":
-            # The update itself produced the non-finite value; undoing it needs a saved copy,
-            # which is the `rollback` policy's job. Record that it could not be skipped.
-            if not self.recovery.escalate(stats, d.why, post):  # skip_escalation="rollback"
-                self._action(stats.step, "none",
-                             f"non-finite after the update ({d.why}); cannot skip")
-        elif d.action == "raise":
-            self._action(stats.step, "raise", f"stopped ({d.why})")
-            self.stop(stats, d.why)
+        effects, self._skips_in_row = effects_of(
+            d, stats, recovery=self.recovery, post=post, skips_in_row=self._skips_in_row,
+            limit=self.config.recover.max_consecutive_skips)
+        self.apply(effects)
 
     def _device_skipped(self, p: Pending, stats: StepStats) -> None:
         """Record what the fused optimizer did with the `found_inf` flag of step `p` (read a
@@ -913,18 +836,28 @@ class Guard:
         if not p.found_inf:
             self._skips_in_row = 0
             return
-        stats.skipped = True
-        self._skips_in_row += 1
-        why = ", ".join(stats.seal()) or "non-finite gradient norm"
-        self._action(stats.step, "skip", f"update discarded on the device ({why})")
-        limit = self.config.recover.max_consecutive_skips
-        if self._skips_in_row > limit:
-            detail = (f"{limit} updates discarded in a row and the next was bad too ({why}); "
-                      "skipping does not heal this run: stopped")
-            self._action(stats.step, "give_up", detail)
-            self.stop(stats, detail)
+        effects, self._skips_in_row = device_skip_effects(
+            stats, skips_in_row=self._skips_in_row,
+            limit=self.config.recover.max_consecutive_skips)
+        self.apply(effects)
 
-    def discard_update(self, stats: StepStats) -> None:
+    def apply(self, effects: list[Effect]) -> None:
+        """Apply what a policy or recovery decided, in order (`recover.effects`): record an
+        action or an alarm, discard the coming update, let coupled guards follow a rollback,
+        or stop (closes the run and raises `NanguardError`; nothing after it is applied)."""
+        for e in effects:
+            if isinstance(e, Record):
+                self.log.add_action(e.step, e.action, e.detail)
+            elif isinstance(e, Alarm):
+                self.log.add_alarm(e)
+            elif isinstance(e, Discard):
+                self._discard_update(e.stats)
+            elif isinstance(e, FollowPeers):
+                self.recovery.follow_peers(e.step, e.optimizer, e.factor)
+            elif isinstance(e, Stop):
+                self._stop(e.stats, e.why)
+
+    def _discard_update(self, stats: StepStats) -> None:
         """Make the coming `optimizer.step()` a no-op: optimizers leave a parameter whose .grad
         is None untouched (no update, no state change, no step-counter increment). The
         post-hook puts the gradients back."""
@@ -934,7 +867,7 @@ class Guard:
                 p.grad = None
         stats.skipped = True
 
-    def stop(self, stats: StepStats, why: str) -> None:
+    def _stop(self, stats: StepStats, why: str) -> None:
         """Close the run and raise NanguardError with the report (the `raise` policy's end)."""
         if self._current is not None:
             self._record(stats, self._current)
@@ -945,84 +878,47 @@ class Guard:
 
     def record_action(self, step: int, action: str, detail: str) -> None:
         """Record what was done at `step` (report.json `actions`; written to run.db at once)."""
-        self.actions.append({"step": step, "action": action, "detail": detail})
-        self._recovered_from |= action in ("skip", "rollback")
-        self.store.write_action(step, action, detail)
-        self.events.action(step, action, detail)
-
-    _action = record_action
+        self.log.add_action(step, action, detail)
 
     def record_alarm(self, alarm: Alarm) -> None:
-        """Record an alarm raised outside the detectors (e.g. recovery's `amp_collapse`)."""
-        self.alarms.append(alarm)
-        self.store.write_alarm(alarm.to_dict())
-        self.events.alarm(alarm.to_dict())
+        """Record an alarm raised outside the detectors (the saturation probe, replica
+        agreement): report.json `alarms`, run.db at once, an `alarm` event."""
+        self.log.add_alarm(alarm)
 
     # ------------------------------------------------------------------ recording
 
     def _locate(self, stats: StepStats) -> dict[str, Any]:
-        found = locate(stats, self.param_names, distributed.rank(), order=self._param_order,
-                       buffer_names=self.buffer_names)
-        if stats.dropped_samples:  # the batch of a step the GradScaler skipped
-            found["skipped_by"] = "GradScaler"
-        return found
+        return pinpoint.locate_step(stats, self.param_names, distributed.rank(),
+                                    order=self._param_order, buffer_names=self.buffer_names)
 
     def _explain_spike(self, stats: StepStats, alarm: Alarm) -> None:
-        """Which layers carry a spike (always) and which samples cause it (with `replay`,
-        when the spike is seen before its update, so the parameters are the step's own)."""
-        from nanguard.pinpoint.inprocess import spike_sources
-
-        before_update = self._current is not None and self._current.stats is stats
-        compute = self.replay if before_update else None
-        try:
-            with activations_paused(self.act_probe):  # per-sample forwards: not the step's
-                found = spike_sources(
-                    compute or (lambda _batch: torch.zeros(())), model=self.model,
-                    params=self.params, param_names=self.param_names,
-                    batch=self.batch_probe.last, grad_norms=stats.grad_norms,
-                    baseline=self._grad_baseline,
-                    batch_size=len(stats.sample_hashes) if compute else 0,
-                    step_rng=self._current.rng if before_update and self._current else None,
-                )
-        except Exception as exc:  # noqa: BLE001 - an explanation must never stop training
-            found = {"layers": [], "samples": [], "error": f"{type(exc).__name__}: {exc}"}
-        if compute is not None:
-            found["rerun"] = self._rerun(stats, compute)
-        self.spikes.append({"step": stats.step, **found})
-        alarm.message += carried_by(found)
-        if found.get("rerun", {}).get("verdict"):
-            alarm.message += f"; re-run: {found['rerun']['verdict']}"
-
-    def _rerun(self, stats: StepStats, compute: Callable[[Any], torch.Tensor]
-               ) -> dict[str, Any]:
-        """Does the alarmed step (before its update) re-run the same? (`pinpoint.rerun`).
-        Only for a step one batch made, without a GradScaler (its gradients are scaled)."""
-        from nanguard.pinpoint.rerun import rerun_verdict
-
-        if len(self.batch_probe.step_batches) > 1 or self.recovery.amp is not None:
-            return {"verdict": None, "why": "several micro-batches or a GradScaler: the step's "
-                    "gradients are not one re-runnable forward and backward"}
-        try:
-            with activations_paused(self.act_probe):
-                return rerun_verdict(compute, model=self.model, params=self.params,
-                                     batch=self.batch_probe.last,
-                                     step_rng=self._current.rng if self._current else None,
-                                     loss=stats.loss)
-        except Exception as exc:  # noqa: BLE001 - a verdict must never stop training
-            return {"verdict": None, "why": f"the re-run failed: {type(exc).__name__}: {exc}"}
+        """Which layers carry a spike and, seen before its update with `replay`, which samples
+        cause it and whether it re-runs the same (`pinpoint.live.explain_spike`)."""
+        cur = self._current
+        before_update = cur is not None and cur.stats is stats
+        found = pinpoint.explain_spike(
+            stats, replay=self.replay if before_update else None, model=self.model,
+            params=self.params, param_names=self.param_names, batches=self.batch_probe,
+            act_probe=self.act_probe, baseline=self._grad_baseline,
+            step_rng=cur.rng if before_update and cur else None,
+            amp=self.recovery.amp is not None)
+        self.log.add_spike(stats.step, found)
+        alarm.message += pinpoint.spike_note(found)
 
     def _record(self, stats: StepStats, p: Pending) -> None:
         self._last_stats = stats
+        log = self.log
+        finding = log.finding
         self._losses.observe(stats.loss, stats.skipped,
-                             troubled=self.first_nonfinite is not None or self._recovered_from)
+                             troubled=finding is not None or log.recovered_from)
         if not stats.alarms and not stats.nonfinite_signals():
             # Each parameter's typical grad norm on healthy steps: the baseline of a spike.
             base = self._grad_baseline
             base.update({i: v if (prev := base.get(i)) is None else 0.9 * prev + 0.1 * v
                          for i, v in stats.grad_norms.items()})
         # Keep the steps up to the first non-finite value: what led into it is the story.
-        if self.first_nonfinite is None or stats.step <= self.first_nonfinite["step"] + 1:
-            self.history.append(stats)
+        if finding is None or stats.step <= finding.step + 1:
+            log.history.append(stats)
         write_step(self.store, stats, len(self.params), self.config.watch.per_parameter)
         events = self.events
         if events.episodes.start is not None:  # an episode is open (a quiet step: nothing)
@@ -1031,49 +927,17 @@ class Guard:
             events.step(stats.step, step_signals(stats))
 
     def _build_report(self) -> Report:
-        from nanguard.explain import diagnose
-        from nanguard.explain.context import evidence_from_run
-
         ended, message = getattr(self, "_ended", ("ok", None))
-        recovery = self._recovery_verdict()
-        if recovery is not None:
-            # What recovering cost: updates discarded or undone, LR changes, snapshot memory.
-            recovery["updates_skipped"] = sum(a["action"] == "skip" for a in self.actions)
-            recovery.update(self.recovery.cost() or {})
-
-        causes = diagnose(evidence_from_run(self.run_log(), self.optimizer))
-        return build_report(
-            steps=self.step,
-            alarms=[a.to_dict() for a in self.alarms],
-            actions=list(self.actions),
-            first_nonfinite=self.first_nonfinite,
-            diagnosis=[c.to_dict() for c in causes],
-            spikes=self.spikes,
-            # From run.db, off the training thread; all steps are in it after close's flush.
-            spike_measures=measure_run(self.folder),
-            # Ended non-finite: the last recorded step still holds a NaN/Inf somewhere; or it
-            # died of an error after a non-finite value appeared (BCE's range check, ...).
-            failed=bool(self._last_stats and self._last_stats.nonfinite_signals())
-            or (self.first_nonfinite is not None and ended == "error")
-            or (self.first_nonfinite is not None and self._last_stats is None)
-            or (recovery is not None and recovery["back"] is False),
-            lead_window=self.config.detect.lead_window,
-            ended=ended,
-            degraded=self.error is not None,
+        return run_report(
+            self.log, self.run_log(), optimizer=self.optimizer, steps=self.step, ended=ended,
+            message=message, last=self._last_stats,
+            recovery=recovery_summary(self.log, self._losses, self.recovery.cost()),
+            folder=self.folder, lead_window=self.config.detect.lead_window,
             run={"folder": str(self.folder) if self.folder else None,
                  "policy": self.config.policy, "model": type(self.model).__name__,
                  "optimizer": type(self.optimizer).__name__, "version": __version__,
-                 "closed": self._closed, "entry": self.run_entry,
-                 "ended": {"how": ended, "error": message},
-                 **({"recovery": recovery} if recovery else {}),
-                 **({"internal_error": self.error} if self.error else {}),
-                 **({"listener_errors": self.events.errors} if self.events.errors else {})},
-        )
-
-    def _recovery_verdict(self) -> dict[str, Any] | None:
-        """After a skip or rollback: is the model back (`recover.verdict.LossWatch`)? None when
-        nothing was recovered from."""
-        return self._losses.verdict() if self._recovered_from else None
+                 "closed": self._closed, "entry": self.run_entry},
+            error=self.error, listener_errors=self.events.errors)
 
     # The store a new guard records to; `integrations.replay.record_nothing` swaps it.
     _open_store = staticmethod(open_store)
@@ -1081,7 +945,9 @@ class Guard:
 
 class RecoveryLink:
     """What recovery may use of its guard (`nanguard.recover.policy.GuardLink`), over a weak
-    reference: recovery never keeps a dropped guard alive, and never imports this module."""
+    reference: recovery never keeps a dropped guard alive, and never imports this module.
+    `apply` is for the effects of a coupled guard's rollback on this one; recovery returns
+    its own step's effects to the guard instead."""
 
     config: GuardConfig
     model: nn.Module
@@ -1104,17 +970,8 @@ class RecoveryLink:
         except ReferenceError:
             return False
 
-    def record_action(self, step: int, action: str, detail: str) -> None:
-        self._guard.record_action(step, action, detail)
-
-    def record_alarm(self, alarm: Alarm) -> None:
-        self._guard.record_alarm(alarm)
-
-    def discard_update(self, stats: StepStats) -> None:
-        self._guard.discard_update(stats)
-
-    def stop(self, stats: StepStats, why: str) -> None:
-        self._guard.stop(stats, why)
+    def apply(self, effects: list[Effect]) -> None:
+        self._guard.apply(effects)
 
     def spikes(self) -> list[dict[str, Any]]:
         return list(self._guard.spikes)
