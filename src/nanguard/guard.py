@@ -23,9 +23,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import math
-import sys
 import time
-import traceback
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -50,8 +48,10 @@ from nanguard.record.finding import Finding
 from nanguard.record.report import Report
 from nanguard.record.rows import step_signals, write_step
 from nanguard.record.runlog import RunLog
+from nanguard.record.standdown import note_internal_error
 from nanguard.record.store import open_store
 from nanguard.recover.effects import Discard, Effect, FollowPeers, Record, Stop
+from nanguard.recover.link import WeakLink
 from nanguard.recover.policy import Recovery
 from nanguard.recover.verdict import LossWatch
 from nanguard.show import live
@@ -197,7 +197,7 @@ class Guard:
         for fn, kind in ((on_alarm, "alarm"), (on_action, "action"), (on_finding, "finding")):
             if fn is not None:
                 self.add_listener(fn, only=kind)
-        self.recovery = Recovery(RecoveryLink(self), scheduler=scheduler, scaler=scaler)
+        self.recovery = Recovery(WeakLink(self), scheduler=scheduler, scaler=scaler)
         self.policy = make_policy(cfg.policy, cfg.acting_on, cfg.recover.max_consecutive_skips)
 
         self.store.write_meta(
@@ -462,20 +462,7 @@ class Guard:
         self._current = None
         self._pending = []
         self.detach()
-        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        self.error = {"step": self.step, "where": where,
-                      "error": f"{type(exc).__name__}: {exc}"}
-        try:
-            if self.folder is not None:
-                (self.folder / "nanguard_error.txt").write_text(text)
-                self.error["traceback"] = str(self.folder / "nanguard_error.txt")
-            self.store.write_meta(internal_error=self.error)
-        except Exception:  # noqa: BLE001, S110 - recording the error must not raise either
-            pass
-        print(f"nanguard: internal error in {where} at step {self.step} "
-              f"({type(exc).__name__}: {exc}); nanguard stands down, training goes on"
-              + (f"; traceback in {self.folder / 'nanguard_error.txt'}" if self.folder else ""),
-              file=sys.stderr)
+        self.error = note_internal_error(exc, where, self.step, self.folder, self.store)
         if (self.config.policy != "observe" and distributed.active()
                 and not isinstance(exc, distributed.PeerStoodDown)):
             # The other ranks agree every decision with this one: take part in the next
@@ -941,40 +928,6 @@ class Guard:
 
     # The store a new guard records to; `integrations.replay.record_nothing` swaps it.
     _open_store = staticmethod(open_store)
-
-
-class RecoveryLink:
-    """What recovery may use of its guard (`nanguard.recover.policy.GuardLink`), over a weak
-    reference: recovery never keeps a dropped guard alive, and never imports this module.
-    `apply` is for the effects of a coupled guard's rollback on this one; recovery returns
-    its own step's effects to the guard instead."""
-
-    config: GuardConfig
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-
-    def __init__(self, guard: Guard) -> None:
-        self._guard = weakref.proxy(guard)
-        self.config = guard.config
-        self.model = guard.model
-        self.optimizer = guard.optimizer
-
-    @property
-    def step(self) -> int:
-        return int(self._guard.step)
-
-    @property
-    def active(self) -> bool:
-        try:
-            return not self._guard.closed and self._guard.error is None
-        except ReferenceError:
-            return False
-
-    def apply(self, effects: list[Effect]) -> None:
-        self._guard.apply(effects)
-
-    def spikes(self) -> list[dict[str, Any]]:
-        return list(self._guard.spikes)
 
 
 def _lr(optimizer: torch.optim.Optimizer) -> float | None:
