@@ -16,6 +16,12 @@ and before the update; a post-hook runs right after it. Observing costs a few fu
 reductions and, in the default `observe` policy, one host read per step (or per
 `read_every` steps). Policies that act before the update (`raise`, `skip`) read the
 pre-step statistics in the pre-hook, so they make two small reads per step.
+
+This module is the Guard's public face and lifecycle (build, watch, close, state); what runs
+inside the optimizer's step is `step_path.StepPath`. What the run saw lives in its run log
+(`record.runlog`); recovery and the policy stage return effects (`recover.effects`) that
+`apply` carries out; pinpointing inside a step is `pinpoint.live`; the report is built by
+`record.closing`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import atexit
 import dataclasses
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,7 +57,7 @@ from nanguard.recover.policy import Recovery
 from nanguard.recover.verdict import LossWatch
 from nanguard.show import live
 from nanguard.step_path import StepPath
-from nanguard.watch import loads, replicas, rng, saturation
+from nanguard.watch import replicas, rng, saturation
 from nanguard.watch.activations import ActivationProbe, dtype_max
 from nanguard.watch.batch import BatchProbe
 from nanguard.watch.stats import StepProbe, StepStats, watched_buffers
@@ -284,26 +291,6 @@ class Guard(StepPath):
         except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
             self.stand_down(exc, "watch")
 
-    def _watch(self, loss: torch.Tensor | float | None, batch: Any) -> None:
-        # With a GradScaler, watch() calls without a step in between are steps the scaler
-        # skipped, not micro-batches: their values must not carry into the next step.
-        accumulate = self.recovery.amp is None
-        if loss is not None:
-            t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
-            if t.dim():  # a 0-dim value, as the packet stacks them (its float64 read is exact)
-                t = t.reshape(-1)[0]
-            if self._loss is not None and self._loss.device == t.device and accumulate:
-                # Several micro-batches per step (gradient accumulation): a non-finite loss of
-                # an earlier one must not be hidden by the last one (kept on the device).
-                t = torch.where(torch.isfinite(self._loss), t, self._loss)
-            self._loss = t
-            self._watch_calls += 1
-            if self._watch_calls > self.config.amp.stall_steps:
-                # No optimizer step for a while: a GradScaler may be skipping every step.
-                self.apply(self.recovery.check_stall(self.step))
-        if batch is not None:
-            self.batch_probe.observe(batch, accumulate=accumulate)
-
     def couple(self, *others: Guard) -> None:
         """Under `rollback`: roll back together with `others`, guards of other models trained
         on each other's outputs (a GAN's generator and discriminator). Guards of the same model
@@ -333,9 +320,9 @@ class Guard(StepPath):
         return self.log.spikes
 
     @property
-    def history(self) -> list[StepStats]:
-        """The last recorded steps, up to one past the first non-finite one."""
-        return list(self.log.history)
+    def history(self) -> deque[StepStats]:
+        """The last recorded steps, up to one past the first non-finite one (the run log's)."""
+        return self.log.history
 
     @property
     def failing_stats(self) -> StepStats | None:
@@ -469,13 +456,6 @@ class Guard(StepPath):
             else:
                 self._exit.owe("post" if self._in_hook == "pre" else "pre")
 
-    def _on_load(self, loaded: Any, *_: Any) -> None:
-        """`load_state_dict` post-hook of the model and the optimizer: loaded values are
-        checked for finiteness before the next update, and the line that loaded them kept."""
-        self._check_loaded = True
-        self._load_site = loads.call_site()
-        loads.note(self._load_site, loaded)
-
     def refine(self, finding: dict[str, Any]) -> Report:
         """After `close()`: take a refined first-non-finite finding (e.g. from a re-run with the
         op checker armed), diagnose again and rewrite report.json. Returns the new report."""
@@ -538,31 +518,7 @@ class Guard(StepPath):
             self.recovery.load_state_dict(state["recovery"])
         self._grad_baseline = {int(i): float(v) for i, v in state.get("grad_baseline", {}).items()}
 
-    # ------------------------------------------------------------------ hooks
-
-    def _loaded_finding(self, step: int, names: list[str], flags: list[float]) -> None:
-        """The first non-finite finding for loaded state (phase `checkpoint`)."""
-        if self.log.finding is not None:
-            return
-        found = loads.finding(step, names, flags, self._load_site or loads.last_site())
-        if found is not None:
-            found["rank"] = distributed.rank()
-            self.log.set_finding(found)
-
-    def _check_leftover(self) -> None:
-        """At close: a loss or batch handed to `watch` after the last optimizer step (the run
-        died in its first iteration, or before the next step) is checked too, so a NaN that
-        never reached an optimizer step is not lost. One host read, only when there is one."""
-        if self.log.finding is not None:
-            return
-        stats = self.steps.leftover(self.step, self._device, self._loss)
-        self._loss = None
-        if stats is not None and (stats.nonfinite_signals() or stats.nonfinite_samples):
-            found = self._locate(stats)
-            found["signals"] = found["signals"] or ["data"]
-            self.log.set_finding(found, failing=stats)
-
-    # ------------------------------------------------------------------ reading and deciding
+    # ------------------------------------------------------------------ recording
 
     def record_action(self, step: int, action: str, detail: str) -> None:
         """Record what was done at `step` (report.json `actions`; written to run.db at once)."""
@@ -572,8 +528,6 @@ class Guard(StepPath):
         """Record an alarm raised outside the detectors (the saturation probe, replica
         agreement): report.json `alarms`, run.db at once, an `alarm` event."""
         self.log.add_alarm(alarm)
-
-    # ------------------------------------------------------------------ recording
 
     def _build_report(self) -> Report:
         ended, message = getattr(self, "_ended", ("ok", None))

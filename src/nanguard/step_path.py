@@ -79,6 +79,7 @@ class StepPath:
     _skips_in_row: int
     _watch_calls: int
     _check_loaded: bool
+    _load_site: str | None
     _in_hook: str | None
     _agreed: bool
 
@@ -87,6 +88,55 @@ class StepPath:
 
     def close(self, ended: str | None = None, error: str | None = None) -> Report:
         raise NotImplementedError  # the Guard's
+
+    def _watch(self, loss: torch.Tensor | float | None, batch: Any) -> None:
+        # With a GradScaler, watch() calls without a step in between are steps the scaler
+        # skipped, not micro-batches: their values must not carry into the next step.
+        accumulate = self.recovery.amp is None
+        if loss is not None:
+            t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+            if t.dim():  # a 0-dim value, as the packet stacks them (its float64 read is exact)
+                t = t.reshape(-1)[0]
+            if self._loss is not None and self._loss.device == t.device and accumulate:
+                # Several micro-batches per step (gradient accumulation): a non-finite loss of
+                # an earlier one must not be hidden by the last one (kept on the device).
+                t = torch.where(torch.isfinite(self._loss), t, self._loss)
+            self._loss = t
+            self._watch_calls += 1
+            if self._watch_calls > self.config.amp.stall_steps:
+                # No optimizer step for a while: a GradScaler may be skipping every step.
+                self.apply(self.recovery.check_stall(self.step))
+        if batch is not None:
+            self.batch_probe.observe(batch, accumulate=accumulate)
+
+    def _on_load(self, loaded: Any, *_: Any) -> None:
+        """`load_state_dict` post-hook of the model and the optimizer: loaded values are
+        checked for finiteness before the next update, and the line that loaded them kept."""
+        self._check_loaded = True
+        self._load_site = loads.call_site()
+        loads.note(self._load_site, loaded)
+
+    def _loaded_finding(self, step: int, names: list[str], flags: list[float]) -> None:
+        """The first non-finite finding for loaded state (phase `checkpoint`)."""
+        if self.log.finding is not None:
+            return
+        found = loads.finding(step, names, flags, self._load_site or loads.last_site())
+        if found is not None:
+            found["rank"] = distributed.rank()
+            self.log.set_finding(found)
+
+    def _check_leftover(self) -> None:
+        """At close: a loss or batch handed to `watch` after the last optimizer step (the run
+        died in its first iteration, or before the next step) is checked too, so a NaN that
+        never reached an optimizer step is not lost. One host read, only when there is one."""
+        if self.log.finding is not None:
+            return
+        stats = self.steps.leftover(self.step, self._device, self._loss)
+        self._loss = None
+        if stats is not None and (stats.nonfinite_signals() or stats.nonfinite_samples):
+            found = self._locate(stats)
+            found["signals"] = found["signals"] or ["data"]
+            self.log.set_finding(found, failing=stats)
 
     @property
     def _device(self) -> torch.device:
