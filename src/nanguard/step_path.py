@@ -242,7 +242,9 @@ class StepPath:
             self._act(stats, alarms)
         if not stats.skipped:
             self._skips_in_row = 0
-            self.apply(self.recovery.before_update(stats))
+            effects = self.recovery.before_update(stats)
+            if effects:  # a quiet step applies nothing (no call)
+                self.apply(effects)
             stats.lr = _lr(optimizer)  # the LR this update really uses (after any backoff)
 
     def _check_scaler_skip(self, stats: StepStats) -> None:
