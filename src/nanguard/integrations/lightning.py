@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
 import time
 from collections.abc import Callable
@@ -60,12 +59,10 @@ from torch import nn
 from nanguard.errors import NanguardError
 from nanguard.guard import Guard
 from nanguard.integrations import manifests
-from nanguard.integrations.options import check_options, guard_setup
+from nanguard.integrations.options import check_options, guard_setup, say_stopped
 from nanguard.record import ending
 from nanguard.record.events import Event
 from nanguard.record.report import Report
-
-log = logging.getLogger("nanguard")
 
 try:  # the unified package first, the standalone one else
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -260,13 +257,10 @@ class NanguardCallback(Callback):
     def _stop(self, exc: NanguardError) -> None:
         """The `raise` policy stopped training (the guard closed and wrote its report): stop
         the Trainer the way Lightning stops (`should_stop`: fit ends after this batch)."""
-        self.stopped = str(exc)
-        self.report = exc.report
+        self.stopped, self.report = str(exc), exc.report
         if self._trainer is not None:
             self._trainer.should_stop = True
-        log.error("%s; stopping the Trainer (trainer.should_stop)%s", exc,
-                  f", report in {exc.report.run.get('folder')}"
-                  if exc.report is not None and exc.report.run.get("folder") else "")
+        say_stopped(exc, "trainer.should_stop")
 
     def _keeper(self, prefix: str) -> Callable[[Event], None]:
         """A step listener keeping the part's last recorded step's signals."""

@@ -6,10 +6,12 @@ Shared by the Lightning and transformers adapters (neither framework is imported
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
 from nanguard.config import GuardConfig
+from nanguard.errors import NanguardError
 
 GUARD_OPTIONS = ("activations", "replay", "scheduler", "scaler", "config")
 """Guard keyword arguments a callback passes through (besides `policy` and `out`)."""
@@ -59,3 +61,14 @@ def guard_setup(out: str | Path | None, config: GuardConfig | None, world: int, 
         if cfg.record.if_exists == "refuse":  # the run folder of the interrupted run: go on
             cfg.record = dataclasses.replace(cfg.record, if_exists="resume")
     return out, cfg
+
+
+def say_stopped(exc: NanguardError, flag: str) -> None:
+    """The `raise` policy stopped training inside a framework's step (the guard closed and
+    wrote its report): one line saying so, which `flag` the adapter set to stop the trainer
+    its own way, and where the report is."""
+    report = exc.report
+    logging.getLogger("nanguard").error(
+        "%s; stopping the Trainer (%s)%s", exc, flag,
+        f", report in {report.run.get('folder')}"
+        if report is not None and report.run.get("folder") else "")

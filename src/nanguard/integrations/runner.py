@@ -585,9 +585,11 @@ def _settle_in_process(w: Watched) -> None:
     info, guard = w.in_process, w.guard
     if info is None or guard is None or guard.first_nonfinite is None:
         return
-    first = guard.first_nonfinite
+    first = guard.first_nonfinite  # a copy: set back below when it changes
     error = first.pop("replay_error", None)
     changed = error is not None  # the report of a closed guard still holds it
+    if changed:
+        guard.first_nonfinite = first
     if error is not None and str(error).startswith(NotReplayable.__name__):
         info.setdefault("reason", str(error).partition(": ")[2])
     elif error is not None:

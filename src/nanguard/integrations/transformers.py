@@ -52,7 +52,6 @@ Importing this module imports transformers; `import nanguard` does not.
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import warnings
 from pathlib import Path
@@ -66,12 +65,10 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from nanguard.errors import NanguardError
 from nanguard.guard import Guard
 from nanguard.integrations import manifests
-from nanguard.integrations.options import check_options, guard_setup
+from nanguard.integrations.options import check_options, guard_setup, say_stopped
 from nanguard.record import ending
 from nanguard.record.events import Event
 from nanguard.record.report import Report
-
-log = logging.getLogger("nanguard")
 
 
 class NanguardCallback(TrainerCallback):
@@ -197,12 +194,9 @@ class NanguardCallback(TrainerCallback):
     def _stop(self, exc: NanguardError, control: Any) -> None:
         """The `raise` policy stopped training (the guard closed and wrote its report): the
         Trainer ends after this step (`should_training_stop`), as its own callbacks stop it."""
-        self.stopped = str(exc)
-        self.report = exc.report
+        self.stopped, self.report = str(exc), exc.report
         control.should_training_stop = True
-        log.error("%s; stopping the Trainer (control.should_training_stop)%s", exc,
-                  f", report in {exc.report.run.get('folder')}"
-                  if exc.report is not None and exc.report.run.get("folder") else "")
+        say_stopped(exc, "control.should_training_stop")
 
     def _keep_signals(self, event: Event) -> None:
         self._signals = event.data

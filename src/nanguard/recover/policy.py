@@ -4,9 +4,10 @@ The Guard owns one `Recovery` and calls it at fixed points of a step; each featu
 costs nothing) unless its policy, config or object was given.
 
 What recovery needs from its guard is `GuardLink` (below), nothing else: the settings, the model
-and optimizer, the step counter, and four actions (record an action, record an alarm, discard
-the coming update, stop the run); the Guard hands it one (`guard.RecoveryLink`), so this module
-never imports the Guard.
+and optimizer, the step counter, the spikes seen so far, and a way to hand effects to a coupled
+guard. What recovery decides for its own guard it returns as effects (`recover.effects`:
+record an action, record an alarm, discard the coming update, stop the run) that the guard
+applies; this module never imports the Guard.
 
 Several optimizers on one model (e.g. body and head trained apart, one guard each, `rollback`
 policy): each guard's snapshot holds only what its own optimizer trains, so a rollback restores
@@ -31,6 +32,7 @@ from nanguard.integrations import distributed
 from nanguard.recover.amp import ScalerWatch
 from nanguard.recover.backoff import Backoff, decide
 from nanguard.recover.clip import AdaptiveClipper
+from nanguard.recover.effects import Discard, Effect, FollowPeers, Record, Stop
 from nanguard.recover.ring import SnapshotRing
 from nanguard.recover.rollback import GiveUp, Rollback, trouble_start
 from nanguard.watch.stats import StepStats
@@ -53,20 +55,13 @@ class GuardLink(Protocol):
         """The guard is still watching (not closed, not stood down)."""
         ...
 
-    def record_action(self, step: int, action: str, detail: str) -> None: ...
-
-    def record_alarm(self, alarm: Alarm) -> None: ...
-
-    def discard_update(self, stats: StepStats) -> None:
-        """Make the coming `optimizer.step()` a no-op for every parameter."""
-        ...
-
     def spikes(self) -> list[dict[str, Any]]:
         """Where each spike sat (the guard's `spikes`: step, layers, samples)."""
         ...
 
-    def stop(self, stats: StepStats, why: str) -> None:
-        """Close the run and raise NanguardError (does not return)."""
+    def apply(self, effects: list[Effect]) -> None:
+        """Apply effects to the guard, as its own step would (a coupled guard's rollback
+        makes this one follow)."""
         ...
 
 
@@ -122,42 +117,45 @@ class Recovery:
     def scale_tensor(self) -> torch.Tensor | None:
         return self.amp.scale_tensor() if self.amp else None
 
-    def check_amp(self, stats: StepStats) -> list[Alarm]:
-        """Pre-step: count the overflow steps the scaler skipped; alarm on a collapse."""
+    def check_amp(self, stats: StepStats) -> tuple[list[Effect], list[Alarm]]:
+        """Pre-step: count the overflow steps the scaler skipped (an `amp_skip` action to
+        record); the alarms of the step on a collapse (the detectors' alarms join them)."""
         self._stall_calls = 0
         if self.amp is None or stats.amp_scale is None:
-            return []
+            return [], []
         skipped, collapse = self.amp.observe(stats.amp_scale)
         stats.amp_skipped = skipped
+        effects: list[Effect] = []
         if skipped:
-            self.link.record_action(
+            effects.append(Record(
                 stats.step,
                 "amp_skip",
                 f"GradScaler skipped {skipped} step(s) on fp16 overflow (expected, "
                 f"not an alarm); scale now {stats.amp_scale:.3g}",
-            )
+            ))
         if collapse is None:
-            return []
-        return self._collapse(stats.step, stats.amp_scale, collapse)
+            return effects, []
+        return effects, self._collapse(stats.step, stats.amp_scale, collapse)
 
-    def check_stall(self, step: int) -> None:
+    def check_stall(self, step: int) -> list[Effect]:
         """Many `watch` calls and no optimizer step: read the scale (a rare extra read), once
         every `amp.stall_steps` calls however often the guard asks."""
         if self.amp is None:
-            return
+            return []
         self._stall_calls += 1
         if (self._stall_calls - 1) % max(1, self.link.config.amp.stall_steps):
-            return
+            return []
         scale = self.amp.scale_tensor()
         if scale is None:
-            return
+            return []
         value = float(scale.item())
         skipped, collapse = self.amp.observe(value)
+        effects: list[Effect] = []
         if skipped:
-            self.link.record_action(step, "amp_skip", f"GradScaler skipped {skipped} step(s)")
+            effects.append(Record(step, "amp_skip", f"GradScaler skipped {skipped} step(s)"))
         if collapse:
-            for a in self._collapse(step, value, collapse):
-                self.link.record_alarm(a)
+            effects += self._collapse(step, value, collapse)
+        return effects
 
     def _collapse(self, step: int, scale: float, msg: str) -> list[Alarm]:
         assert self.amp is not None
@@ -171,55 +169,53 @@ class Recovery:
 
     # -- before / after the update
 
-    def before_update(self, stats: StepStats) -> None:
+    def before_update(self, stats: StepStats) -> list[Effect]:
         """Pre-hook, when the update goes ahead: a rollback of another optimizer of the model
-        in this step discards it; else adaptive clipping, then the LR backoff."""
+        in this step discards it; else adaptive clipping (applied here: the gradients are
+        scaled in place), then the LR backoff. Returns what the guard is to apply."""
         if self._discard_next:
-            self._take_discard(stats)
-            return
-        if self.left_out and self._leave_out(stats):
-            return
+            return self._take_discard(stats)
+        if self.left_out and (left := self._leave_out(stats)):
+            return left
+        effects: list[Effect] = []
         if self.clipper is not None:
             action, scale = self.clipper.decide(
                 stats.grad_norm if not stats.nonfinite_grads else math.nan
             )
             if action == "skip":
-                self.link.discard_update(stats)
-                self.link.record_action(
+                return [Discard(stats), Record(
                     stats.step,
                     "skip",
                     "non-finite grad norm: update discarded, clip statistics kept",
-                )
-                return
+                )]
             if action == "clip":
                 grads = [p.grad for g in self.link.optimizer.param_groups for p in g["params"]
                          if p.grad is not None]
                 torch._foreach_mul_(grads, scale)
-                self.link.record_action(
+                effects.append(Record(
                     stats.step,
                     "clip",
                     f"grad norm {stats.grad_norm:.3g} clipped by {scale:.3g} "
                     f"(adaptive threshold {stats.grad_norm * scale:.3g})",
-                )
+                ))
         if self.rollbacker is not None:
             self.rollbacker.backoff_on(stats.step)
+        return effects
 
-    def _leave_out(self, stats: StepStats) -> bool:
+    def _leave_out(self, stats: StepStats) -> list[Effect]:
         """A batch holding a sample that an earlier rollback named (a NaN row of the batch it
         rolled back, a sample per-sample attribution blamed for a spike of the episode): its
         update is discarded before it lands, so the sample cannot start the trouble again
-        (the next epoch). True when it was."""
+        (the next epoch). The discard and its record; empty when the batch is clean."""
         hit = [h for h in stats.sample_hashes if h in self.left_out]
         if not hit:
-            return False
-        self.link.discard_update(stats)
+            return []
         self.updates_left_out += 1
-        self.link.record_action(
+        return [Discard(stats), Record(
             stats.step, "skip",
             f"update discarded: the batch holds {len(hit)} sample(s) left out after the "
             f"rollback at step {self.left_out[hit[0]]} (fingerprint(s) "
-            f"{', '.join(f'{h:#x}' for h in hit[:4])})")
-        return True
+            f"{', '.join(f'{h:#x}' for h in hit[:4])})")]
 
     def _remember_culprits(self, stats: StepStats, since: int) -> list[int]:
         """The fingerprints of the samples to leave out after a rollback at `stats.step`: the
@@ -291,19 +287,19 @@ class Recovery:
                 return p.device
         return torch.device("cpu")
 
-    def rollback(self, stats: StepStats, why: str, post: bool) -> None:
-        """The `rollback` policy's action (all ranks call it in the same step); the other
-        rolling-back guards of the same model follow (see the module docstring)."""
+    def rollback(self, stats: StepStats, why: str, post: bool) -> list[Effect]:
+        """The `rollback` policy's action (all ranks call it in the same step): the model is
+        restored here; returns the records, the discard of the coming update and, last, the
+        other rolling-back guards of the same model following (see the module docstring)."""
         assert self.rollbacker is not None
         if self._discard_next and not post:
             # A coupled guard rolled this one back already in this step.
-            self._take_discard(stats)
-            return
-        if not post and self.left_out and self._leave_out(stats):
+            return self._take_discard(stats)
+        if not post and self.left_out and (left := self._leave_out(stats)):
             # A sample an earlier rollback named is back (the next epoch): the state before
             # this update is good, discarding the update is all it takes; no rollback, no
             # progress lost, no compounded backoff.
-            return
+            return left
         rb = self.rollbacker
         rb.trail.observe(stats)  # this step's own magnitudes (before the update: grad norm)
         backoff = decide(stats, rb.trail, self.link.config.recover, self.link.config.detect)
@@ -312,24 +308,27 @@ class Recovery:
                                    trouble_from=self._trouble(stats))
             self.steps_rolled_back += stats.step + 1 - restored
         except GiveUp as exc:
-            self.link.record_action(stats.step, "give_up", f"{exc} ({why})")
-            self.link.stop(stats, f"{exc} ({why})")
-            return
+            return [Record(stats.step, "give_up", f"{exc} ({why})"), Stop(stats, f"{exc} ({why})")]
         rb.trail.clear(stats.step)
         culprits = self._remember_culprits(stats, restored)
-        if not post:
-            self.link.discard_update(stats)
+        effects: list[Effect] = [] if post else [Discard(stats)]
         stats.skipped = True
-        self.link.record_action(
+        effects.append(Record(
             stats.step,
             "rollback",
             f"restored the state of step {restored}, discarding steps {restored}..{stats.step} "
             f"({why}); {self._lr_text(backoff)}"
             + (f"; {len(culprits)} sample(s) left out from now on (fingerprint(s) "
                f"{', '.join(f'{h:#x}' for h in culprits[:4])})" if culprits else ""),
-        )
+        ))
+        effects.append(FollowPeers(stats.step, type(self.link.optimizer).__name__, rb.factor))
+        return effects
+
+    def follow_peers(self, step: int, optimizer: str, factor: float) -> None:
+        """Apply a `FollowPeers` effect: every other rolling-back guard of the model rolls
+        back with this one (each applies its own records)."""
         for peer in self._peers():
-            peer._follow(stats.step, type(self.link.optimizer).__name__, rb.factor)
+            peer._follow(step, optimizer, factor)
 
     def _lr_text(self, backoff: Backoff) -> str:
         """What the last rollback did to the LR, and why (`actions[].detail`)."""
@@ -342,14 +341,13 @@ class Recovery:
                      f"{rb.history[-2]}): compounded with its x{rb.compounded:.3g}")
         return text
 
-    def escalate(self, stats: StepStats, why: str, post: bool) -> bool:
+    def escalate(self, stats: StepStats, why: str, post: bool) -> list[Effect] | None:
         """`skip` cannot heal (too many skips in a row, or a bad update already applied): roll
-        back when `recover.skip_escalation` is `rollback` and say so; False otherwise (the
+        back when `recover.skip_escalation` is `rollback` (its effects); None otherwise (the
         guard then gives up)."""
         if self.rollbacker is None:
-            return False
-        self.rollback(stats, f"skipping did not heal: {why}", post)
-        return True
+            return None
+        return self.rollback(stats, f"skipping did not heal: {why}", post)
 
     def _peers(self) -> list[Recovery]:
         peers = _PEERS.get(self._group) if self.rollbacker is not None else None
@@ -371,32 +369,34 @@ class Recovery:
             self._discard_next = True
             self._follow_at = (step, other, factor)
             return
-        self._restore_with(self.link.step - 1, step, other, factor)
+        self.link.apply(self._restore_with(self.link.step - 1, step, other, factor))
 
-    def _restore_with(self, mine: int, step: int, other: str, factor: float) -> None:
+    def _restore_with(self, mine: int, step: int, other: str, factor: float) -> list[Effect]:
         assert self.rollbacker is not None
         restored = self.rollbacker.rollback(
             mine, forced=True, backoff=Backoff(factor=factor, why=f"as the {other} optimizer"))
         self.rollbacker.trail.clear(mine)
-        self.link.record_action(
+        return [Record(
             mine,
             "rollback",
             f"restored the state of step {restored} with the {other} optimizer it is coupled "
             f"to (it rolled back at its step {step}); "
             + (f"LR x{factor:.3g} for {self.rollbacker.config.backoff_steps} steps"
                if factor != 1.0 else "LR kept") + f", as the {other} optimizer's",
-        )
+        )]
 
-    def _take_discard(self, stats: StepStats) -> None:
+    def _take_discard(self, stats: StepStats) -> list[Effect]:
         """This step's update is discarded because a coupled guard rolled back: restore the
         last good state now (after this optimizer's backward), then make the update a no-op."""
         self._discard_next = False
+        effects: list[Effect] = []
         if self._follow_at is not None:
             step, other, factor = self._follow_at
             self._follow_at = None
-            self._restore_with(self.link.step, step, other, factor)
-        self.link.discard_update(stats)
+            effects += self._restore_with(self.link.step, step, other, factor)
+        effects.append(Discard(stats))
         stats.skipped = True
+        return effects
 
     def couple(self, group: Any) -> None:
         """Roll back together with every other rolling-back guard coupled to `group` (any

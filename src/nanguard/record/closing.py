@@ -1,0 +1,78 @@
+"""The report of a live run, built from its run log when the guard closes (or refines).
+
+Plain inputs: the run log, what recovery cost, how the run ended. The diagnosis is made here
+from the run log alone (`explain`, which never sees the guard).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanguard.record.report import Report, build_report
+from nanguard.record.runlog import RunLog
+from nanguard.record.spike_run import measure_run
+from nanguard.recover.verdict import LossWatch
+from nanguard.watch.stats import StepStats
+
+
+def recovery_summary(log: RunLog, losses: LossWatch,
+                     cost: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """report.json's `run.recovery` after a skip or rollback: is the model back (`losses`,
+    the loss levels before and since the trouble), and what recovering cost (updates
+    discarded or undone, LR changes, snapshot memory). None when nothing was recovered from."""
+    verdict = losses.verdict() if log.recovered_from else None
+    if verdict is None:
+        return None
+    verdict["updates_skipped"] = sum(a["action"] == "skip" for a in log.actions)
+    verdict.update(cost or {})
+    return verdict
+
+
+def run_report(log: RunLog, plain_log: Mapping[str, Any], *, optimizer: torch.optim.Optimizer,
+               steps: int, ended: str, message: str | None, last: StepStats | None,
+               recovery: dict[str, Any] | None, folder: Path | None, lead_window: int,
+               run: Mapping[str, Any], error: dict[str, Any] | None,
+               listener_errors: list[Any]) -> Report:
+    """The report of the run `log` records (`plain_log`: its plain data, `Guard.run_log()`).
+
+    Args:
+        ended / message: how the training ended, and its one-line error.
+        last: the last recorded step (None: none was).
+        recovery: `recovery_summary`'s dict, or None.
+        run: report.json `run` fields known to the caller (folder, policy, model, ...); how
+            it ended, recovery, internal and listener errors are added here.
+        error: nanguard's own error, when it stood down.
+    """
+    from nanguard.explain import diagnose
+    from nanguard.explain.context import evidence_from_run
+
+    causes = diagnose(evidence_from_run(plain_log, optimizer))
+    found = log.finding_dict()
+    return build_report(
+        steps=steps,
+        alarms=[a.to_dict() for a in log.alarms],
+        actions=list(log.actions),
+        first_nonfinite=found,
+        diagnosis=[c.to_dict() for c in causes],
+        spikes=log.spikes,
+        # From run.db, off the training thread; all steps are in it after close's flush.
+        spike_measures=measure_run(folder),
+        # Ended non-finite: the last recorded step still holds a NaN/Inf somewhere; or it
+        # died of an error after a non-finite value appeared (BCE's range check, ...).
+        failed=bool(last and last.nonfinite_signals())
+        or (found is not None and ended == "error")
+        or (found is not None and last is None)
+        or (recovery is not None and recovery["back"] is False),
+        lead_window=lead_window,
+        ended=ended,
+        degraded=error is not None,
+        run={**run,
+             "ended": {"how": ended, "error": message},
+             **({"recovery": recovery} if recovery else {}),
+             **({"internal_error": error} if error else {}),
+             **({"listener_errors": listener_errors} if listener_errors else {})},
+    )
