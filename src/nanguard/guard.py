@@ -40,6 +40,7 @@ from nanguard._version import __version__
 from nanguard.config import GuardConfig
 from nanguard.detect import Alarm, default_detectors
 from nanguard.detect.detectors import Detector
+from nanguard.detect.gate import QuietGate
 from nanguard.detect.locate import locate
 from nanguard.errors import NanguardError
 from nanguard.integrations import distributed
@@ -170,6 +171,8 @@ class Guard:
         pre = [d for d in self.detectors if d.phase == "pre"]
         post = [d for d in self.detectors if d.phase == "post"]
         self._by_phase = {"pre": pre, "post": post, "both": pre + post}
+        self._gate = QuietGate(self.detectors)
+        """Steps no detector could alarm on: their state updates only (`detect.gate`)."""
 
         self.step = 0
         self.alarms: list[Alarm] = []
@@ -836,8 +839,9 @@ class Guard:
                                      if math.isfinite(v)}
                 stats._signals = None
         signals = stats.seal()  # final for this phase (decoding unseals): scan once
-        for d in self._by_phase[phase]:
-            alarms += d.check(stats)
+        if not self._gate.passes(stats, phase):  # passed: the quiet step's state applied
+            for d in self._by_phase[phase]:
+                alarms += d.check(stats)
         for a in alarms:
             if a.kind == "spike":
                 self._explain_spike(stats, a)
