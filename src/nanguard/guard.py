@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import math
+import operator
 import statistics
 import sys
 import time
@@ -581,7 +582,7 @@ class Guard:
     def _sync_params(self) -> bool:
         """Follow the optimizer's parameters (`add_param_group` after the guard was built).
         Appending keeps every earlier parameter's index. Returns whether they changed."""
-        n = sum(len(g["params"]) for g in self.optimizer.param_groups)
+        n = sum(map(len, map(_PARAMS, self.optimizer.param_groups)))  # in C: every step
         if n == len(self.params):
             return False
         named = list(self.model.named_parameters())
@@ -1122,6 +1123,9 @@ class RecoveryLink:
 
     def spikes(self) -> list[dict[str, Any]]:
         return list(self._guard.spikes)
+
+
+_PARAMS = operator.itemgetter("params")
 
 
 def _lr(optimizer: torch.optim.Optimizer) -> float | None:

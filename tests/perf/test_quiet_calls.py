@@ -1,12 +1,15 @@
 """Python calls nanguard makes per quiet step of the default guard, counted with cProfile.
 
-Issue 26 asks for <= 25. Not reached: with the quiet gate (`detect/gate.py`) the detectors take
-3 calls a step instead of ~33, and the default guard makes ~146 (was ~176). The rest, on
-nn.Linear(20, 1): the watch path ~89 (`watch/stats.py` 40: decoding, global norms, the
-non-finite scan; `packet.py` 25; `norms.py` 18; `step.py` 6), the batch fingerprints ~23
-(`watch/batch.py`, `fingerprint.py`), the guard's hooks and step 16, recovery, saturation
-and RNG bookkeeping ~10, the record's row ~5. This test pins the number reached so that it
-can only go down, and that the gate takes the quiet steps.
+Issue 26 asks for <= 25. Not reached: ~112 on this commit (was ~176). The quiet gate
+(`detect/gate.py`) takes the detectors from ~33 calls a step to 3; generators in the hot
+checks (norms' dtype check, the packet read, the batch's tensors, the overflow check) became
+C-level `map`/loops (~32 more). The rest, on nn.Linear(20, 1): the watch path ~64
+(`watch/stats.py` 37: decoding, the global norms asked by the gate and the record, the
+non-finite scan; `packet.py` 16; `step.py` 6; `norms.py` 5), the batch fingerprints ~16
+(`watch/batch.py`, `fingerprint.py`), the guard's hooks and step 14, recovery, saturation
+and RNG bookkeeping ~10, the record's row ~5. Below 25 needs the layout per signature and the
+decoding and row encoding on the writer thread (not done). This test pins the number reached
+so that it can only go down, and that the gate takes the quiet steps.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ import torch
 import nanguard
 from nanguard import GuardConfig, RecordConfig
 
-# The number reached (146.0 measured on this commit's default guard), with a little room for
+# The number reached (112.2 measured on this commit's default guard), with a little room for
 # Python-version differences in how comprehensions count.
-MAX_CALLS_PER_STEP = 150
+MAX_CALLS_PER_STEP = 116
 # The same guard with the gate off: what the gate saves must stay saved.
 MIN_SAVED_BY_GATE = 25
 
