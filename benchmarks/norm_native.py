@@ -100,9 +100,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compile", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    torch.set_grad_enabled(False)  # as in the guard's hooks: norms are not part of the graph
     builders = {"logreg": host_cost.logreg, "mlp": host_cost.mlp, "blocks": host_cost.blocks}
     result: dict[str, object] = {}
+    with torch.no_grad():  # as in the guard's hooks: norms are not part of the graph
+        _run(args, builders, result)
+    result["steps"] = args.steps
+    print(json.dumps(result))
+    return 0
+
+
+def _run(args: argparse.Namespace, builders: dict[str, Callable[[int], host_cost.Workload]],
+         result: dict[str, object]) -> None:
     for name in [w.strip() for w in args.workloads.split(",") if w.strip()]:
         wl = builders[name](0)
         model, opt = wl.build()
@@ -136,9 +144,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  compile (once per signature): {compile_s:.1f} s")
         result[name] = {**{k: round(v, 1) for k, v in med.items()},
                         "compile_s": None if compile_s is None else round(compile_s, 2)}
-    result["steps"] = args.steps
-    print(json.dumps(result))
-    return 0
 
 
 if __name__ == "__main__":
