@@ -161,11 +161,18 @@ class QuietGate:
                 continue
             recent = fc.recent[signal]
             lx = _log10(x)
-            after = min(len(recent) + 1, recent.maxlen)
-            # Not growing (the detector's first two tests): too few values yet, or the newest
-            # did not grow. Anything else the full pass decides.
-            if not (after < recent.maxlen or (after >= 2 and lx - recent[-1] < fsteps)):
-                return None
+            m = recent.maxlen
+            if m is not None and len(recent) + 1 >= m >= 2 and lx - recent[-1] >= fsteps:
+                # The newest grew: growing unless an earlier step of the window (as it will be
+                # after this value) did not (the detector's `all`, as a loop).
+                new = [*recent, lx][-m:]
+                for k in range(1, m):
+                    if new[k] - new[k - 1] < fsteps:
+                        break
+                else:
+                    return None  # growing: the full pass decides
+            elif m is None or m < 2:
+                return None  # a window of one value always reads as growing
             recents.append((signal, x, lx))
         plan[2] = recents
         dv = self._divergence
