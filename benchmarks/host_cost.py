@@ -13,6 +13,8 @@ same seed on the same batches:
 and two that say where the default's cost goes (ablations, not ways to run nanguard):
 
     no_batch        default, but guard.watch(loss=...) only: no batch fingerprints or NaN rows
+    no_gate         default with the quiet gate off (`detect/gate.py`): every step through
+                    all seven detectors, as before the gate (issue 26)
     norm_floor      no guard: only the norm passes the default watch makes every step (the
                     gradients before the update; parameters and optimizer state after it) and
                     one host read of them: the floor of watching every value every step
@@ -73,7 +75,8 @@ except ImportError:  # running from a checkout without `pip install -e .`
 from nanguard import Guard, GuardConfig, RecordConfig
 from nanguard.watch.fingerprint import sample_sums
 
-CONFIGS = ("plain", "default", "clip_grad_norm", "no_batch", "norm_floor", "op_floor")
+CONFIGS = ("plain", "default", "clip_grad_norm", "no_batch", "no_gate", "norm_floor",
+           "op_floor")
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -161,15 +164,16 @@ def make_runner(name: str, wl: Workload, out: Path) -> Runner:
     model, opt = wl.build()
     params = [p for p in model.parameters() if p.requires_grad]
     guard = None
-    if name in ("default", "no_batch"):
+    if name in ("default", "no_batch", "no_gate"):
         guard = Guard(model, opt, out=out / name,
                       config=GuardConfig(record=RecordConfig(summary=False)))
+        guard._gate.enabled = name != "no_gate"
 
     def step(batch: Batch) -> None:
         x, y = batch
         loss = wl.loss(model(x), y)
         if guard is not None:
-            guard.watch(loss=loss, batch=(x, y) if name == "default" else None)
+            guard.watch(loss=loss, batch=None if name == "no_batch" else (x, y))
         loss.backward()
         if name == "clip_grad_norm":
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -302,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                 "clip_added_ms": round(s["clip_grad_norm"]["added"] * 1e3, 4),
                 "clip_cpu_added_ms": round(s["clip_grad_norm"]["cpu_added"] * 1e3, 4),
                 "no_batch_added_ms": round(s["no_batch"]["added"] * 1e3, 4),
+                "no_gate_added_ms": round(s["no_gate"]["added"] * 1e3, 4),
+                "no_gate_cpu_added_ms": round(s["no_gate"]["cpu_added"] * 1e3, 4),
                 "norm_floor_added_ms": round(s["norm_floor"]["added"] * 1e3, 4),
                 "op_floor_added_ms": round(s["op_floor"]["added"] * 1e3, 4),
             }

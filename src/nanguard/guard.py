@@ -42,6 +42,7 @@ from nanguard._version import __version__
 from nanguard.config import GuardConfig
 from nanguard.detect import Alarm, default_detectors
 from nanguard.detect.detectors import Detector
+from nanguard.detect.gate import QuietGate
 from nanguard.integrations import distributed
 from nanguard.policy import make_policy
 from nanguard.record import ending
@@ -173,6 +174,8 @@ class Guard(StepPath):
         pre = [d for d in self.detectors if d.phase == "pre"]
         post = [d for d in self.detectors if d.phase == "post"]
         self._by_phase = {"pre": pre, "post": post, "both": pre + post}
+        self._gate = QuietGate(self.detectors)
+        """Steps no detector could alarm on: their state updates only (`detect.gate`)."""
 
         self.step = 0
         self._last_stats: StepStats | None = None

@@ -16,6 +16,7 @@ declared below in its constructor. It imports nothing of the Guard's.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from torch import nn
 from nanguard.config import GuardConfig
 from nanguard.detect import Alarm
 from nanguard.detect.detectors import Detector
+from nanguard.detect.gate import QuietGate
 from nanguard.errors import NanguardError
 from nanguard.integrations import distributed
 from nanguard.pinpoint import live as pinpoint
@@ -68,6 +70,7 @@ class StepPath:
     step: int
     _param_order: list[int]
     _by_phase: dict[str, list[Detector]]
+    _gate: QuietGate
     _current: Pending | None
     _pending: list[Pending]
     _stashed_grads: list[torch.Tensor | None] | None
@@ -147,7 +150,7 @@ class StepPath:
     def _sync_params(self) -> bool:
         """Follow the optimizer's parameters (`add_param_group` after the guard was built).
         Appending keeps every earlier parameter's index. Returns whether they changed."""
-        n = sum(len(g["params"]) for g in self.optimizer.param_groups)
+        n = sum(map(len, map(_PARAMS, self.optimizer.param_groups)))  # in C: every step
         if n == len(self.params):
             return False
         named = list(self.model.named_parameters())
@@ -344,8 +347,9 @@ class StepPath:
                                      if math.isfinite(v)}
                 stats._signals = None
         signals = stats.seal()  # final for this phase (decoding unseals): scan once
-        for d in self._by_phase[phase]:
-            alarms += d.check(stats)
+        if not self._gate.passes(stats, phase):  # passed: the quiet step's state applied
+            for d in self._by_phase[phase]:
+                alarms += d.check(stats)
         for a in alarms:
             if a.kind == "spike":
                 self._explain_spike(stats, a)
@@ -479,3 +483,6 @@ class StepPath:
 def _lr(optimizer: torch.optim.Optimizer) -> float | None:
     lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
     return float(lr) if isinstance(lr, (int, float)) else None
+
+
+_PARAMS = operator.itemgetter("params")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -33,6 +34,8 @@ def batch_tensors(batch: Any) -> list[torch.Tensor]:
     """The tensors in a batch: a tensor, or a tuple / list / dict of them (nested ok)."""
     if isinstance(batch, torch.Tensor):
         return [batch]
+    if isinstance(batch, (list, tuple)) and all(map(isinstance, batch, repeat(torch.Tensor))):
+        return list(batch)  # the common (x, y): no call per element
     if isinstance(batch, dict):
         return [t for v in batch.values() for t in batch_tensors(v)]
     if isinstance(batch, (list, tuple)):
@@ -191,8 +194,11 @@ class BatchProbe:
         self.step_batches, self.batches = self.batches, []
         if not parts:
             return Taken()
-        size = sum(p.size for p in parts)
-        if all(p.hashes is None for p in parts):  # combined on the host (`Taken.add_to`)
+        size, host = 0, True  # a loop: no generator call per part on every step
+        for p in parts:
+            size += p.size
+            host = host and p.hashes is None
+        if host:  # combined on the host (`Taken.add_to`)
             return Taken(size=size, n=parts[0].n, micro=parts)
         device = parts[0].device
         h = parts[0].device_hashes() if len(parts) == 1 else torch.cat(

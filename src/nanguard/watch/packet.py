@@ -216,7 +216,13 @@ def read_packets(packets: Sequence[Packet],
     (`_cpu_parts`).
     Packets already copied to pinned memory (`start_copy`, `observe` on a GPU) are read from
     their copies."""
-    if any(p._host is not None for p in packets):
+    # Loops, not `any`/`all` of generators: no Python call per packet on every read.
+    copied, on_cpu, vi = False, True, 0
+    for p in packets:
+        copied = copied or p._host is not None
+        on_cpu = on_cpu and p.device.type == "cpu"
+        vi += len(p._scalars)
+    if copied:
         tensors = [p.host_tensor() for p in packets]
         device = tensors[0].device
         if any(t.device != device for t in tensors):
@@ -227,11 +233,8 @@ def read_packets(packets: Sequence[Packet],
             out.append(values[pos : pos + len(p)])
             pos += len(p)
         return out
-    if all(p.device.type == "cpu" for p in packets):
-        values = read(_cpu_parts(packets))
-    else:
-        values = read(_assemble(packets))
-    out, si, vi = [], 0, sum(len(p._scalars) for p in packets)
+    values = read(_cpu_parts(packets)) if on_cpu else read(_assemble(packets))
+    out, si = [], 0
     for p in packets:
         ns, nv = len(p._scalars), p._n_vector
         out.append(values[si : si + ns] + values[vi : vi + nv])

@@ -379,7 +379,11 @@ class StepProbe:
         groups += [(norms, key) for key, norms in stats.state_norms.items()]
         groups.append((stats.buffer_norms, "buffer"))
         # Norms are >= 0: a finite float64 sum means none is infinite (the every-step case).
-        if all(math.isfinite(sum(norms.values())) for norms, _ in groups):
+        # A loop, not `all(<generator>)`: no Python call per group on every step.
+        for norms, _ in groups:
+            if not math.isfinite(sum(norms.values())):
+                break
+        else:
             return
         stats._signals = None
         for norms, key in groups:

@@ -1,0 +1,209 @@
+"""The quiet gate against the full detector pass: the same alarms, the same detector state.
+
+Each trace is replayed twice, from fresh default detectors: once through every detector's
+`check` (the full pass, the reference), once through the gate, which runs the full pass only
+on the steps it does not pass. The traces are generated (healthy LR schedules with warm-up,
+spikes, cascades to overflow and NaN, slow drifts, NaN episodes, sustained loss jumps,
+vanishing gradients, sampled activations, optimizers without momentum) under many detector
+configurations, read in one pass or in a pre and a post phase, and resumed from a JSON
+`state_dict` halfway. Alarms compare by kind, signal, step, repr of the value and message;
+states by their JSON text (signed zeros and NaN included).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from typing import Any
+
+import pytest
+
+from nanguard.config import DetectConfig
+from nanguard.detect.detectors import Detector, default_detectors
+from nanguard.detect.gate import QuietGate
+from nanguard.watch.stats import StepStats
+
+Trace = list[dict[str, Any]]
+
+
+def _trace(seed: int) -> Trace:
+    """A run's per-step magnitudes; each seed mixes its own episodes."""
+    r = random.Random(seed)
+    n = r.choice([60, 250, 400])
+    g, loss, act, mom, param = (r.uniform(0.1, 5), r.uniform(0.5, 5), r.uniform(1, 20),
+                                r.uniform(0.1, 2), r.uniform(1, 50))
+    noise = r.choice([0.02, 0.1, 0.3])
+    sampled = r.choice([1, 1, 4])  # activations measured every N steps
+    momentum = r.random() < 0.7
+    warm = r.choice([0, 10, 50])  # LR warm-up steps: gradients climb with the LR
+    events: list[tuple[str, int]] = []
+    for _ in range(r.randint(0, 4)):
+        events.append((r.choice(["spike", "cascade", "drift", "nan", "jump", "vanish",
+                                 "zero", "early"]), r.randrange(n)))
+    out: Trace = []
+    cascade_at = {s: k for k, s in events if k == "cascade"}
+    growing = 0.0
+    nan_left = 0
+    for step in range(n):
+        lr_scale = min(1.0, (step + 1) / warm) if warm else 1.0
+        lr_scale *= 0.5 * (1 + math.cos(math.pi * step / n)) + 0.05  # cosine decay
+        g *= math.exp(r.gauss(0, noise))
+        loss *= math.exp(r.gauss(-0.002, noise / 2))
+        act *= math.exp(r.gauss(0, noise / 2))
+        mom *= math.exp(r.gauss(0, noise / 2))
+        row: dict[str, Any] = {"step": step, "g": g * lr_scale, "loss": loss, "act": act,
+                               "mom": mom if momentum else None, "param": param,
+                               "nonfinite": False}
+        for kind, at in events:
+            if kind == "spike" and step == at:
+                row["g"] *= r.choice([12, 40, 1e3, 1e6])
+            elif kind == "drift" and step >= at:
+                row["g"] *= 1.04 ** (step - at)
+                row["loss"] *= 1.01 ** (step - at)
+            elif kind == "jump" and at <= step < at + r.choice([1, 8, 30]):
+                row["loss"] *= r.choice([3, 5, 20])
+            elif kind == "vanish" and step >= at:
+                row["g"] = 1e-13 * row["g"]
+            elif kind == "zero" and step == at:
+                row["g"] = 0.0
+            elif kind == "nan" and step == at:
+                nan_left = r.randint(1, 6)
+            elif kind == "early" and step == min(at, 8):
+                row["g"] *= 100
+        if step in cascade_at:
+            growing = 1.0
+        if growing:
+            growing *= r.choice([1.6, 2.5, 10.0])
+            row["g"] *= growing
+            row["act"] *= growing
+            if row["mom"] is not None:
+                row["mom"] *= growing
+            if row["g"] > 1e25:
+                row["g"] = math.inf
+                nan_left = r.randint(2, 10)
+                growing = 0.0
+        if nan_left:
+            nan_left -= 1
+            row.update(g=math.nan, loss=math.nan, act=math.nan, nonfinite=True)
+        if step % sampled:
+            row["act"] = None
+        out.append(row)
+    return out
+
+
+def _stats(row: dict[str, Any]) -> StepStats:
+    st = StepStats(step=row["step"], lr=0.1, loss=row["loss"], grad_norms={0: row["g"]},
+                   param_norms={0: row["param"]},
+                   activations={} if row["act"] is None else {"m": row["act"]},
+                   state_norms={} if row["mom"] is None else {"momentum_buffer": {0: row["mom"]}})
+    if row["g"] == 0.0:
+        st.grad_norms = {}
+    if row["nonfinite"] or not math.isfinite(row["g"]):
+        st.nonfinite_grads = {0}
+    return st
+
+
+def _config(seed: int) -> DetectConfig:
+    if seed % 3 == 0:
+        return DetectConfig()
+    r = random.Random(1000 + seed)
+    return DetectConfig(warmup_steps=r.choice([0, 1, 3, 20]), window=r.choice([1, 5, 100]),
+                        cascade_steps=r.choice([1, 2, 3]), divergence_steps=r.choice([1, 2, 5]),
+                        vanishing_steps=r.choice([1, 3, 20]), cooldown=r.choice([0, 5, 50]),
+                        spike_cooldown=r.choice([0, 3]))
+
+
+class _Path:
+    """Fresh default detectors, replayed through the gate or the full pass."""
+
+    def __init__(self, config: DetectConfig, gated: bool, phases: tuple[str, ...]) -> None:
+        self.detectors: list[Detector] = default_detectors(config)
+        self.gate = QuietGate(self.detectors) if gated else None
+        self.phases = phases
+        self.alarms: list[tuple[Any, ...]] = []
+
+    def step(self, row: dict[str, Any]) -> None:
+        st = _stats(row)
+        for phase in self.phases:
+            st.seal()  # what the guard does before detecting
+            if self.gate is not None and self.gate.passes(st, phase):
+                continue
+            for d in self.detectors:
+                if phase == "both" or d.phase == phase:
+                    self.alarms += [(a.step, a.kind, a.signal, repr(a.value), a.message)
+                                    for a in d.check(st)]
+
+    def state(self) -> str:
+        return json.dumps([d.state_dict() for d in self.detectors])
+
+    def resume(self) -> None:
+        state = json.loads(self.state())
+        gated = self.gate is not None
+        self.detectors = default_detectors(self.detectors[0].config)
+        for d, s in zip(self.detectors, state, strict=True):
+            d.load_state_dict(s)
+        self.gate = QuietGate(self.detectors) if gated else None
+
+
+@pytest.mark.parametrize("phases", [("both",), ("pre", "post")])
+def test_gate_same_alarms_and_state_as_full_pass(phases: tuple[str, ...]) -> None:
+    passed = total = fired = 0
+    kinds: set[str] = set()
+    for seed in range(90):
+        trace, config = _trace(seed), _config(seed)
+        full, gated = _Path(config, False, phases), _Path(config, True, phases)
+        resume_at = len(trace) // 2 if seed % 2 else -1
+        for i, row in enumerate(trace):
+            if i == resume_at:
+                full.resume()
+                gated.resume()
+            full.step(row)
+            gated.step(row)
+            if i % 37 == 0:  # the states agree all along, not only at the end
+                assert gated.state() == full.state(), (seed, i)
+        assert gated.alarms == full.alarms, seed
+        assert gated.state() == full.state(), seed
+        assert gated.gate is not None
+        passed += gated.gate.passed
+        total += len(trace) * len(phases)
+        fired += len(full.alarms)
+        kinds |= {a[1] for a in full.alarms}
+    # Not vacuous: the gate took most steps, and the traces raise every kind of alarm.
+    assert passed > 0.5 * total
+    assert fired > 100
+    assert {"nonfinite", "spike", "cascade", "forecast", "divergence", "vanishing"} <= kinds
+
+
+def test_gate_takes_healthy_steps() -> None:
+    """A healthy run with default settings: the gate takes every step, those whose gradient
+    norm grew 1.5x over the last one included (a growth run too short to be a cascade)."""
+    r = random.Random(0)
+    path = _Path(DetectConfig(), True, ("both",))
+    g, loss = 1.0, 2.0
+    for step in range(1000):
+        g *= math.exp(r.gauss(0, 0.1))
+        loss *= math.exp(r.gauss(-0.001, 0.03))
+        path.step({"step": step, "g": g, "loss": loss, "act": 3.0 + r.random(), "mom": g / 2,
+                   "param": 10.0, "nonfinite": False})
+    assert path.gate is not None and path.gate.passed == 1000 and not path.alarms
+
+
+def test_gate_off_for_other_detector_sets() -> None:
+    dets = default_detectors(DetectConfig())
+    assert QuietGate(dets).enabled
+    assert not QuietGate(dets[:-1]).enabled
+    assert not QuietGate([*dets, dets[1]]).enabled
+
+    class Mine(type(dets[1])):  # type: ignore[misc]
+        pass
+
+    assert not QuietGate([dets[0], Mine(DetectConfig()), *dets[2:]]).enabled
+
+
+def test_gate_needs_sealed_stats() -> None:
+    dets = default_detectors(DetectConfig())
+    st = StepStats(step=0, loss=1.0, grad_norms={0: 1.0}, param_norms={0: 1.0})
+    assert not QuietGate(dets).passes(st, "both")  # not sealed: the full pass decides
+    st.seal()
+    assert QuietGate(dets).passes(st, "both")
