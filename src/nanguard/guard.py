@@ -732,6 +732,8 @@ class Guard:
 
     def _pinpoint(self, stats: StepStats, cur: Pending) -> None:
         """Refine the first non-finite finding by replaying this step before its update."""
+        from nanguard.pinpoint.rerun import context as rerun_context
+
         assert self.replay is not None and self.first_nonfinite is not None
         if self.first_nonfinite.get("phase") == "checkpoint":
             return  # loaded non-finite: no op of this step made it, nothing to replay
@@ -748,7 +750,8 @@ class Guard:
             # The same step from the same parameters, RNG states and batch ran clean: what
             # made the value is not in them (a non-deterministic kernel, state outside the
             # RNG, a device fault: `pinpoint.rerun`).
-            self.first_nonfinite.update(reproduced=False, verdict="transient")
+            self.first_nonfinite.update(reproduced=False, verdict="transient",
+                                        **rerun_context(self.params))
             self.store.write_finding(self.first_nonfinite)
             self.events.finding(self.first_nonfinite)
             return
@@ -758,6 +761,7 @@ class Guard:
         if isinstance(found.get("reproduced"), bool):  # the replay re-ran the step bit for bit
             self.first_nonfinite["verdict"] = ("reproducible" if found["reproduced"]
                                                else "transient")
+            self.first_nonfinite.update(rerun_context(self.params))
         self.first_nonfinite["signals"] = signals
         self.store.write_finding(self.first_nonfinite)
         self.events.finding(self.first_nonfinite)

@@ -39,6 +39,13 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return bool(torch.equal(nan_a, nan_b)) and bool(torch.equal(a[~nan_a], b[~nan_b]))
 
 
+def context(params: list[torch.Tensor]) -> dict[str, Any]:
+    """What a verdict is read against: whether deterministic algorithms were on and the device
+    the step ran on (a `transient` on a deterministic setup points at the hardware)."""
+    return {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "device": params[0].device.type if params else "cpu"}
+
+
 def rerun_verdict(
     compute_loss: Callable[[Any], torch.Tensor],
     *,
@@ -76,8 +83,8 @@ def rerun_verdict(
     value = float(out.detach().reshape(-1)[0]) if out.numel() else float("nan")
     loss_same = loss is None or value == loss or (math.isnan(value) and math.isnan(loss))
     differing = sum(not _same(g, p.grad) for g, p in zip(grads, trainable, strict=True))
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    device = trainable[0].device.type if trainable else "cpu"
+    ctx = context(trainable)
+    deterministic, device = ctx["deterministic_algorithms"], ctx["device"]
     verdict = "reproducible" if loss_same and differing == 0 else "transient"
     if verdict == "reproducible":
         why = "the re-run gave the same loss and gradients bit for bit: software or data"
