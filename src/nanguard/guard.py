@@ -43,6 +43,7 @@ from nanguard.detect.detectors import Detector
 from nanguard.detect.locate import locate
 from nanguard.errors import NanguardError
 from nanguard.integrations import distributed
+from nanguard.pinpoint.rerun import alarms_to_explain
 from nanguard.pinpoint.step_replay import activations_paused, carried_by, replay_batches
 from nanguard.policy import device_skip, make_policy, wants_to_act
 from nanguard.record import ending
@@ -842,9 +843,8 @@ class Guard:
         signals = stats.seal()  # final for this phase (decoding unseals): scan once
         for d in self._by_phase[phase]:
             alarms += d.check(stats)
-        for a in alarms:
-            if a.kind == "spike":
-                self._explain_spike(stats, a)
+        for a in alarms_to_explain(alarms):  # spikes; an overflow at step 0
+            self._explain_spike(stats, a)
         if signals:
             if self.first_nonfinite is None:
                 self.first_nonfinite = self._locate(stats)
@@ -992,6 +992,8 @@ class Guard:
             found = {"layers": [], "samples": [], "error": f"{type(exc).__name__}: {exc}"}
         if compute is not None:
             found["rerun"] = self._rerun(stats, compute)
+        if alarm.kind != "spike":  # an overflow the spike detector could not see (step 0)
+            found["alarm"] = alarm.kind
         self.spikes.append({"step": stats.step, **found})
         alarm.message += carried_by(found)
         if found.get("rerun", {}).get("verdict"):

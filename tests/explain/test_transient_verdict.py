@@ -77,7 +77,10 @@ def test_the_baseline_is_healthy(healthy: tuple[list[float], Any]) -> None:
     {"target": "grad", "name": "4.weight", "step": 30, "bit": 30},
     # A hidden activation's: the gradients go non-finite at once; the replay runs clean.
     {"target": "activation", "name": "2", "step": 30, "bit": 30},
-], ids=["grad", "activation"])
+    # The same in step 0: the spike detector has no history yet, only the overflow alarm
+    # speaks, and its step is re-run too.
+    {"target": "grad", "name": "4.weight", "step": 0, "bit": 30},
+], ids=["grad", "activation", "grad-step-0"])
 def test_a_transient_flip_is_nondeterministic_not_an_lr_cut(
         tmp_path: Path, healthy: tuple[list[float], Any], flip: dict[str, Any]) -> None:
     step = flip["step"]
@@ -85,6 +88,8 @@ def test_a_transient_flip_is_nondeterministic_not_an_lr_cut(
     assert planted.fired and planted.step == step  # the one fault, where it was planted
     # The same run without it was healthy (fixture): the fault is the whole difference.
     assert _bits(losses[:step]) == _bits(healthy[0][:step]) and not math.isfinite(losses[-1])
+    if step == 0:
+        assert [(sp["step"], sp.get("alarm")) for sp in report.spikes] == [(0, "overflow")]
     top = report.diagnosis[0]
     assert top["cause"] == "nondeterministic", report.diagnosis
     assert f"step {step}" in top["evidence"] and "transient" in top["evidence"]

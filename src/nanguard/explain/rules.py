@@ -987,7 +987,7 @@ def exploding_init(ev: Evidence) -> Cause | None:
     if (flagged and ev.step is not None and ev.step <= EARLY
             and ev.phase not in ("data", "checkpoint") and first.get("kind") not in
             ("state", "input") and not first.get("tensors")):
-        return _init_measured(ev, flagged, hit)
+        return _weigh_verdict(ev, _init_measured(ev, flagged, hit))
     cause = _exploding_init(ev)
     layers = (ev.preflight or {}).get("layers") or []
     if cause is not None and layers and not flagged:
@@ -996,7 +996,7 @@ def exploding_init(ev: Evidence) -> Cause | None:
         cause.evidence += (f"; but the preflight measured every layer's init within range "
                            f"(largest: `{top.get('name')}` at "
                            f"{_num(top.get('ratio'), math.nan):.3g}x 1/sqrt(fan_in))")
-    return cause
+    return None if cause is None else _weigh_verdict(ev, cause)
 
 
 def _init_measured(ev: Evidence, flagged: list[dict[str, Any]],

@@ -29,6 +29,16 @@ from nanguard.watch import rng
 VERDICTS = ("reproducible", "transient")
 
 
+def alarms_to_explain(alarms: list[Any]) -> list[Any]:
+    """The alarms of one check whose step is explained and re-run like a spike (layers,
+    samples, `rerun`): every spike, and a gradient-norm overflow on a step without one. At
+    step 0 the spike detector has no history, so a 1e37x gradient (a flipped top exponent bit)
+    raises only the overflow: without it, the fault of the first step got no verdict and its
+    cascade was diagnosed as the LR's."""
+    spikes = [a for a in alarms if a.kind == "spike"]
+    return spikes or [a for a in alarms if a.kind == "overflow" and a.signal == "grad_norm"][:1]
+
+
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     """Bitwise equal, NaN where NaN is (torch.equal calls NaN unequal to itself)."""
     if a is None or b is None:

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from nanguard.detect.alarm import Alarm
 from nanguard.integrations import distributed
@@ -47,6 +48,7 @@ class Host(Protocol):
     """What the check uses of the guard it serves (the Guard is one; never imported here)."""
 
     step: int
+    model: Any
     optimizer: torch.optim.Optimizer
     params: list[torch.Tensor]
     param_names: list[str]
@@ -108,6 +110,8 @@ class ReplicaDivergence:
     """The largest group of agreeing ranks (ties: the one holding the lowest rank)."""
     tensors: dict[int, list[str]] = field(default_factory=dict)
     """Per disagreeing rank, the parameters whose fingerprints differ from the reference's."""
+    before_update: bool = False
+    """Seen before the update of `step` (the check before the first update), not after it."""
 
     def message(self) -> str:
         parts = []
@@ -118,7 +122,8 @@ class ReplicaDivergence:
             parts.append(f"rank {r} in {shown}{more}")
         ref = ", ".join(map(str, self.reference))
         return (
-            f"parameters differ bit for bit between replicas after step {self.step}: "
+            f"parameters differ bit for bit between replicas "
+            f"{'before the update of' if self.before_update else 'after'} step {self.step}: "
             f"{'; '.join(parts)} (reference: rank(s) {ref})"
         )
 
@@ -211,22 +216,29 @@ def ranks_without_check() -> list[int]:
 
 
 class ReplicaCheck:
-    """The guard's replica check: compares the replicas after step 0 and after every
-    `every`-th update.
+    """The guard's replica check: compares the replicas before the first update, after it, and
+    after every `every`-th update.
 
-    Runs in an optimizer post-hook of its own (registered before the guard's, so after each
-    update and before the guard's post-step reads), on every rank at the same step: it counts
-    the optimizer's steps itself, so the ranks stay in lockstep even if one rank's guard
-    stands down after an internal error (that rank keeps taking part in the collective, and
-    records nothing). A divergence is recorded once as a `replica_divergence` alarm (never acted
-    on by a policy); the same divergence seen again at the next checks is not repeated.
+    The check before the first update proves the start state and decides whether there is
+    anything to check: DDP broadcast rank 0's parameters when it was built and no update has
+    run yet, so replicas agree there, and ranks that do not are no replicas. It turns the check
+    off, with one log line and no alarm, when some rank has no guard (read from the group's
+    store before any collective: the all_gather would wait for it forever), when the ranks'
+    parameter layouts differ (pipeline parallel), or when the parameters differ before any
+    update on a model that is not a `DistributedDataParallel` (tensor parallel, FSDP1 flat
+    shards, a model per rank: not replicas). A DDP model's replicas agree by construction, so
+    there a difference before the first update is already a `replica_divergence`. From then on
+    a difference is a fault, from the first update on: a bit flipped during step 0 is named
+    after step 0 (the check used to start after step 0's update, read such a flip as "not
+    replicas" and turn itself off for the whole run).
 
-    The first check decides whether there is anything to check; it turns the check off, with
-    one log line and no alarm, when some rank has no guard (read from the group's store before
-    any collective: the all_gather would wait for it forever), when the ranks' parameter
-    layouts differ (pipeline parallel), or when the replicas disagree from the first step
-    (tensor parallel, FSDP1 flat shards, a model per rank: not replicas). Removes its hook once
-    the guard is closed or gone.
+    Runs in optimizer hooks of its own (registered before the guard's, so before the guard's
+    pre-step agreement and after each update, before the guard's post-step reads), on every
+    rank at the same step: it counts the optimizer's steps itself, so the ranks stay in
+    lockstep even if one rank's guard stands down after an internal error (that rank keeps
+    taking part in the collective, and records nothing). A divergence is recorded once as a
+    `replica_divergence` alarm (never acted on by a policy); the same divergence seen again at
+    the next checks is not repeated. Removes its hooks once the guard is closed or gone.
     """
 
     def __init__(self, guard: Host, every: int) -> None:
@@ -235,31 +247,34 @@ class ReplicaCheck:
         self.divergences: list[ReplicaDivergence] = []
         self.checks = 0
         self.step = guard.step  # the index of the step in progress, counted by this hook
-        self._first = True
+        self._first = True  # the first update's post-step check is due
         self._last: tuple[tuple[int, ...], tuple[tuple[int, tuple[str, ...]], ...]] | None = None
         register()
+        self._start: Any = guard.optimizer.register_step_pre_hook(self._before_first)
         self._handle: Any = guard.optimizer.register_step_post_hook(self._after_step)
 
     def remove(self) -> None:
-        """Remove the hook (idempotent)."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        """Remove the hooks (idempotent)."""
+        for handle in (self._start, self._handle):
+            if handle is not None:
+                handle.remove()
+        self._start = self._handle = None
 
     def _off(self, why: str) -> None:
         log.warning("replica check off: %s (DetectConfig.replica_every=0 silences this)", why)
         self.every = 0
 
-    def _after_step(self, *_: object) -> None:
+    def _before_first(self, *_: object) -> None:
+        """Before the first update: do the ranks hold replicas at all? (see the class)."""
+        if not self._first:
+            return  # (the hook goes in the next post-step: hooks cannot leave while they run)
         guard = self._guard()
         if guard is None or guard.closed:
             self.remove()
             return
-        step, self.step = self.step, self.step + 1
-        first, self._first = self._first, False
-        if not self.every or (not first and (step + 1) % self.every):
+        if not self.every:
             return
-        if first and (missing := ranks_without_check()):
+        if missing := ranks_without_check():
             self._off(
                 f"rank(s) {', '.join(map(str, missing))} have no Guard; the check is a "
                 "collective and needs one on every rank"
@@ -271,11 +286,41 @@ class ReplicaCheck:
         except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
             self._off(str(exc))
             return
-        if found is not None and first:
+        if found is None:
+            return
+        if not isinstance(guard.model, DistributedDataParallel):
             self._off(
-                "the ranks' parameters differ from the first step: not data-parallel "
+                "the ranks' parameters differ before the first update: not data-parallel "
                 "replicas (tensor parallel, FSDP1 shards, or a model per rank)"
             )
+            return
+        # DDP broadcast rank 0's parameters when it was built: replicas by construction, so a
+        # difference now is a fault since (a rank whose memory changed, code that wrote to one
+        # rank's parameters), not another kind of parallelism.
+        found.before_update = True
+        self._last = (tuple(found.ranks),
+                      tuple((r, tuple(n)) for r, n in sorted(found.tensors.items())))
+        if guard.error is None:
+            self.divergences.append(found)
+            guard.record_alarm(found.alarm())
+
+    def _after_step(self, *_: object) -> None:
+        guard = self._guard()
+        if guard is None or guard.closed:
+            self.remove()
+            return
+        step, self.step = self.step, self.step + 1
+        first, self._first = self._first, False
+        if self._start is not None:
+            self._start.remove()
+            self._start = None
+        if not self.every or (not first and (step + 1) % self.every):
+            return
+        self.checks += 1
+        try:
+            found = compare(guard.step, guard.param_names, guard.params)
+        except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+            self._off(str(exc))
             return
         if found is None:
             self._last = None
