@@ -34,6 +34,9 @@ STEPS, FLIP_STEP, EVERY = 14, 5, 4
 def main() -> None:
     out, rank, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     mode = sys.argv[4] if len(sys.argv) > 4 else "plain"
+    # `-skip`: an acting policy, whose per-step agreement the check's fingerprint rides.
+    mode, policy = (mode.removesuffix("-skip"), "skip") if mode.endswith("-skip") else (
+        mode, "observe")
     stand_down = mode == "standdown" and rank == 0
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -48,7 +51,8 @@ def main() -> None:
     inj = FaultInjector(model, opt, seed=0).install() if mode == "step0" else None
     guard = None
     if not (mode == "rank0only" and rank == 1):
-        guard = Guard(model, opt, out=os.path.join(out, f"rank-{rank}"), config=config)
+        guard = Guard(model, opt, out=os.path.join(out, f"rank-{rank}"), config=config,
+                      policy=policy)
     if mode == "prestart" and rank == 1:
         with torch.no_grad():  # after DDP's broadcast, before any update: a fault, not a layout
             w = model.module[0].weight
@@ -73,6 +77,7 @@ def main() -> None:
         result = {
             "alarms": [a.to_dict() for a in guard.alarms],
             "checks": guard.replicas.checks if guard.replicas else 0,
+            "rode": guard.replicas.rode if guard.replicas else 0,
             "error": guard.error,
             "causes": [c["cause"] for c in guard.report.diagnosis] if guard.report else [],
         }

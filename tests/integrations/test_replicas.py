@@ -65,6 +65,27 @@ def test_flip_on_rank_1_is_named(tmp_path: Path, mode: str) -> None:
         assert res["causes"][0] == "replica_divergence"  # the report's diagnosis names it
 
 
+def test_under_an_acting_policy_the_check_rides_the_agreement(tmp_path: Path) -> None:
+    """Under `skip` every step's decision is agreed across ranks anyway: the due checks travel
+    in that agreement (no all_gather of their own) and find the same flip."""
+    results, _ = _launch(tmp_path, "plain-skip")
+    for res in results:
+        assert res["checks"] == 5 and res["rode"] == 4  # all but the one before any update
+        assert [(a["step"], a["kind"]) for a in res["alarms"]] == [(7, "replica_divergence")]
+        assert "rank 1 in module.0.weight (reference: rank(s) 0)" in res["alarms"][0]["message"]
+        assert res["causes"][0] == "replica_divergence"
+
+
+def test_riding_stops_with_the_lockstep(tmp_path: Path) -> None:
+    """Rank 0's guard stands down at step 2; under `skip` rank 1's stands down with it in the
+    next agreement, after which nothing agrees: the later checks take their own all_gather
+    on both ranks alike (no hang, the same count), and record nothing (both stood down)."""
+    results, _ = _launch(tmp_path, "standdown-skip")
+    for res in results:
+        assert res["error"] is not None and res["alarms"] == []
+        assert res["checks"] == 5 and res["rode"] == 1  # after step 0 only
+
+
 def test_a_flip_within_step_0_is_named_after_step_0(tmp_path: Path) -> None:
     """The check before the first update proves the start state; the one after step 0 then
     names a flip of step 0 (it used to read it as "not replicas" and turn itself off)."""

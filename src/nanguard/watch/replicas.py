@@ -5,9 +5,13 @@ Under DDP every rank applies the same all-reduced gradient to the same parameter
 agree exactly; one that does not was corrupted (a flipped bit in memory or in a kernel, a rank
 that skipped an update alone, a non-deterministic optimizer). Every `every` steps, after the
 update, each rank computes a fingerprint of its parameters and the ranks compare them in one
-all_gather of three int64 values. Only when they differ, a second all_gather of the per-tensor
-fingerprints names the tensors. Every rank computes the same verdict from the same gathered
-values, so all of them record the same `replica_divergence` alarm in the same step.
+all_gather of three int64 values: their own under `observe`; under an acting policy, which
+agrees every step's decision across ranks anyway, inside that agreement
+(`distributed.ride`: one all_gather of [act, score, down, fingerprint, count, layout] instead
+of the agreement's all-reduce plus the check's all_gather). Only when they differ, a second
+all_gather of the per-tensor fingerprints names the tensors. Every rank computes the same
+verdict from the same gathered values, so all of them record the same `replica_divergence`
+alarm in the same step.
 
 Fingerprint (what every device computes, bit for bit): each tensor's bytes read as 32-bit
 integer words (elements of another width widened one by one when their byte count is odd or
@@ -143,19 +147,10 @@ def _gather(vector: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def compare(step: int, names: list[str], params: list[torch.Tensor]) -> ReplicaDivergence | None:
-    """Compare this rank's parameters with every other rank's. A collective: every rank of the
-    default group must call it at the same point of the same step.
-
-    Returns:
-        The divergence (the same on every rank), or None when all ranks agree.
-
-    Raises:
-        ValueError: the ranks hold different parameter layouts (not data-parallel replicas).
-    """
-    device = params[0].device if params else torch.device("cpu")
-    if dist.get_backend() == "gloo":
-        device = torch.device("cpu")
+def fingerprint_head(names: list[str], params: list[torch.Tensor], device: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the per-tensor fingerprints, the head the ranks compare: [combined fingerprint,
+    number of tensors, layout code], int64 on `device`)."""
     per_tensor = tensor_fingerprints(params).to(device)
     head = torch.stack(
         [
@@ -164,8 +159,18 @@ def compare(step: int, names: list[str], params: list[torch.Tensor]) -> ReplicaD
             torch.tensor(layout_code(names, params), device=device),
         ]
     )
-    rows = [tuple(t.tolist()) for t in _gather(head)]
-    if len({row[1:] for row in rows}) > 1:
+    return per_tensor, head
+
+
+def settle(step: int, names: list[str], per_tensor: torch.Tensor, rows: list[list[int]]
+           ) -> ReplicaDivergence | None:
+    """The verdict from every rank's head (row r: rank r's). A collective on a mismatch (the
+    per-tensor all_gather): every rank calls it with the same rows at the same point.
+
+    Raises:
+        ValueError: the ranks hold different parameter layouts (not data-parallel replicas).
+    """
+    if len({tuple(row[1:]) for row in rows}) > 1:
         raise ValueError(
             "ranks hold different parameters (names, shapes or dtypes): not data-parallel replicas"
         )
@@ -183,6 +188,26 @@ def compare(step: int, names: list[str], params: list[torch.Tensor]) -> ReplicaD
         r: [names[i] for i in torch.nonzero(table[r] != ref_row).flatten().tolist()] for r in ranks
     }
     return ReplicaDivergence(step=step, ranks=ranks, reference=reference, tensors=tensors)
+
+
+def _device(params: list[torch.Tensor]) -> torch.device:
+    if dist.get_backend() == "gloo" or not params:
+        return torch.device("cpu")
+    return params[0].device
+
+
+def compare(step: int, names: list[str], params: list[torch.Tensor]) -> ReplicaDivergence | None:
+    """Compare this rank's parameters with every other rank's. A collective: every rank of the
+    default group must call it at the same point of the same step.
+
+    Returns:
+        The divergence (the same on every rank), or None when all ranks agree.
+
+    Raises:
+        ValueError: the ranks hold different parameter layouts (not data-parallel replicas).
+    """
+    per_tensor, head = fingerprint_head(names, params, _device(params))
+    return settle(step, names, per_tensor, [t.tolist() for t in _gather(head)])
 
 
 _KEY = "nanguard/replicas/guard/{}"
@@ -241,11 +266,15 @@ class ReplicaCheck:
     the next checks is not repeated. Removes its hooks once the guard is closed or gone.
     """
 
-    def __init__(self, guard: Host, every: int) -> None:
+    def __init__(self, guard: Host, every: int, *, rides: bool = False) -> None:
         self.every = every
+        self.rides = rides
+        """Carry the fingerprint in the guard's post-step agreement (`distributed.ride`)
+        instead of an all_gather of its own: acting policies agree every step anyway."""
         self._guard = weakref.ref(guard)
         self.divergences: list[ReplicaDivergence] = []
         self.checks = 0
+        self.rode = 0  # of those checks, the ones that travelled in the guard's agreement
         self.step = guard.step  # the index of the step in progress, counted by this hook
         self._first = True  # the first update's post-step check is due
         self._last: tuple[tuple[int, ...], tuple[tuple[int, tuple[str, ...]], ...]] | None = None
@@ -317,11 +346,45 @@ class ReplicaCheck:
         if not self.every or (not first and (step + 1) % self.every):
             return
         self.checks += 1
+        if self.rides and not distributed.lockstep_over():
+            if not distributed.rider_pending():
+                self._ride(guard)
+                return
+            # The last one found no agreement to ride (a `skip` decided on the device alone
+            # agrees nothing): the same on every rank, so every rank stops riding here.
+            distributed.drop_rider()
+            self.rides = False
         try:
             found = compare(guard.step, guard.param_names, guard.params)
         except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
             self._off(str(exc))
             return
+        self._record(guard, found)
+
+    def _ride(self, guard: Host) -> None:
+        """Send this check's head with the guard's next agreement; judge it there."""
+        step, names = guard.step, guard.param_names
+        try:
+            per_tensor, head = fingerprint_head(names, guard.params, _device(guard.params))
+        except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+            # Every rank must still send a head of the same length: a zero one, judged as
+            # "not replicas" by the layout column, turns the check off on every rank.
+            per_tensor, head = torch.zeros(0, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+            log.warning("replica check: fingerprint failed: %s", exc)
+
+        def done(rows: list[list[int]]) -> None:
+            try:
+                found = settle(step, names, per_tensor, rows)
+            except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+                self._off(str(exc))
+                return
+            if self._guard() is guard:
+                self._record(guard, found)
+
+        distributed.ride(head, done)
+        self.rode += 1
+
+    def _record(self, guard: Host, found: ReplicaDivergence | None) -> None:
         if found is None:
             self._last = None
             return
@@ -332,12 +395,14 @@ class ReplicaCheck:
         self._last = sig
 
 
-def attach(guard: Host, every: int) -> ReplicaCheck | None:
+def attach(guard: Host, every: int, *, rides: bool = False) -> ReplicaCheck | None:
     """The guard's replica check (`DetectConfig.replica_every`): None when `every` is 0, outside
     a process group of more than one rank, or when the parameters are sharded (DTensor: each
-    rank holds a different shard, not a replica)."""
+    rank holds a different shard, not a replica). `rides`: the guard agrees every step's
+    decision across ranks (an acting policy), and the check's fingerprint travels in that
+    agreement (`ReplicaCheck.rides`)."""
     if not every or not distributed.active():
         return None
     if any(type(p).__name__ == "DTensor" for p in guard.params):
         return None
-    return ReplicaCheck(guard, every)
+    return ReplicaCheck(guard, every, rides=rides)
