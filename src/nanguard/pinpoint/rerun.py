@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanguard.pinpoint.inprocess import _KeepBuffers
+from nanguard.integrations import distributed
+from nanguard.pinpoint.inprocess import _KeepBuffers, local
 from nanguard.watch import rng
 
 VERDICTS = ("reproducible", "transient")
@@ -75,29 +76,39 @@ def rerun_verdict(
         step_rng: the RNG states at the start of the step (None: as they are now).
         loss: the loss the step computed (None when it was not watched).
 
+    Under a process group of more than one rank the step's gradients are the ranks' average
+    (DDP's all-reduce), which a re-run of this rank's batch alone cannot give: there only the
+    loss is compared (`grads_compared` False), and the re-run's backward runs without DDP's
+    all-reduce (`no_sync`: it may run on this rank alone, no collective may wait for others).
+
     Returns:
-        `{verdict, loss_same, grads_same, differing, deterministic_algorithms, device,
-        why}`; `verdict` is `reproducible` or `transient`.
+        `{verdict, loss_same, grads_same, grads_compared, differing, deterministic_algorithms,
+        device, why}`; `verdict` is `reproducible` or `transient`.
     """
     trainable = [p for p in params if p.requires_grad]
+    reduced = distributed.active()
     now = rng.capture()
     keep = _KeepBuffers(model)
     try:
         if step_rng is not None:
             rng.restore(step_rng)
-        out = compute_loss(batch)
-        grads = torch.autograd.grad(out, trainable, allow_unused=True)
+        with local(model):
+            out = compute_loss(batch)
+            grads = torch.autograd.grad(out, trainable, allow_unused=True)
     finally:
         keep.__exit__()
         rng.restore(now)
     value = float(out.detach().reshape(-1)[0]) if out.numel() else float("nan")
     loss_same = loss is None or value == loss or (math.isnan(value) and math.isnan(loss))
-    differing = sum(not _same(g, p.grad) for g, p in zip(grads, trainable, strict=True))
+    differing = 0 if reduced else sum(
+        not _same(g, p.grad) for g, p in zip(grads, trainable, strict=True))
     ctx = context(trainable)
     deterministic, device = ctx["deterministic_algorithms"], ctx["device"]
     verdict = "reproducible" if loss_same and differing == 0 else "transient"
     if verdict == "reproducible":
-        why = "the re-run gave the same loss and gradients bit for bit: software or data"
+        why = ("the re-run gave the same loss bit for bit (its gradients were not compared: the "
+               "step's are averaged across ranks): software or data" if reduced else
+               "the re-run gave the same loss and gradients bit for bit: software or data")
     elif device == "cpu" or deterministic:
         why = (f"the re-run differs ({'loss' if not loss_same else ''}"
                f"{', ' if not loss_same and differing else ''}"
@@ -110,6 +121,7 @@ def rerun_verdict(
                f"{', the loss' if not loss_same else ''}) with deterministic algorithms off: "
                "a non-deterministic kernel is the first suspect "
                "(torch.use_deterministic_algorithms(True) to tell it from a device fault)")
-    return {"verdict": verdict, "loss_same": loss_same, "grads_same": differing == 0,
+    return {"verdict": verdict, "loss_same": loss_same,
+            "grads_same": None if reduced else differing == 0, "grads_compared": not reduced,
             "differing": differing, "deterministic_algorithms": deterministic,
             "device": device, "why": why}
