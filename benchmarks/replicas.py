@@ -27,10 +27,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from nanguard.integrations import distributed
 from nanguard.watch import replicas
 
 SETS = {
     "400 small tensors (64x64)": [(64, 64)] * 400,
+    # benchmarks/overhead.py's LM (4 layers, d_model 256, vocab 1024, seq 128): its shapes
+    "LM benchmark (3.7M params)": [(1024, 256), (128, 256)] + [
+        (768, 256), (768,), (256, 256), (256,), (1024, 256), (1024,), (256, 1024), (256,),
+        (256,), (256,), (256,), (256,)] * 4 + [(256,), (256,), (1024, 256), (1024,)],
     "25M params (25 x 1000x1000)": [(1000, 1000)] * 25,
 }
 
@@ -63,6 +68,36 @@ def _compute(rounds: int) -> None:
         print(f"{label:30s} fingerprint {f:8.3f} ms   norm {n:8.3f} ms   ratio {f / n:.2f}x")
 
 
+def _side_by_side(label: str, names: list[str], params: list[torch.Tensor], rounds: int,
+                  rank: int) -> None:
+    # The check inside the lockstep agreement (acting policies) vs beside it (observe),
+    # the agreement alone as the baseline: alternated, medians of `rounds`.
+    cpu = torch.device("cpu")
+
+    def agree_only() -> None:
+        distributed.agree(False, None, cpu)
+
+    def separate() -> None:
+        distributed.agree(False, None, cpu)
+        replicas.compare(0, names, params)
+
+    def ride() -> None:
+        per_tensor, head = replicas.fingerprint_head(names, params, cpu)
+        distributed.ride(head, lambda rows: replicas.settle(0, names, per_tensor, rows))
+        distributed.agree(False, None, cpu)
+
+    got: dict[str, list[float]] = {"agree": [], "separate": [], "ride": []}
+    for _ in range(rounds):
+        got["agree"].append(_median_ms(agree_only))
+        got["separate"].append(_median_ms(separate))
+        got["ride"].append(_median_ms(ride))
+    if rank == 0:
+        med = {k: statistics.median(v) for k, v in got.items()}
+        print(f"{label:30s} agreement alone {med['agree']:.3f} ms; + the check beside it "
+              f"{med['separate']:.3f} ms (+{med['separate'] - med['agree']:.3f}); riding "
+              f"in it {med['ride']:.3f} ms (+{med['ride'] - med['agree']:.3f})")
+
+
 def _worker(rank: int, port: int, rounds: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -74,6 +109,7 @@ def _worker(rank: int, port: int, rounds: int) -> None:
         ms = _median_ms(replicas.compare, 0, names, params, rounds=rounds)
         if rank == 0:
             print(f"{label:30s} compare() on 2 gloo ranks {ms:8.3f} ms (median of {rounds})")
+        _side_by_side(label, names, params, rounds, rank)
     dist.destroy_process_group()
 
 
