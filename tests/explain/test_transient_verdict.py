@@ -118,6 +118,22 @@ def test_a_real_lr_too_high_stays_optimizer_divergence(
     assert all(c["cause"] != "nondeterministic" for c in report.diagnosis)
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["once", "persistent"])
+def test_a_persistent_fault_re_runs_the_same_on_its_own_device(
+        tmp_path: Path, persistent: bool) -> None:
+    """A faulty device repeats its fault in the re-run: on one device alone that is
+    `reproducible`, indistinguishable from data. Telling it apart needs the batch re-run on
+    another rank (`persistent on rank r`, issue 28: not built)."""
+    _, report, planted = _train(tmp_path, lr=HEALTHY_LR, flip={
+        "target": "activation", "name": "4", "step": 30, "bit": 30, "persistent": persistent})
+    # Once: the step's forward only; persistent: every forward since, the re-runs' too.
+    assert planted.times == 1 if not persistent else planted.times > 1
+    verdicts = {sp["step"]: sp["rerun"]["verdict"] for sp in report.spikes if "rerun" in sp}
+    first = report.first_nonfinite or {}
+    verdict = verdicts.get(30) or (first.get("verdict") if first.get("step") == 30 else None)
+    assert verdict == ("reproducible" if persistent else "transient"), (verdicts, first)
+
+
 def test_the_verdict_that_counts_is_where_the_cascade_began() -> None:
     transient = {"step": 30, "source": "spike", "verdict": "transient", "loss_same": True,
                  "differing": 1, "deterministic_algorithms": True, "device": "cuda"}
