@@ -34,9 +34,10 @@ STEPS, FLIP_STEP, EVERY = 14, 5, 4
 def main() -> None:
     out, rank, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     mode = sys.argv[4] if len(sys.argv) > 4 else "plain"
-    # `-skip`: an acting policy, whose per-step agreement the check's fingerprint rides.
-    mode, policy = (mode.removesuffix("-skip"), "skip") if mode.endswith("-skip") else (
-        mode, "observe")
+    # `-skip`, `-rollback`, `-raise`: an acting policy, whose per-step agreement the check's
+    # fingerprint rides.
+    mode, _, policy = mode.partition("-")
+    policy = policy or "observe"
     stand_down = mode == "standdown" and rank == 0
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -65,10 +65,13 @@ def test_flip_on_rank_1_is_named(tmp_path: Path, mode: str) -> None:
         assert res["causes"][0] == "replica_divergence"  # the report's diagnosis names it
 
 
-def test_under_an_acting_policy_the_check_rides_the_agreement(tmp_path: Path) -> None:
-    """Under `skip` every step's decision is agreed across ranks anyway: the due checks travel
-    in that agreement (no all_gather of their own) and find the same flip."""
-    results, _ = _launch(tmp_path, "plain-skip")
+@pytest.mark.parametrize("policy", ["skip", "rollback", "raise"])
+def test_under_an_acting_policy_the_check_rides_the_agreement(tmp_path: Path,
+                                                              policy: str) -> None:
+    """Under an acting policy every step's decision is agreed across ranks anyway: the due
+    checks travel in that agreement (no all_gather of their own) and find the same flip
+    (recorded, never acted on: no rank raises or rolls back for it)."""
+    results, _ = _launch(tmp_path, f"plain-{policy}")
     for res in results:
         assert res["checks"] == 5 and res["rode"] == 4  # all but the one before any update
         assert [(a["step"], a["kind"]) for a in res["alarms"]] == [(7, "replica_divergence")]
