@@ -87,6 +87,7 @@ class _Guard:
 
     def __init__(self) -> None:
         self.params = [torch.nn.Parameter(torch.zeros(2))]
+        self.model = torch.nn.Module()  # not a DDP: a difference at the start means no replicas
         self.param_names = ["w"]
         self.optimizer = torch.optim.SGD(self.params, lr=0.1)
         self.step, self.error, self.closed = 0, None, False
@@ -103,7 +104,8 @@ def _steps(guard: _Guard, n: int) -> None:
 
 
 def test_check_cadence_first_step_and_no_repeats(one_process_group, monkeypatch):
-    verdicts = iter([None, "d", "d", None, "d"])  # at steps 0, 3, 7, 11, 15
+    # Before step 0's update, then after steps 0, 3, 7, 11, 15.
+    verdicts = iter([None, None, "d", "d", None, "d"])
     seen = []
 
     def fake_compare(step, names, params):
@@ -116,12 +118,13 @@ def test_check_cadence_first_step_and_no_repeats(one_process_group, monkeypatch)
     guard = _Guard()
     check = replicas.ReplicaCheck(guard, every=4)
     _steps(guard, 16)
-    assert seen == [0, 3, 7, 11, 15] and check.checks == 5
+    assert seen == [0, 0, 3, 7, 11, 15] and check.checks == 6
     # Step 7 repeats step 3's divergence: said once; after agreeing again (11) it is new.
     assert [a.step for a in guard.alarms] == [3, 15]
     guard.closed = True
     _steps(guard, 1)  # the hook removes itself once the guard is closed
     assert not guard.optimizer._optimizer_step_post_hooks
+    assert not guard.optimizer._optimizer_step_pre_hooks
 
 
 @pytest.mark.parametrize("why", ["missing_rank", "differ_from_the_start"])

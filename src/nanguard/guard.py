@@ -214,7 +214,8 @@ class Guard(StepPath):
         # Its hooks first: it disarms before this guard's pre-hook (and any replay) runs.
         self.saturation = saturation.attach(self, cfg.detect.saturation_every)
         # Issue 28: replica agreement under DDP, its own post-hook (watch/replicas.py); None: off.
-        self.replicas = replicas.attach(self, cfg.detect.replica_every)
+        self.replicas = replicas.attach(self, cfg.detect.replica_every,
+                                        rides=cfg.policy != "observe")
         self._hooked = hook_optimizer
         self._in_hook: str | None = None  # `pre` / `post` while a step hook runs
         self._agreed = False  # that hook took part in its cross-rank agreement

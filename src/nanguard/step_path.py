@@ -30,6 +30,7 @@ from nanguard.detect.gate import QuietGate
 from nanguard.errors import NanguardError
 from nanguard.integrations import distributed
 from nanguard.pinpoint import live as pinpoint
+from nanguard.pinpoint.rerun import alarms_to_explain
 from nanguard.policy import Policy, device_skip, wants_to_act
 from nanguard.policy.act import device_skip_effects, effects_of
 from nanguard.record.events import Events
@@ -350,9 +351,8 @@ class StepPath:
         if not self._gate.passes(stats, phase):  # passed: the quiet step's state applied
             for d in self._by_phase[phase]:
                 alarms += d.check(stats)
-        for a in alarms:
-            if a.kind == "spike":
-                self._explain_spike(stats, a)
+        for a in alarms_to_explain(alarms):  # spikes; an overflow at step 0
+            self._explain_spike(stats, a)
         if signals:
             log = self.log
             if log.finding is None:
@@ -455,6 +455,8 @@ class StepPath:
             act_probe=self.act_probe, baseline=self._grad_baseline,
             step_rng=cur.rng if before_update and cur else None,
             amp=self.recovery.amp is not None)
+        if alarm.kind != "spike":  # an overflow the spike detector could not see (step 0)
+            found["alarm"] = alarm.kind
         self.log.add_spike(stats.step, found)
         alarm.message += pinpoint.spike_note(found)
 

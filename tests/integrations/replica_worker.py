@@ -5,8 +5,11 @@ rank 1 alone, the fault injector flips the LOWEST mantissa bit of one element of
 layer's weight after step 5: numerically harmless (no loss jump, no detector could see it),
 but the replicas no longer agree. With `standdown`, rank 0's guard stands down (as after an
 internal error) at step 2: the ranks must stay in lockstep all the same. With `rank0only`,
-rank 1 builds no Guard: rank 0's check must turn itself off, not wait for it. Prints one
-`RESULT {json}` line: the alarms and the flip.
+rank 1 builds no Guard: rank 0's check must turn itself off, not wait for it. With `step0`,
+the flip (rank 1, the lowest mantissa bit) lands within step 0 itself, before the check after
+step 0's update reads the parameters (the injector's hook runs first); with `prestart`, rank 1's
+parameter changes after DDP broadcast it and before the first update (no injector: an
+in-place write). Prints one `RESULT {json}` line: the alarms and the flip.
 
 Ends with os._exit so that interpreter teardown does not count against the test's time.
 """
@@ -31,6 +34,10 @@ STEPS, FLIP_STEP, EVERY = 14, 5, 4
 def main() -> None:
     out, rank, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     mode = sys.argv[4] if len(sys.argv) > 4 else "plain"
+    # `-skip`, `-rollback`, `-raise`: an acting policy, whose per-step agreement the check's
+    # fingerprint rides.
+    mode, _, policy = mode.partition("-")
+    policy = policy or "observe"
     stand_down = mode == "standdown" and rank == 0
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -40,12 +47,21 @@ def main() -> None:
     config = GuardConfig(
         detect=DetectConfig(replica_every=EVERY), record=RecordConfig(summary=False)
     )
+    # `step0`: the injector hooks the optimizer before the guard, so its flip after step 0's
+    # update comes before the replica check's read of that update.
+    inj = FaultInjector(model, opt, seed=0).install() if mode == "step0" else None
     guard = None
     if not (mode == "rank0only" and rank == 1):
-        guard = Guard(model, opt, out=os.path.join(out, f"rank-{rank}"), config=config)
+        guard = Guard(model, opt, out=os.path.join(out, f"rank-{rank}"), config=config,
+                      policy=policy)
+    if mode == "prestart" and rank == 1:
+        with torch.no_grad():  # after DDP's broadcast, before any update: a fault, not a layout
+            w = model.module[0].weight
+            w.view(-1).view(torch.int32)[3] ^= 1
     torch.manual_seed(100 + rank)  # each rank its own data
-    with FaultInjector(model, opt, seed=0) as inj:
-        flip = inj.flip_param("module.0.weight", step=FLIP_STEP, bit=0, rank=1)
+    with inj or FaultInjector(model, opt, seed=0) as inj:
+        flip = inj.flip_param("module.0.weight", step=0 if mode == "step0" else FLIP_STEP,
+                              bit=0, rank=1 if mode != "prestart" else 99)
         for step in range(STEPS):
             if stand_down and guard and step == 2:
                 guard.stand_down(RuntimeError("injected by the test"), "test")
@@ -62,6 +78,7 @@ def main() -> None:
         result = {
             "alarms": [a.to_dict() for a in guard.alarms],
             "checks": guard.replicas.checks if guard.replicas else 0,
+            "rode": guard.replicas.rode if guard.replicas else 0,
             "error": guard.error,
             "causes": [c["cause"] for c in guard.report.diagnosis] if guard.report else [],
         }

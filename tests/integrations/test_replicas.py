@@ -52,7 +52,8 @@ def test_flip_on_rank_1_is_named(tmp_path: Path, mode: str) -> None:
     r0, r1 = results
     assert not r0["flip"]["fired"] and r1["flip"]["fired"]  # rank 1 only
     assert abs(r1["flip"]["new"] - r1["flip"]["old"]) < 1e-6  # the lowest mantissa bit
-    assert r0["checks"] == r1["checks"] == 4  # after steps 0 (the first), 3, 7 and 11
+    # Before the first update, after steps 0 (the first), 3, 7 and 11.
+    assert r0["checks"] == r1["checks"] == 5
     if mode == "standdown":  # rank 0 took part in every check but records nothing
         assert r0["alarms"] == [] and r0["error"] is not None
         results = [r1]
@@ -62,6 +63,54 @@ def test_flip_on_rank_1_is_named(tmp_path: Path, mode: str) -> None:
         msg = res["alarms"][0]["message"]
         assert "rank 1 in module.0.weight (reference: rank(s) 0)" in msg, msg
         assert res["causes"][0] == "replica_divergence"  # the report's diagnosis names it
+
+
+@pytest.mark.parametrize("policy", ["skip", "rollback", "raise"])
+def test_under_an_acting_policy_the_check_rides_the_agreement(tmp_path: Path,
+                                                              policy: str) -> None:
+    """Under an acting policy every step's decision is agreed across ranks anyway: the due
+    checks travel in that agreement (no all_gather of their own) and find the same flip
+    (recorded, never acted on: no rank raises or rolls back for it)."""
+    results, _ = _launch(tmp_path, f"plain-{policy}")
+    for res in results:
+        assert res["checks"] == 5 and res["rode"] == 4  # all but the one before any update
+        assert [(a["step"], a["kind"]) for a in res["alarms"]] == [(7, "replica_divergence")]
+        assert "rank 1 in module.0.weight (reference: rank(s) 0)" in res["alarms"][0]["message"]
+        assert res["causes"][0] == "replica_divergence"
+
+
+def test_riding_stops_with_the_lockstep(tmp_path: Path) -> None:
+    """Rank 0's guard stands down at step 2; under `skip` rank 1's stands down with it in the
+    next agreement, after which nothing agrees: the later checks take their own all_gather
+    on both ranks alike (no hang, the same count), and record nothing (both stood down)."""
+    results, _ = _launch(tmp_path, "standdown-skip")
+    for res in results:
+        assert res["error"] is not None and res["alarms"] == []
+        assert res["checks"] == 5 and res["rode"] == 1  # after step 0 only
+
+
+def test_a_flip_within_step_0_is_named_after_step_0(tmp_path: Path) -> None:
+    """The check before the first update proves the start state; the one after step 0 then
+    names a flip of step 0 (it used to read it as "not replicas" and turn itself off)."""
+    results, errs = _launch(tmp_path, "step0")
+    assert not results[0]["flip"]["fired"] and results[1]["flip"]["fired"]
+    for res, err in zip(results, errs, strict=True):
+        assert "replica check off" not in err, err[-2000:]
+        assert res["checks"] == 5
+        assert [(a["step"], a["kind"]) for a in res["alarms"]] == [(0, "replica_divergence")]
+        msg = res["alarms"][0]["message"]
+        assert "after step 0: rank 1 in module.0.weight (reference: rank(s) 0)" in msg, msg
+
+
+def test_a_ddp_replica_changed_before_the_first_update_is_named(tmp_path: Path) -> None:
+    """DDP broadcast the parameters when it was built: a rank that differs before any update
+    is a fault there, not another kind of parallelism (no "check off")."""
+    results, errs = _launch(tmp_path, "prestart")
+    for res, err in zip(results, errs, strict=True):
+        assert "replica check off" not in err, err[-2000:]
+        assert [(a["step"], a["kind"]) for a in res["alarms"]] == [(0, "replica_divergence")]
+        msg = res["alarms"][0]["message"]
+        assert "before the update of step 0: rank 1 in module.0.weight" in msg, msg
 
 
 def test_a_rank_without_guard_turns_the_check_off(tmp_path: Path) -> None:

@@ -44,7 +44,8 @@ def evidence_from_log(log: Mapping[str, Any]) -> Evidence:
     `momentum`, `eps`, `dtype`), `failing` (the first failing step: `lr`, `bad_tensors`,
     `n_batch_tensors`), `healthy_grad_norm`, `history` (step records), `lead_window`,
     `script_clip` (the `max_norm` of the script's own clipping, 0 when off), `entry` (`run` for
-    `nanguard run`, else `api`) and `preflight` (`nanguard run --preflight`'s verdict).
+    `nanguard run`, else `api`), `preflight` (`nanguard run --preflight`'s verdict) and
+    `spikes` (their `rerun` verdicts, with `first_nonfinite.verdict`: `Evidence.reruns`).
     """
     opt = log.get("optimizer") or {}
     failing = log.get("failing") or {}
@@ -69,7 +70,23 @@ def evidence_from_log(log: Mapping[str, Any]) -> Evidence:
         clip=_float_or_none(log.get("script_clip")),
         entry=str(log.get("entry") or "api"),
         preflight=_preflight(log.get("preflight")),
+        reruns=_reruns(log.get("spikes") or [], first),
     )
+
+
+def _reruns(spikes: list[dict[str, Any]], first: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The re-run verdicts of the log, oldest first (`Evidence.reruns`): each spike's
+    `rerun` (its step's re-run before the update) and the first non-finite step's `verdict`
+    (its replay). Steps without a verdict (the re-run could not run) are left out."""
+    found = [{"step": sp["step"], "source": "spike", **sp["rerun"]} for sp in spikes
+             if isinstance(sp.get("rerun"), dict) and sp["rerun"].get("verdict")
+             and isinstance(sp.get("step"), int)]
+    if first and first.get("verdict") and isinstance(first.get("step"), int):
+        found.append({"step": first["step"], "source": "nonfinite", "verdict": first["verdict"],
+                      **{k: first[k] for k in ("deterministic_algorithms", "device")
+                         if k in first}})
+    # A spike and the non-finite value in one step: the spike's re-run compares more.
+    return sorted(found, key=lambda r: (r["step"], r["source"] != "spike"))
 
 
 def _preflight(v: object) -> dict[str, Any] | None:

@@ -64,6 +64,11 @@ class Evidence:
     """Whether state was loaded (`torch.load`, `load_state_dict`): True seen, False none in the
     whole script (`nanguard run` tracks every call), None unknown (a `Guard` created after a
     load cannot know). The event `checkpoint_nonfinite` needs."""
+    reruns: list[dict[str, Any]] = field(default_factory=list)
+    """Re-execution verdicts of alarmed steps (`pinpoint.rerun`), oldest first: `step`,
+    `source` (`spike`: the spike re-run, `spikes[].rerun`; `nonfinite`: the first non-finite
+    step's replay), `verdict` (`reproducible` / `transient`), and when known `loss_same`,
+    `differing` (gradients that differed), `deterministic_algorithms`, `device`, `why`."""
     preflight: dict[str, Any] | None = None
     """The preflight's verdict when one ran before training (`nanguard run --preflight`,
     report.json `run.preflight`): `findings` (`code`, `severity`, `location`, `details`),
@@ -102,6 +107,17 @@ class Evidence:
         """`history` entries up to the failing step (all of them on a run that never failed)."""
         step = self.step
         return [h for h in self.history if step is None or h.get("step", 0) <= step]
+
+    def cascade_verdict(self) -> dict[str, Any] | None:
+        """The verdict of the step the trouble began with: the earliest re-run verdict within
+        `lead_window` steps before the first non-finite value (any, on a run that never went
+        non-finite). A cascade that began with a transient (a flipped bit, a racing kernel) is
+        the fault's, whatever the optimizer made of it afterwards."""
+        step = self.step
+        for r in self.reruns:
+            if r.get("verdict") and (step is None or step - self.lead_window <= r["step"] <= step):
+                return r
+        return None
 
     def warnings_before(self, kinds: tuple[str, ...]) -> list[dict[str, Any]]:
         """Alarms of these kinds within `lead_window` steps before the first non-finite value

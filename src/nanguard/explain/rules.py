@@ -936,7 +936,7 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
                    f"weight_decay = {1 - ev.lr * wd:.3g} each step (|{1 - ev.lr * wd:.3g}| > 1: "
                    f"{mult:.3g}x growth a step from the decay alone)")
         target = min(0.1, 0.01 / ev.lr)
-        return Cause(
+        return _weigh_verdict(ev, Cause(
             cause="optimizer_divergence",
             confidence=max(conf, 0.85),
             evidence=f"{ev.optimizer or 'the optimizer'}{mom} at {lr} amplified the weights "
@@ -944,7 +944,7 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
             fix=f"lower the weight decay (weight_decay={wd:g} -> weight_decay={target:.3g}: "
             f"lr * weight_decay = {ev.lr * target:.3g}, far below 1; your {lr} is ordinary "
             f"and stays); or let nanguard recover: {_rollback(ev)}",
-        )
+        ))
     sched = ""
     if ev.lr is not None:
         onset = jump["from"] if jump is not None else (warn[0]["step"] if warn else None)
@@ -957,14 +957,14 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
     clip = _clip_fix(ev, healthy)
     # A script that turned its own clipping off: turning it back on is the first fix.
     fixes = [clip, lower] if ev.clip == 0 else [lower, clip]
-    return Cause(
+    return _weigh_verdict(ev, Cause(
         cause="optimizer_divergence",
         confidence=conf,
         evidence=f"{ev.optimizer or 'the optimizer'}{mom} at {lr} amplified the error step "
         "after step: " + "; ".join(why)
         + ("" if strong else " (no alarm or loss history shows the growth)"),
         fix=f"{fixes[0]}; {fixes[1]}; add a warm-up; or let nanguard recover: {_rollback(ev)}",
-    )
+    ))
 
 
 @rule
@@ -987,7 +987,7 @@ def exploding_init(ev: Evidence) -> Cause | None:
     if (flagged and ev.step is not None and ev.step <= EARLY
             and ev.phase not in ("data", "checkpoint") and first.get("kind") not in
             ("state", "input") and not first.get("tensors")):
-        return _init_measured(ev, flagged, hit)
+        return _weigh_verdict(ev, _init_measured(ev, flagged, hit))
     cause = _exploding_init(ev)
     layers = (ev.preflight or {}).get("layers") or []
     if cause is not None and layers and not flagged:
@@ -996,7 +996,7 @@ def exploding_init(ev: Evidence) -> Cause | None:
         cause.evidence += (f"; but the preflight measured every layer's init within range "
                            f"(largest: `{top.get('name')}` at "
                            f"{_num(top.get('ratio'), math.nan):.3g}x 1/sqrt(fan_in))")
-    return cause
+    return None if cause is None else _weigh_verdict(ev, cause)
 
 
 def _init_measured(ev: Evidence, flagged: list[dict[str, Any]],
@@ -1070,13 +1070,13 @@ def bad_batch(ev: Evidence) -> Cause | None:
     if not spikes:
         return None
     steps = sorted({a["step"] for a in spikes})
-    return Cause(
+    return _weigh_verdict(ev, Cause(
         cause="bad_batch",
         confidence=0.5,
         evidence=f"gradient spikes at steps {steps[:6]} without a NaN: finite but extreme samples",
         fix="look up those steps' batch fingerprints in run.db (table `batches`) and scan the "
         "data (`nanguard scan`); clip the grad norm",
-    )
+    ))
 
 
 @rule
@@ -1112,10 +1112,83 @@ def replica_divergence(ev: Evidence) -> Cause | None:
     )
 
 
+def _rerun_text(r: dict[str, Any]) -> str:
+    """What a re-run found, in words: the step, what differed, the setup it ran on."""
+    what = "its replay" if r.get("source") == "nonfinite" else "its re-run"
+    if r.get("verdict") == "reproducible":
+        return (f"{what} of step {r['step']} from the same parameters, RNG states and batch "
+                "reproduced it bit for bit")
+    differed = []
+    if r.get("loss_same") is False:
+        differed.append("the loss")
+    if r.get("differing"):
+        differed.append(f"{r['differing']} gradient(s)")
+    det = r.get("deterministic_algorithms")
+    setup = [f"device {r['device']}"] if r.get("device") else []
+    if det is not None:
+        setup.append(f"deterministic algorithms {'on' if det else 'off'}")
+    if differed:
+        result = f"differed in {' and '.join(differed)}"
+    elif r.get("source") == "nonfinite":
+        result = "ran clean: no non-finite value"
+    else:
+        result = "gave another result"
+    return (f"{what} of step {r['step']} from the same parameters, RNG states and batch "
+            f"{result} (transient" + (f"; {', '.join(setup)}" if setup else "") + ")")
+
+
+def _weigh_verdict(ev: Evidence, cause: Cause) -> Cause:
+    """A cause read from the run's numbers, weighed against the cascade's re-run verdict: a
+    `reproducible` one is cited (software or data: the cause stands); after a `transient` one
+    (`nondeterministic` leads) the cause drops to half its confidence and its fix, measured
+    on the fault's magnitudes, gives way to "diagnose a run without the fault"."""
+    r = ev.cascade_verdict()
+    if r is None:
+        return cause
+    if r["verdict"] == "reproducible":
+        cause.evidence += f"; {_rerun_text(r)}: software or data, not a fault"
+        return cause
+    cause.confidence = round(cause.confidence * 0.5, 3)
+    cause.evidence += (f"; but {_rerun_text(r)}: the trouble began with a fault the same "
+                       "inputs do not repeat, and what followed is its echo")
+    # Its fix was measured on the fault's magnitudes (an LR cut from a 1e37x spike): none.
+    cause.fix = ("only if it recurs once the fault is handled (see `nondeterministic`): "
+                 "diagnose that run; the magnitudes measured here are the fault's and give no "
+                 "LR or clip value")
+    return cause
+
+
 @rule
 def nondeterministic(ev: Evidence) -> Cause | None:
-    """Needs: a replay that did not reproduce the failure bit for bit. Ruled out: a replay
-    that did, or none."""
+    """Needs: the step the trouble began with (the first spike or the first non-finite step
+    within the lead window, `Evidence.cascade_verdict`) re-ran differently from the same
+    parameters, RNG states and batch (`transient`), or a replay that did not reproduce the
+    failure bit for bit. Ruled out: a re-run that reproduced it, or none.
+
+    Which suspect comes first follows the verdict's setup: on the CPU or with deterministic
+    algorithms on, the kernels are deterministic, so the hardware (a flipped bit) or state
+    outside the RNG; on an accelerator with them off, a non-deterministic kernel."""
+    r = ev.cascade_verdict()
+    if r is not None and r["verdict"] == "transient":
+        det, device = r.get("deterministic_algorithms"), r.get("device")
+        if det or device == "cpu":
+            suspect = ("suspect the hardware first: the kernels were deterministic "
+                       f"({'deterministic algorithms on' if det else 'CPU kernels'}); or state "
+                       "the forward keeps outside the RNG (a counter, Python's `random`, a data "
+                       "race)")
+            fix = ("test the device (memory errors: ECC counters, a memory test; move the job "
+                   "off it if a re-run there differs again); resume from the last checkpoint "
+                   "before the step (`nanguard audit CKPT` verifies it); or let nanguard "
+                   f"recover: {_rollback(ev)}")
+        else:
+            suspect = ("deterministic algorithms were off: a non-deterministic kernel (atomic "
+                       "adds, autotuning) is the first suspect, a device fault the second")
+            fix = ("rerun with `torch.use_deterministic_algorithms(True)`: a re-run that still "
+                   "differs points at the device (memory errors: ECC counters, a memory test); "
+                   f"resume from the last good checkpoint, or let nanguard recover: "
+                   f"{_rollback(ev)}")
+        return Cause(cause="nondeterministic", confidence=0.9,
+                     evidence=f"{_rerun_text(r)}: {suspect}", fix=fix)
     if ev.reproduced is not False:
         return None
     return Cause(

@@ -7,15 +7,25 @@ rank the value came from: under DDP every rank's gradients go non-finite togethe
 fed a NaN into the all-reduce, so "the lowest rank with a NaN" would name rank 0. The verdict
 therefore carries the phase where each rank saw it (data < forward < loss < backward <
 optimizer) and MAX picks the earliest phase, then the lowest rank.
+
+A rider (`ride`) travels in the next agreement instead of its own collective: the replica
+check's fingerprint on the steps it is due. That agreement then gathers every rank's
+[act, score, down, *payload] (one all_gather of int64) and takes the MAX of the first three
+itself: the same decision, and the payloads for free.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("nanguard")
 
 
 def active() -> bool:
@@ -28,6 +38,43 @@ def rank() -> int:
 
 
 PHASE_ORDER = ("data", "forward", "loss", "backward", "optimizer")
+
+
+@dataclass(kw_only=True)
+class Rider:
+    """A payload for the next agreement (`ride`)."""
+
+    payload: torch.Tensor
+    """An int64 vector of the same length on every rank."""
+    done: Callable[[list[list[int]]], None]
+    """Called inside that agreement with every rank's payload (row r: rank r's), on every
+    rank at the same point: it may run collectives of its own there."""
+
+
+_rider: Rider | None = None
+_over = False  # an agreement carried a `down`: no rank agrees any more in this process
+
+
+def ride(payload: torch.Tensor, done: Callable[[list[list[int]]], None]) -> None:
+    """Send `payload` with the next agreement (every rank must do the same before it)."""
+    global _rider
+    _rider = Rider(payload=payload.reshape(-1).to(torch.int64), done=done)
+
+
+def rider_pending() -> bool:
+    """A rider no agreement has taken yet."""
+    return _rider is not None
+
+
+def drop_rider() -> None:
+    global _rider
+    _rider = None
+
+
+def lockstep_over() -> bool:
+    """Whether an agreement said a rank stood down: after it no rank agrees again, so nothing
+    can ride any more (every rank knows it from the same agreement)."""
+    return _over
 
 
 class PeerStoodDown(RuntimeError):
@@ -71,10 +118,27 @@ def agree(act: bool, nonfinite_phase: str | None, device: torch.device, *,
     if nonfinite_phase is not None:
         order = PHASE_ORDER.index(nonfinite_phase) if nonfinite_phase in PHASE_ORDER else 3
         score = (len(PHASE_ORDER) - order) * world + (world - me)
-    flags = torch.tensor([int(act), score, world - me if down else 0], dtype=torch.int32,
-                         device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    any_act, best, gone = flags.tolist()
+    global _rider, _over
+    rider, _rider = _rider, None
+    if rider is None:
+        flags = torch.tensor([int(act), score, world - me if down else 0], dtype=torch.int32,
+                             device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        any_act, best, gone = flags.tolist()
+    else:
+        mine = torch.cat([torch.tensor([int(act), score, world - me if down else 0],
+                                       dtype=torch.int64, device=device),
+                          rider.payload.to(device)])
+        rows = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(rows, mine)
+        table = torch.stack(rows).tolist()
+        any_act, best, gone = (max(col) for col in list(zip(*table, strict=True))[:3])
+        try:
+            rider.done([row[3:] for row in table])
+        except Exception:  # noqa: BLE001 - the rider's own failure is not this decision's
+            log.exception("nanguard: a payload of the rank agreement failed")
+    if down or gone:
+        _over = True
     if gone and not down:
         raise PeerStoodDown(world - gone)
     if not best:

@@ -83,6 +83,15 @@ def _eager() -> contextlib.AbstractContextManager[Any]:
     return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
+def local(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """A replay's forward and backward without DDP's gradient all-reduce (`no_sync`; nothing
+    for other models). A replay may run on one rank alone (its loss went non-finite, the
+    others' did not): its all-reduce would pair with another rank's next training all-reduce,
+    mixing the replay's gradients into that rank's update, or hang."""
+    no_sync = getattr(model, "no_sync", None)
+    return no_sync() if callable(no_sync) else contextlib.nullcontext()
+
+
 def replay_forward_backward(
     compute_loss: Callable[[Any], torch.Tensor],
     *,
@@ -119,7 +128,7 @@ def replay_forward_backward(
             rng.restore(step_rng)
         # A compiled model runs eagerly under the checker: compiling it under a dispatch mode
         # left later compiled runs 1 ulp off (observing must not change training).
-        with _KeepBuffers(model), _eager():
+        with _KeepBuffers(model), _eager(), local(model):
             origin = find_origin(run_step, model=model, batch=batch, step=step)
     finally:
         for p, g in zip(params, grads, strict=True):
@@ -183,13 +192,14 @@ def spike_sources(
     keep = _KeepBuffers(model) if batch_size else None
     error = None
     try:
-        for i in range(min(batch_size, max_samples)):
-            if step_rng is not None:
-                rng.restore(step_rng)
-            loss = compute_loss(_slice(batch, i))
-            grads = torch.autograd.grad(loss, trainable, allow_unused=True)
-            sq = sum(float(g.detach().double().pow(2).sum()) for g in grads if g is not None)
-            norms.append(math.sqrt(sq))
+        with local(model):
+            for i in range(min(batch_size, max_samples)):
+                if step_rng is not None:
+                    rng.restore(step_rng)
+                loss = compute_loss(_slice(batch, i))
+                grads = torch.autograd.grad(loss, trainable, allow_unused=True)
+                sq = sum(float(g.detach().double().pow(2).sum()) for g in grads if g is not None)
+                norms.append(math.sqrt(sq))
     except Exception as exc:  # noqa: BLE001 - e.g. BatchNorm cannot run one sample in train mode
         norms, error = [], f"per-sample gradients failed: {type(exc).__name__}: {exc}"
     finally:

@@ -117,6 +117,8 @@ def refine_by_replay(finding: Finding, stats: StepStats, replay: Replay, *,
     """Replay the step of `finding` before its update, under the op checker: what to merge
     into the finding, and whether that is news to record (False: only a `replay_error`).
     Empty for a finding of loaded state (no op of this step made it)."""
+    from nanguard.pinpoint.rerun import context as rerun_context
+
     if finding.get("phase") == "checkpoint":
         return {}, False
     # NaN rows of a batch the GradScaler skipped: that batch is the one to replay.
@@ -133,9 +135,10 @@ def refine_by_replay(finding: Finding, stats: StepStats, replay: Replay, *,
         # The same step from the same parameters, RNG states and batch ran clean: what
         # made the value is not in them (a non-deterministic kernel, state outside the
         # RNG, a device fault: `pinpoint.rerun`).
-        return {"reproduced": False, "verdict": "transient"}, True
+        return {"reproduced": False, "verdict": "transient", **rerun_context(params)}, True
     update = {k: v for k, v in found.items() if v is not None or k == "reproduced"}
     if isinstance(found.get("reproduced"), bool):  # the replay re-ran the step bit for bit
         update["verdict"] = "reproducible" if found["reproduced"] else "transient"
+        update.update(rerun_context(params))
     update["signals"] = finding.get("signals")
     return update, True

@@ -23,10 +23,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanguard.pinpoint.inprocess import _KeepBuffers
+from nanguard.integrations import distributed
+from nanguard.pinpoint.inprocess import _KeepBuffers, local
 from nanguard.watch import rng
 
 VERDICTS = ("reproducible", "transient")
+
+
+def alarms_to_explain(alarms: list[Any]) -> list[Any]:
+    """The alarms of one check whose step is explained and re-run like a spike (layers,
+    samples, `rerun`): every spike, and a gradient-norm overflow on a step without one. At
+    step 0 the spike detector has no history, so a 1e37x gradient (a flipped top exponent bit)
+    raises only the overflow: without it, the fault of the first step got no verdict and its
+    cascade was diagnosed as the LR's."""
+    spikes = [a for a in alarms if a.kind == "spike"]
+    return spikes or [a for a in alarms if a.kind == "overflow" and a.signal == "grad_norm"][:1]
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -37,6 +48,13 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
         return False
     nan_a, nan_b = torch.isnan(a), torch.isnan(b)
     return bool(torch.equal(nan_a, nan_b)) and bool(torch.equal(a[~nan_a], b[~nan_b]))
+
+
+def context(params: list[torch.Tensor]) -> dict[str, Any]:
+    """What a verdict is read against: whether deterministic algorithms were on and the device
+    the step ran on (a `transient` on a deterministic setup points at the hardware)."""
+    return {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "device": params[0].device.type if params else "cpu"}
 
 
 def rerun_verdict(
@@ -58,29 +76,39 @@ def rerun_verdict(
         step_rng: the RNG states at the start of the step (None: as they are now).
         loss: the loss the step computed (None when it was not watched).
 
+    Under a process group of more than one rank the step's gradients are the ranks' average
+    (DDP's all-reduce), which a re-run of this rank's batch alone cannot give: there only the
+    loss is compared (`grads_compared` False), and the re-run's backward runs without DDP's
+    all-reduce (`no_sync`: it may run on this rank alone, no collective may wait for others).
+
     Returns:
-        `{verdict, loss_same, grads_same, differing, deterministic_algorithms, device,
-        why}`; `verdict` is `reproducible` or `transient`.
+        `{verdict, loss_same, grads_same, grads_compared, differing, deterministic_algorithms,
+        device, why}`; `verdict` is `reproducible` or `transient`.
     """
     trainable = [p for p in params if p.requires_grad]
+    reduced = distributed.active()
     now = rng.capture()
     keep = _KeepBuffers(model)
     try:
         if step_rng is not None:
             rng.restore(step_rng)
-        out = compute_loss(batch)
-        grads = torch.autograd.grad(out, trainable, allow_unused=True)
+        with local(model):
+            out = compute_loss(batch)
+            grads = torch.autograd.grad(out, trainable, allow_unused=True)
     finally:
         keep.__exit__()
         rng.restore(now)
     value = float(out.detach().reshape(-1)[0]) if out.numel() else float("nan")
     loss_same = loss is None or value == loss or (math.isnan(value) and math.isnan(loss))
-    differing = sum(not _same(g, p.grad) for g, p in zip(grads, trainable, strict=True))
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    device = trainable[0].device.type if trainable else "cpu"
+    differing = 0 if reduced else sum(
+        not _same(g, p.grad) for g, p in zip(grads, trainable, strict=True))
+    ctx = context(trainable)
+    deterministic, device = ctx["deterministic_algorithms"], ctx["device"]
     verdict = "reproducible" if loss_same and differing == 0 else "transient"
     if verdict == "reproducible":
-        why = "the re-run gave the same loss and gradients bit for bit: software or data"
+        why = ("the re-run gave the same loss bit for bit (its gradients were not compared: the "
+               "step's are averaged across ranks): software or data" if reduced else
+               "the re-run gave the same loss and gradients bit for bit: software or data")
     elif device == "cpu" or deterministic:
         why = (f"the re-run differs ({'loss' if not loss_same else ''}"
                f"{', ' if not loss_same and differing else ''}"
@@ -93,6 +121,7 @@ def rerun_verdict(
                f"{', the loss' if not loss_same else ''}) with deterministic algorithms off: "
                "a non-deterministic kernel is the first suspect "
                "(torch.use_deterministic_algorithms(True) to tell it from a device fault)")
-    return {"verdict": verdict, "loss_same": loss_same, "grads_same": differing == 0,
+    return {"verdict": verdict, "loss_same": loss_same,
+            "grads_same": None if reduced else differing == 0, "grads_compared": not reduced,
             "differing": differing, "deterministic_algorithms": deterministic,
             "device": device, "why": why}

@@ -48,7 +48,12 @@ class Flip:
     """The optimizer-state entry (``exp_avg``, ``momentum_buffer``...) for ``optimizer_state``."""
     index: tuple[int, ...] | None = None
     """The element; None: drawn when it fires, from the injector's seed (deterministic)."""
+    persistent: bool = False
+    """``grad`` and ``activation`` only: fire at every backward / forward from `step` on (on
+    its rank), re-runs included, as a faulty device would; `old` and `new` are the last
+    firing's, `times` counts them. False: once, so a re-run of the step no longer sees it."""
     fired: bool = False
+    times: int = 0
     old: float | None = None
     new: float | None = None
 
@@ -109,9 +114,11 @@ class FaultInjector:
         bit: int,
         index: tuple[int, ...] | None = None,
         rank: int | None = None,
+        persistent: bool = False,
     ) -> Flip:
-        """Flip a gradient element during step `step`'s backward (before its update)."""
-        return self._plan("grad", name, step, bit, index, rank)
+        """Flip a gradient element during step `step`'s backward (before its update); with
+        `persistent`, in every backward from then on (`Flip.persistent`)."""
+        return self._plan("grad", name, step, bit, index, rank, persistent=persistent)
 
     def flip_activation(
         self,
@@ -121,11 +128,13 @@ class FaultInjector:
         bit: int,
         index: tuple[int, ...] | None = None,
         rank: int | None = None,
+        persistent: bool = False,
     ) -> Flip:
-        """Flip an element of `module`'s output in its first forward call of step `step`."""
+        """Flip an element of `module`'s output in its first forward call of step `step`; with
+        `persistent`, in every forward call from then on (`Flip.persistent`)."""
         if module not in self._modules:
             raise ValueError(f"flip_activation: no module {module!r} (see model.named_modules())")
-        return self._plan("activation", module, step, bit, index, rank)
+        return self._plan("activation", module, step, bit, index, rank, persistent=persistent)
 
     def flip_optimizer_state(
         self,
@@ -149,12 +158,14 @@ class FaultInjector:
         index: tuple[int, ...] | None,
         rank: int | None,
         key: str | None = None,
+        persistent: bool = False,
     ) -> Flip:
         if target != "activation" and name not in self._params:
             raise ValueError(f"{target}: no parameter {name!r} (see model.named_parameters())")
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        flip = Flip(target=target, name=name, step=step, bit=bit, rank=rank, key=key, index=index)
+        flip = Flip(target=target, name=name, step=step, bit=bit, rank=rank, key=key, index=index,
+                    persistent=persistent)
         self.planned.append(flip)
         if self._handles and target in ("grad", "activation"):
             self._hook(flip)  # planned after install(): its own hook now
@@ -216,7 +227,11 @@ class FaultInjector:
         return copy
 
     def _due(self, flip: Flip) -> bool:
-        return not flip.fired and flip.step == self.step and flip.rank in (None, _rank())
+        if flip.rank not in (None, _rank()):
+            return False
+        if flip.persistent:
+            return self.step >= flip.step
+        return not flip.fired and flip.step == self.step
 
     def _after_step(self, *_: Any) -> None:
         for flip in self.planned:
@@ -241,6 +256,7 @@ class FaultInjector:
             flip.index = unravel(rng.randrange(max(tensor.numel(), 1)), tensor.shape)
         flip.old, flip.new = flip_bit(tensor, flip.index, flip.bit)
         flip.fired = True
+        flip.times += 1
 
 
 def _replace_first(output: Any, change: Any, module: str) -> Any:

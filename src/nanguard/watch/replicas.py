@@ -5,9 +5,13 @@ Under DDP every rank applies the same all-reduced gradient to the same parameter
 agree exactly; one that does not was corrupted (a flipped bit in memory or in a kernel, a rank
 that skipped an update alone, a non-deterministic optimizer). Every `every` steps, after the
 update, each rank computes a fingerprint of its parameters and the ranks compare them in one
-all_gather of three int64 values. Only when they differ, a second all_gather of the per-tensor
-fingerprints names the tensors. Every rank computes the same verdict from the same gathered
-values, so all of them record the same `replica_divergence` alarm in the same step.
+all_gather of three int64 values: their own under `observe`; under an acting policy, which
+agrees every step's decision across ranks anyway, inside that agreement
+(`distributed.ride`: one all_gather of [act, score, down, fingerprint, count, layout] instead
+of the agreement's all-reduce plus the check's all_gather). Only when they differ, a second
+all_gather of the per-tensor fingerprints names the tensors. Every rank computes the same
+verdict from the same gathered values, so all of them record the same `replica_divergence`
+alarm in the same step.
 
 Fingerprint (what every device computes, bit for bit): each tensor's bytes read as 32-bit
 integer words (elements of another width widened one by one when their byte count is odd or
@@ -33,6 +37,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from nanguard.detect.alarm import Alarm
 from nanguard.integrations import distributed
@@ -47,6 +52,7 @@ class Host(Protocol):
     """What the check uses of the guard it serves (the Guard is one; never imported here)."""
 
     step: int
+    model: Any
     optimizer: torch.optim.Optimizer
     params: list[torch.Tensor]
     param_names: list[str]
@@ -108,6 +114,8 @@ class ReplicaDivergence:
     """The largest group of agreeing ranks (ties: the one holding the lowest rank)."""
     tensors: dict[int, list[str]] = field(default_factory=dict)
     """Per disagreeing rank, the parameters whose fingerprints differ from the reference's."""
+    before_update: bool = False
+    """Seen before the update of `step` (the check before the first update), not after it."""
 
     def message(self) -> str:
         parts = []
@@ -118,7 +126,8 @@ class ReplicaDivergence:
             parts.append(f"rank {r} in {shown}{more}")
         ref = ", ".join(map(str, self.reference))
         return (
-            f"parameters differ bit for bit between replicas after step {self.step}: "
+            f"parameters differ bit for bit between replicas "
+            f"{'before the update of' if self.before_update else 'after'} step {self.step}: "
             f"{'; '.join(parts)} (reference: rank(s) {ref})"
         )
 
@@ -138,19 +147,10 @@ def _gather(vector: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def compare(step: int, names: list[str], params: list[torch.Tensor]) -> ReplicaDivergence | None:
-    """Compare this rank's parameters with every other rank's. A collective: every rank of the
-    default group must call it at the same point of the same step.
-
-    Returns:
-        The divergence (the same on every rank), or None when all ranks agree.
-
-    Raises:
-        ValueError: the ranks hold different parameter layouts (not data-parallel replicas).
-    """
-    device = params[0].device if params else torch.device("cpu")
-    if dist.get_backend() == "gloo":
-        device = torch.device("cpu")
+def fingerprint_head(names: list[str], params: list[torch.Tensor], device: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the per-tensor fingerprints, the head the ranks compare: [combined fingerprint,
+    number of tensors, layout code], int64 on `device`)."""
     per_tensor = tensor_fingerprints(params).to(device)
     head = torch.stack(
         [
@@ -159,8 +159,18 @@ def compare(step: int, names: list[str], params: list[torch.Tensor]) -> ReplicaD
             torch.tensor(layout_code(names, params), device=device),
         ]
     )
-    rows = [tuple(t.tolist()) for t in _gather(head)]
-    if len({row[1:] for row in rows}) > 1:
+    return per_tensor, head
+
+
+def settle(step: int, names: list[str], per_tensor: torch.Tensor, rows: list[list[int]]
+           ) -> ReplicaDivergence | None:
+    """The verdict from every rank's head (row r: rank r's). A collective on a mismatch (the
+    per-tensor all_gather): every rank calls it with the same rows at the same point.
+
+    Raises:
+        ValueError: the ranks hold different parameter layouts (not data-parallel replicas).
+    """
+    if len({tuple(row[1:]) for row in rows}) > 1:
         raise ValueError(
             "ranks hold different parameters (names, shapes or dtypes): not data-parallel replicas"
         )
@@ -178,6 +188,26 @@ def compare(step: int, names: list[str], params: list[torch.Tensor]) -> ReplicaD
         r: [names[i] for i in torch.nonzero(table[r] != ref_row).flatten().tolist()] for r in ranks
     }
     return ReplicaDivergence(step=step, ranks=ranks, reference=reference, tensors=tensors)
+
+
+def _device(params: list[torch.Tensor]) -> torch.device:
+    if dist.get_backend() == "gloo" or not params:
+        return torch.device("cpu")
+    return params[0].device
+
+
+def compare(step: int, names: list[str], params: list[torch.Tensor]) -> ReplicaDivergence | None:
+    """Compare this rank's parameters with every other rank's. A collective: every rank of the
+    default group must call it at the same point of the same step.
+
+    Returns:
+        The divergence (the same on every rank), or None when all ranks agree.
+
+    Raises:
+        ValueError: the ranks hold different parameter layouts (not data-parallel replicas).
+    """
+    per_tensor, head = fingerprint_head(names, params, _device(params))
+    return settle(step, names, per_tensor, [t.tolist() for t in _gather(head)])
 
 
 _KEY = "nanguard/replicas/guard/{}"
@@ -211,55 +241,69 @@ def ranks_without_check() -> list[int]:
 
 
 class ReplicaCheck:
-    """The guard's replica check: compares the replicas after step 0 and after every
-    `every`-th update.
+    """The guard's replica check: compares the replicas before the first update, after it, and
+    after every `every`-th update.
 
-    Runs in an optimizer post-hook of its own (registered before the guard's, so after each
-    update and before the guard's post-step reads), on every rank at the same step: it counts
-    the optimizer's steps itself, so the ranks stay in lockstep even if one rank's guard
-    stands down after an internal error (that rank keeps taking part in the collective, and
-    records nothing). A divergence is recorded once as a `replica_divergence` alarm (never acted
-    on by a policy); the same divergence seen again at the next checks is not repeated.
+    The check before the first update proves the start state and decides whether there is
+    anything to check: DDP broadcast rank 0's parameters when it was built and no update has
+    run yet, so replicas agree there, and ranks that do not are no replicas. It turns the check
+    off, with one log line and no alarm, when some rank has no guard (read from the group's
+    store before any collective: the all_gather would wait for it forever), when the ranks'
+    parameter layouts differ (pipeline parallel), or when the parameters differ before any
+    update on a model that is not a `DistributedDataParallel` (tensor parallel, FSDP1 flat
+    shards, a model per rank: not replicas). A DDP model's replicas agree by construction, so
+    there a difference before the first update is already a `replica_divergence`. From then on
+    a difference is a fault, from the first update on: a bit flipped during step 0 is named
+    after step 0 (the check used to start after step 0's update, read such a flip as "not
+    replicas" and turn itself off for the whole run).
 
-    The first check decides whether there is anything to check; it turns the check off, with
-    one log line and no alarm, when some rank has no guard (read from the group's store before
-    any collective: the all_gather would wait for it forever), when the ranks' parameter
-    layouts differ (pipeline parallel), or when the replicas disagree from the first step
-    (tensor parallel, FSDP1 flat shards, a model per rank: not replicas). Removes its hook once
-    the guard is closed or gone.
+    Runs in optimizer hooks of its own (registered before the guard's, so before the guard's
+    pre-step agreement and after each update, before the guard's post-step reads), on every
+    rank at the same step: it counts the optimizer's steps itself, so the ranks stay in
+    lockstep even if one rank's guard stands down after an internal error (that rank keeps
+    taking part in the collective, and records nothing). A divergence is recorded once as a
+    `replica_divergence` alarm (never acted on by a policy); the same divergence seen again at
+    the next checks is not repeated. Removes its hooks once the guard is closed or gone.
     """
 
-    def __init__(self, guard: Host, every: int) -> None:
+    def __init__(self, guard: Host, every: int, *, rides: bool = False) -> None:
         self.every = every
+        self.rides = rides
+        """Carry the fingerprint in the guard's post-step agreement (`distributed.ride`)
+        instead of an all_gather of its own: acting policies agree every step anyway."""
         self._guard = weakref.ref(guard)
         self.divergences: list[ReplicaDivergence] = []
         self.checks = 0
+        self.rode = 0  # of those checks, the ones that travelled in the guard's agreement
         self.step = guard.step  # the index of the step in progress, counted by this hook
-        self._first = True
+        self._first = True  # the first update's post-step check is due
         self._last: tuple[tuple[int, ...], tuple[tuple[int, tuple[str, ...]], ...]] | None = None
         register()
+        self._start: Any = guard.optimizer.register_step_pre_hook(self._before_first)
         self._handle: Any = guard.optimizer.register_step_post_hook(self._after_step)
 
     def remove(self) -> None:
-        """Remove the hook (idempotent)."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        """Remove the hooks (idempotent)."""
+        for handle in (self._start, self._handle):
+            if handle is not None:
+                handle.remove()
+        self._start = self._handle = None
 
     def _off(self, why: str) -> None:
         log.warning("replica check off: %s (DetectConfig.replica_every=0 silences this)", why)
         self.every = 0
 
-    def _after_step(self, *_: object) -> None:
+    def _before_first(self, *_: object) -> None:
+        """Before the first update: do the ranks hold replicas at all? (see the class)."""
+        if not self._first:
+            return  # (the hook goes in the next post-step: hooks cannot leave while they run)
         guard = self._guard()
         if guard is None or guard.closed:
             self.remove()
             return
-        step, self.step = self.step, self.step + 1
-        first, self._first = self._first, False
-        if not self.every or (not first and (step + 1) % self.every):
+        if not self.every:
             return
-        if first and (missing := ranks_without_check()):
+        if missing := ranks_without_check():
             self._off(
                 f"rank(s) {', '.join(map(str, missing))} have no Guard; the check is a "
                 "collective and needs one on every rank"
@@ -271,12 +315,76 @@ class ReplicaCheck:
         except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
             self._off(str(exc))
             return
-        if found is not None and first:
+        if found is None:
+            return
+        if not isinstance(guard.model, DistributedDataParallel):
             self._off(
-                "the ranks' parameters differ from the first step: not data-parallel "
+                "the ranks' parameters differ before the first update: not data-parallel "
                 "replicas (tensor parallel, FSDP1 shards, or a model per rank)"
             )
             return
+        # DDP broadcast rank 0's parameters when it was built: replicas by construction, so a
+        # difference now is a fault since (a rank whose memory changed, code that wrote to one
+        # rank's parameters), not another kind of parallelism.
+        found.before_update = True
+        self._last = (tuple(found.ranks),
+                      tuple((r, tuple(n)) for r, n in sorted(found.tensors.items())))
+        if guard.error is None:
+            self.divergences.append(found)
+            guard.record_alarm(found.alarm())
+
+    def _after_step(self, *_: object) -> None:
+        guard = self._guard()
+        if guard is None or guard.closed:
+            self.remove()
+            return
+        step, self.step = self.step, self.step + 1
+        first, self._first = self._first, False
+        if self._start is not None:
+            self._start.remove()
+            self._start = None
+        if not self.every or (not first and (step + 1) % self.every):
+            return
+        self.checks += 1
+        if self.rides and not distributed.lockstep_over():
+            if not distributed.rider_pending():
+                self._ride(guard)
+                return
+            # The last one found no agreement to ride (a `skip` decided on the device alone
+            # agrees nothing): the same on every rank, so every rank stops riding here.
+            distributed.drop_rider()
+            self.rides = False
+        try:
+            found = compare(guard.step, guard.param_names, guard.params)
+        except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+            self._off(str(exc))
+            return
+        self._record(guard, found)
+
+    def _ride(self, guard: Host) -> None:
+        """Send this check's head with the guard's next agreement; judge it there."""
+        step, names = guard.step, guard.param_names
+        try:
+            per_tensor, head = fingerprint_head(names, guard.params, _device(guard.params))
+        except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+            # Every rank must still send a head of the same length: a zero one, judged as
+            # "not replicas" by the layout column, turns the check off on every rank.
+            per_tensor, head = torch.zeros(0, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+            log.warning("replica check: fingerprint failed: %s", exc)
+
+        def done(rows: list[list[int]]) -> None:
+            try:
+                found = settle(step, names, per_tensor, rows)
+            except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+                self._off(str(exc))
+                return
+            if self._guard() is guard:
+                self._record(guard, found)
+
+        distributed.ride(head, done)
+        self.rode += 1
+
+    def _record(self, guard: Host, found: ReplicaDivergence | None) -> None:
         if found is None:
             self._last = None
             return
@@ -287,12 +395,14 @@ class ReplicaCheck:
         self._last = sig
 
 
-def attach(guard: Host, every: int) -> ReplicaCheck | None:
+def attach(guard: Host, every: int, *, rides: bool = False) -> ReplicaCheck | None:
     """The guard's replica check (`DetectConfig.replica_every`): None when `every` is 0, outside
     a process group of more than one rank, or when the parameters are sharded (DTensor: each
-    rank holds a different shard, not a replica)."""
+    rank holds a different shard, not a replica). `rides`: the guard agrees every step's
+    decision across ranks (an acting policy), and the check's fingerprint travels in that
+    agreement (`ReplicaCheck.rides`)."""
     if not every or not distributed.active():
         return None
     if any(type(p).__name__ == "DTensor" for p in guard.params):
         return None
-    return ReplicaCheck(guard, every)
+    return ReplicaCheck(guard, every, rides=rides)

@@ -1,0 +1,71 @@
+"""One rank of the DDP re-run test: `python rerun_worker.py OUT RANK PORT MODE`.
+
+Two gloo ranks train a DDP MLP under `Guard(replay=...)`. At step 25, on rank 1 alone: `data`
+scales its batch by 300 (a real spike the same batch gives again), `flip` flips the top
+exponent bit of one output of the last layer in its forward, once (a transient fault). The
+gradients are averaged across ranks, so both ranks see the spike and re-run their own batch
+before the update. Prints one `RESULT {json}` line: the alarms, each spike's re-run, the
+diagnosis.
+
+Ends with os._exit so that interpreter teardown does not count against the test's time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from nanguard import Guard, GuardConfig, RecordConfig
+from nanguard.testing import FaultInjector
+
+STEPS, AT = 30, 25
+
+
+def main() -> None:
+    out, rank, port, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def loss_of(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    guard = Guard(model, opt, out=os.path.join(out, f"rank-{rank}"), replay=loss_of,
+                  config=GuardConfig(record=RecordConfig(summary=False)))
+    torch.manual_seed(100 + rank)
+    with FaultInjector(model, opt, seed=0) as inj:
+        flip = inj.flip_activation("module.2", step=AT, bit=30, rank=1) if mode == "flip" \
+            else None
+        for step in range(STEPS):
+            x = torch.randn(16, 8)
+            if mode == "data" and step == AT and rank == 1:
+                x = x * 300
+            batch = (x, x.sum(1, keepdim=True))
+            loss = loss_of(batch)
+            guard.watch(loss=loss, batch=batch)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = guard.close()
+    print("RESULT " + json.dumps({
+        "alarms": [(a["step"], a["kind"]) for a in report.alarms],
+        "reruns": [(sp["step"], sp.get("rerun")) for sp in report.spikes],
+        "causes": [c["cause"] for c in report.diagnosis],
+        "fired": bool(flip and flip.fired), "flip": str(flip),
+        "first": report.first_nonfinite,
+    }), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)
