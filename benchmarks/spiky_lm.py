@@ -64,7 +64,36 @@ from nanguard import GuardConfig, RecordConfig  # noqa: E402
 from nanguard.record.spikes import SpikeMeter  # noqa: E402
 
 CONFIGS = ("stable", "plain", "clip", "zclip", "skip_sigma", "nanguard_observe",
-           "nanguard_skip", "nanguard_rollback")
+           "nanguard_skip", "nanguard_rollback", "nanguard_heal")
+
+
+class MedianEpisodes:
+    """The independent count (not nanguard's code): an episode starts at a loss above `k` x
+    the median of the previous `window` losses (while none is open) and ends at the first
+    loss back within `tol` of that median, frozen at the jump."""
+
+    def __init__(self, k: float = 1.5, window: int = 50, tol: float = 0.1) -> None:
+        self.k, self.tol = k, tol
+        self.hist: deque[float] = deque(maxlen=window)
+        self.level: float | None = None
+        self.episodes = 0
+        self.in_spike = 0
+        self.steps = 0
+
+    def update(self, loss: float) -> None:
+        self.steps += 1
+        if self.level is not None:
+            if math.isfinite(loss) and loss <= self.level * (1 + self.tol):
+                self.level = None
+            else:
+                self.in_spike += 1
+        elif len(self.hist) == self.hist.maxlen:
+            med = statistics.median(self.hist)
+            if not math.isfinite(loss) or loss > self.k * med:
+                self.level, self.episodes = med, self.episodes + 1
+                self.in_spike += 1
+        if math.isfinite(loss):
+            self.hist.append(loss)
 
 
 class ZClip:
@@ -135,6 +164,7 @@ def train(config: str, seed: int, args: argparse.Namespace, data: Data) -> dict[
                                    config=GuardConfig(record=RecordConfig(out=tmp,
                                                                           summary=False)))
         meter = SpikeMeter()
+        median = MedianEpisodes()
         skipped = 0
         start = time.perf_counter()
         for step in range(args.steps):
@@ -158,19 +188,28 @@ def train(config: str, seed: int, args: argparse.Namespace, data: Data) -> dict[
             sched.step()
             if step >= args.measure_from:
                 meter.update(step, {"loss": value, "grad_norm": norm})
+                median.update(value)
         wall = time.perf_counter() - start
-        actions = len(guard.close().actions) if guard is not None else skipped
+        actions, cause = skipped, None
+        if guard is not None:
+            report = guard.close()
+            actions = len(report.actions)
+            cause = (report.run.get("recovery") or {}).get("heal", {}).get("cause")
     m = meter.summary()
     return {"episodes": m["episodes_total"], "time_in_spike": m["time_in_spike"],
+            "episodes_median": median.episodes,
+            "in_spike_median": median.in_spike / max(1, median.steps),
             "score_loss": m["score"]["loss"], "score_grad": m["score"]["grad_norm"],
-            "val_loss": data.val_loss(model), "wall_s": wall, "actions": actions}
+            "val_loss": data.val_loss(model), "wall_s": wall, "actions": actions,
+            "cause": cause}
 
 
 def table(results: dict[str, list[dict[str, Any]]]) -> str:
     """Mean over seeds per configuration, one row each."""
     base = statistics.fmean(r["wall_s"] for r in results.get("plain", [])) if (
         "plain" in results) else None
-    head = (f"{'config':<18}{'episodes':>9}{'in spike':>10}{'score loss':>11}{'score grad':>11}"
+    head = (f"{'config':<18}{'episodes':>9}{'in spike':>10}{'med ep':>7}{'med in':>8}"
+            f"{'score loss':>11}{'score grad':>11}"
             f"{'val loss':>10}{'wall s':>8}{'vs plain':>9}{'actions':>8}")
     rows = [head, "-" * len(head)]
     for name, runs in results.items():
@@ -179,6 +218,7 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
 
         ratio = f"{mean('wall_s') / base:.2f}x" if base else "-"
         rows.append(f"{name:<18}{mean('episodes'):>9.2f}{100 * mean('time_in_spike'):>9.2f}%"
+                    f"{mean('episodes_median'):>7.2f}{100 * mean('in_spike_median'):>7.2f}%"
                     f"{100 * mean('score_loss'):>10.2f}%{100 * mean('score_grad'):>10.2f}%"
                     f"{mean('val_loss'):>10.4f}{mean('wall_s'):>8.1f}{ratio:>9}"
                     f"{mean('actions'):>8.1f}")
