@@ -43,6 +43,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import platform
@@ -61,10 +62,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nanguard  # noqa: E402
 from _spiky_model import GPT, Data  # noqa: E402
 from nanguard import GuardConfig, RecordConfig  # noqa: E402
+from nanguard.config import HealConfig  # noqa: E402
 from nanguard.record.spikes import SpikeMeter  # noqa: E402
 
 CONFIGS = ("stable", "plain", "clip", "zclip", "skip_sigma", "nanguard_observe",
-           "nanguard_skip", "nanguard_rollback", "nanguard_heal")
+           "nanguard_skip", "nanguard_rollback", "nanguard_heal", "nanguard_heal_lr",
+           "nanguard_heal_wd", "nanguard_heal_clip", "stable_observe", "stable_heal")
+HEAL_CORRECT = {"nanguard_heal": "auto", "nanguard_heal_lr": "lr", "nanguard_heal_wd": "wd",
+                "nanguard_heal_clip": "none", "stable_heal": "auto"}
 
 
 class MedianEpisodes:
@@ -149,7 +154,7 @@ def train(config: str, seed: int, args: argparse.Namespace, data: Data) -> dict[
     """One run; returns its spike measures, final validation loss and wall time."""
     torch.manual_seed(seed)
     model = GPT(vocab=data.vocab, context=data.context)
-    lr = args.stable_lr if config == "stable" else args.lr
+    lr = args.stable_lr if config.startswith("stable") else args.lr
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, args.b2),
                             weight_decay=args.wd)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup))
@@ -159,10 +164,11 @@ def train(config: str, seed: int, args: argparse.Namespace, data: Data) -> dict[
     sigma = SigmaSkip() if config == "skip_sigma" else None
     guard = None
     with tempfile.TemporaryDirectory() as tmp:
-        if config.startswith("nanguard_"):
-            guard = nanguard.Guard(model, opt, policy=config.removeprefix("nanguard_"),
-                                   config=GuardConfig(record=RecordConfig(out=tmp,
-                                                                          summary=False)))
+        if config.startswith("nanguard_") or config in ("stable_observe", "stable_heal"):
+            policy = "heal" if config in HEAL_CORRECT else config.split("_")[1]
+            guard = nanguard.Guard(model, opt, policy=policy, config=GuardConfig(
+                record=RecordConfig(out=tmp, summary=False),
+                heal=HealConfig(correct=HEAL_CORRECT.get(config, "auto"))))
         meter = SpikeMeter()
         median = MedianEpisodes()
         skipped = 0
@@ -190,10 +196,10 @@ def train(config: str, seed: int, args: argparse.Namespace, data: Data) -> dict[
                 meter.update(step, {"loss": value, "grad_norm": norm})
                 median.update(value)
         wall = time.perf_counter() - start
-        actions, cause = skipped, None
+        actions, cause, alarms = skipped, None, 0
         if guard is not None:
             report = guard.close()
-            actions = len(report.actions)
+            actions, alarms = len(report.actions), len(report.alarms)
             cause = (report.run.get("recovery") or {}).get("heal", {}).get("cause")
     m = meter.summary()
     return {"episodes": m["episodes_total"], "time_in_spike": m["time_in_spike"],
@@ -201,7 +207,10 @@ def train(config: str, seed: int, args: argparse.Namespace, data: Data) -> dict[
             "in_spike_median": median.in_spike / max(1, median.steps),
             "score_loss": m["score"]["loss"], "score_grad": m["score"]["grad_norm"],
             "val_loss": data.val_loss(model), "wall_s": wall, "actions": actions,
-            "cause": cause}
+            "alarms": alarms, "cause": cause,
+            # the final weights' hash: `stable_observe` must equal `stable` bit for bit
+            "weights": hashlib.sha256(b"".join(
+                p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]}
 
 
 def table(results: dict[str, list[dict[str, Any]]]) -> str:
@@ -210,7 +219,7 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
         "plain" in results) else None
     head = (f"{'config':<18}{'episodes':>9}{'in spike':>10}{'med ep':>7}{'med in':>8}"
             f"{'score loss':>11}{'score grad':>11}"
-            f"{'val loss':>10}{'wall s':>8}{'vs plain':>9}{'actions':>8}")
+            f"{'val loss':>10}{'wall s':>8}{'vs plain':>9}{'actions':>8}{'alarms':>7}")
     rows = [head, "-" * len(head)]
     for name, runs in results.items():
         def mean(k: str, runs: list[dict[str, Any]] = runs) -> float:
@@ -221,23 +230,23 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
                     f"{mean('episodes_median'):>7.2f}{100 * mean('in_spike_median'):>7.2f}%"
                     f"{100 * mean('score_loss'):>10.2f}%{100 * mean('score_grad'):>10.2f}%"
                     f"{mean('val_loss'):>10.4f}{mean('wall_s'):>8.1f}{ratio:>9}"
-                    f"{mean('actions'):>8.1f}")
+                    f"{mean('actions'):>8.1f}{mean('alarms'):>7.1f}")
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--lr", type=float, default=0.06, help="the spiky LR")
+    p.add_argument("--lr", type=float, default=0.1, help="the spiky LR")
     p.add_argument("--stable-lr", type=float, default=0.003)
     p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--wd", type=float, default=0.0)
+    p.add_argument("--wd", type=float, default=0.1)
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--batch", type=int, default=32, help="sequences per step")
     p.add_argument("--measure-from", type=int, default=200,
                    help="feed the spike measures from this step on (past the first descent)")
-    p.add_argument("--b2", type=float, default=0.999)
+    p.add_argument("--b2", type=float, default=0.99)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="40 steps, seed 0: a smoke test")
     args = p.parse_args(argv)

@@ -16,10 +16,10 @@ before the update:
   brings): the update goes ahead at its usual size, and the moments see a typical gradient.
 - **Correct the cause**: `HealConfig.correct_after` precursors within `HealConfig.window` steps
   mean the setting itself is unstable, not one batch. Where the optimizer decays weights and
-  the weight norm fell while it did (decoupled weight decay shrinking the weights raises the
-  effective step of every normalised layer: the product LR x WD sets it), the weight decay is
-  cut (x `HealConfig.cut_factor`); otherwise the LR is (x `cut_factor`, on top of the
-  scheduler's value, every step from then on). Each cut is an action with the run's own
+  the weight norm fell by > 10% while they came (decoupled weight decay shrinking the weights
+  raises the effective step of every normalised layer: the product LR x WD sets it), the
+  weight decay is cut (x `HealConfig.cut_factor`); otherwise the LR is (x `cut_factor`, on top
+  of the scheduler's value, every step from then on). Each cut is an action with the run's own
   numbers; at most `HealConfig.max_cuts` cuts.
 
 Every action goes through the guard's `record_action` (report.json `actions`); `cost()` gives
@@ -37,6 +37,9 @@ import torch
 
 from nanguard.config import HealConfig
 from nanguard.watch.stats import StepStats
+
+_SHRINK = 0.1
+"""The weight norm must have fallen by more than this share for weight decay to be named."""
 
 
 class _Link(Protocol):
@@ -64,7 +67,8 @@ class Healer:
         self.cuts: list[dict[str, Any]] = []
         self.cause: str | None = None
         self._saved_lrs: list[float] | None = None
-        self._pnorm: deque[tuple[int, float]] = deque(maxlen=64)  # (step, weight norm) sampled
+        # (step, weight norm) every 10 steps over the last 640: the decay's recent work
+        self._pnorm: deque[tuple[int, float]] = deque(maxlen=64)
 
     # -- per step
 
@@ -149,8 +153,11 @@ class Healer:
         groups = self.link.optimizer.param_groups
         lr = float(groups[0].get("lr", 0.0)) * self.lr_factor
         wd = float(groups[0].get("weight_decay", 0.0) or 0.0)
-        first, last = (self._pnorm[0], self._pnorm[-1]) if self._pnorm else (None, None)
-        shrank = first is not None and last is not None and last[1] < first[1]
+        # The largest sampled weight norm against the latest: shrinking by more than
+        # `_SHRINK` is weight decay winning over the gradients (a few % is noise).
+        first = max(self._pnorm, key=lambda s: s[1]) if self._pnorm else None
+        last = self._pnorm[-1] if self._pnorm else None
+        shrank = first is not None and last is not None and last[1] < (1 - _SHRINK) * first[1]
         n, span = len(self.precursors), step - self.precursors[0]
         if wd > 0 and shrank and cfg.correct in ("auto", "wd"):
             assert first is not None and last is not None
