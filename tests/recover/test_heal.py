@@ -24,6 +24,8 @@ from torch import nn
 
 from nanguard import Guard, GuardConfig, RecordConfig
 from nanguard.config import HealConfig
+from nanguard.record.report import report_schema
+from nanguard.show.summary import heal_line
 
 K = 120  # the planted step (past the 50 warm-up steps of the statistics)
 
@@ -74,6 +76,7 @@ def test_acts_on_the_precursor_before_the_loss_spike():
     assert healed[: K + 1] == plain[: K + 1]  # nothing changed before it
     heal = report.run["recovery"]["heal"]
     assert heal["updates_clipped"] == 1 and heal["steps_lost"] == 0
+    assert heal_line(report) == "heal: 1 spike precursor(s) clipped, 0 cut(s)"
 
 
 def test_healthy_run_no_action_and_bitwise_plain():
@@ -109,6 +112,9 @@ def test_cause_lr_times_weight_decay_named_with_the_runs_numbers(tmp_path):
         assert abs(value - norms[step]) < 1e-3 * norms[step]  # the run's own numbers
     on_disk = json.loads((tmp_path / "report.json").read_text())
     assert on_disk["run"]["recovery"]["heal"]["cause"] == cause
+    jsonschema = pytest.importorskip("jsonschema")
+    assert not list(jsonschema.Draft202012Validator(report_schema()).iter_errors(on_disk))
+    assert heal_line(report).endswith(f"what drove the spikes: {cause}")
     # The same precursors without weight decay: the LR is what is cut.
     _, _, report = _run(batches, guard_policy="heal", opt_kind="adamw", wd=0.0,
                         planted=planted)
