@@ -564,7 +564,9 @@ class Guard:
             d.load_state_dict(s)
         self.alarms = [Alarm(**a) for a in state["alarms"]]
         self.actions = list(state["actions"])
-        self._recovered_from = any(a["action"] in ("skip", "rollback") for a in self.actions)
+        self._recovered_from = any(
+            a["action"] in ("skip", "rollback", "heal_clip", "wd_cut", "lr_cut")
+            for a in self.actions)
         self.first_nonfinite = state["first_nonfinite"]
         if "recovery" in state:
             self.recovery.load_state_dict(state["recovery"])
