@@ -3,13 +3,15 @@ section 5 "spikes").
 
 The LM (2 layers, d_model 32, 2 heads, context 16, vocab 64, ~30k parameters) learns a sparse
 random Markov chain (2 likely successors per token, 5% noise) from fresh batches of 32
-sequences, AdamW (betas 0.9 / 0.999, weight decay `--wd`, 0 by default), linear warm-up over 50
-steps then constant LR, 2000 steps. At the spiky LR (0.06) the loss falls to its floor (~1.0)
-within 100 steps, then jumps to ~3.5-4.3 in one step a few hundred steps later (Adam's second
-moments, averaged over ~1000 steps by beta2 0.999, lag a sudden rise of the gradients) and
-comes back slowly; at 0.08 it does not come back; at the stable LR (0.003) nothing happens.
-Configurations, each on the same
-seeds, data and initial weights:
+sequences, AdamW (betas 0.9 / `--b2` 0.99, weight decay `--wd` 0.1), linear warm-up over 50
+steps then constant LR, 3000 steps. At the spiky LR (0.1) the loss falls to its floor (~1.1)
+within 100 steps, then jumps (to 2-4) again and again, 3-5 times per run in most seeds: the grad
+norm jumps 3-30x its rolling mean one step before, while Adam's second moments (averaged over
+~100 steps by beta2 0.99) still hold the small gradients of before, so that update is many
+times its usual size. At the stable LR (0.003) nothing happens. (The earlier setting, lr 0.06,
+beta2 0.999, no weight decay, 2000 steps, spiked once per seed: beta2 0.999 keeps the second
+moments of a spike for ~1000 steps, which holds the next one off.) Configurations, each on
+the same seeds, data and initial weights:
 
     stable            plain AdamW at the stable LR
     plain             plain AdamW at the spiky LR
@@ -24,6 +26,14 @@ seeds, data and initial weights:
     nanguard_observe  Guard(policy="observe"): nothing changes, the cost of watching
     nanguard_skip     Guard(policy="skip")
     nanguard_rollback Guard(policy="rollback")
+    nanguard_heal     Guard(policy="heal"): clip the grad-norm jump before its update, cut the
+                      weight decay or the LR when jumps recur (HealConfig.correct="auto")
+    nanguard_heal_lr, nanguard_heal_wd, nanguard_heal_clip
+                      the same, always cutting the LR / always the weight decay / never
+                      cutting (clip only): what the choice of `auto` rests on
+    stable_observe    Guard(policy="observe") at the stable LR: must end with the same weights,
+                      bit for bit, as `stable` (the `weights` hash)
+    stable_heal       Guard(policy="heal") at the stable LR: must take no action
 
 Per run: the spike measures of the training loss the loop computed (`nanguard.record.spikes`:
 OLMo 2's spike score, episodes, time in spike; the grad norm's score too) from step
@@ -32,7 +42,11 @@ ln(64) = 4.2, whose spread hides a jump to 3.6 from 1.2 (7 sigma of that window 
 final validation loss (256 held-out sequences of the same chain), the wall time of the
 training loop and the actions (updates skipped by skip_sigma; nanguard's actions). Every
 configuration computes the global grad norm each step (for the measures), so that cost is
-in all of them. The table gives the mean over seeds; the last line printed is one JSON object.
+in all of them. Also an independent episode count that shares no code with nanguard
+(`MedianEpisodes`: an episode starts at a loss above 1.5x the median of the previous 50 and
+ends at the first loss back within 10% of it; `med ep`, `med in` in the table), the alarms
+nanguard raised and a hash of the final weights. The table gives the mean over seeds; the last
+line printed is one JSON object.
 
 Usage:
     python benchmarks/spiky_lm.py                      # the run recorded in BENCHMARKS.md
