@@ -127,3 +127,26 @@ def test_heal_config_rejects_bad_settings():
         GuardConfig(policy="heal", heal=HealConfig(correct="sometimes"))
     with pytest.raises(ValueError, match="cut_factor"):
         GuardConfig(policy="heal", heal=HealConfig(cut_factor=1.5))
+
+
+def test_heal_state_survives_a_resume():
+    batches = make_batches(260, seed=1)
+    model = make_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    guard = Guard(model, opt, config=quiet("heal"))
+    for i, (x, y) in enumerate(batches):
+        if i in (150, 250):
+            x, y = x * 40, y * 40
+        loss = nn.functional.mse_loss(model(x), y)
+        guard.watch(loss=loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    state = guard.state_dict()
+    before = guard.recovery.healer.state_dict()
+    guard.close()
+    assert before["lr_factor"] == 0.5 and before["total"] == 2
+    resumed = Guard(model, opt, config=quiet("heal"))
+    resumed.load_state_dict(state)
+    assert resumed.recovery.healer.state_dict() == before
+    resumed.close()
