@@ -294,7 +294,8 @@ class HealConfig:
 
     correct: str = "auto"
     """How: `auto` (cut the weight decay when the optimizer decays weights and the weight norm
-    fell, else the LR), `wd`, `lr` (always the LR), `none` (clip only)."""
+    fell by > 10% while the precursors came, else the LR), `wd` (the weight decay whenever the
+    optimizer has one, else the LR), `lr` (always the LR), `none` (clip only)."""
 
     cut_factor: float = 0.5
     """Each cut multiplies the weight decay or the LR by this."""

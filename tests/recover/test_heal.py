@@ -150,3 +150,29 @@ def test_heal_state_survives_a_resume():
     resumed.load_state_dict(state)
     assert resumed.recovery.healer.state_dict() == before
     resumed.close()
+
+
+@pytest.mark.parametrize(("correct", "cut"), [("auto", "lr_cut"), ("wd", "wd_cut"),
+                                              ("lr", "lr_cut"), ("none", None)])
+def test_correct_setting_picks_the_cut(correct, cut):
+    # Weight decay 0.01 barely moves the weights: no evidence for LR x WD, so `auto` cuts the
+    # LR; `wd` cuts the weight decay as configured; `none` only clips.
+    batches = make_batches(260, seed=1)
+    model = make_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    guard = Guard(model, opt, config=GuardConfig(
+        policy="heal", record=RecordConfig(out="", summary=False),
+        heal=HealConfig(correct=correct)))
+    for i, (x, y) in enumerate(batches):
+        if i in (150, 250):
+            x, y = x * 40, y * 40
+        loss = nn.functional.mse_loss(model(x), y)
+        guard.watch(loss=loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    report = guard.close()
+    cuts = [a["action"] for a in report.actions if a["action"].endswith("_cut")]
+    assert cuts == ([cut] if cut else [])
+    assert sum(a["action"] == "heal_clip" for a in report.actions) == 2
+    assert opt.param_groups[0]["weight_decay"] == (0.005 if cut == "wd_cut" else 0.01)

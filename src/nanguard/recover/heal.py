@@ -159,16 +159,16 @@ class Healer:
         last = self._pnorm[-1] if self._pnorm else None
         shrank = first is not None and last is not None and last[1] < (1 - _SHRINK) * first[1]
         n, span = len(self.precursors), step - self.precursors[0]
-        if wd > 0 and shrank and cfg.correct in ("auto", "wd"):
-            assert first is not None and last is not None
+        if wd > 0 and (cfg.correct == "wd" or (shrank and cfg.correct == "auto")):
             for g in groups:
                 g["weight_decay"] = float(g.get("weight_decay", 0.0) or 0.0) * cfg.cut_factor
             self.wd_factor *= cfg.cut_factor
+            fell = (f"the weight norm fell from {first[1]:.4g} (step {first[0]}) to "
+                    f"{last[1]:.4g} (step {last[0]})" if shrank and first and last else
+                    "the weight norm did not fall by > 10% (cut as configured: correct='wd')")
             self.cause = (
                 f"LR x weight decay: lr {lr:.3g} x weight_decay {wd:.3g} = {lr * wd:.3g} per "
-                f"step; the weight norm fell from {first[1]:.4g} (step {first[0]}) to "
-                f"{last[1]:.4g} (step {last[0]}) while {n} grad-norm spikes came within "
-                f"{span} steps")
+                f"step; {fell} while {n} grad-norm spikes came within {span} steps")
             what, detail = "wd_cut", (
                 f"weight decay {wd:.3g} -> {wd * cfg.cut_factor:.3g} for the rest of the run: "
                 f"{self.cause}")
