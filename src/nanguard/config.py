@@ -287,7 +287,8 @@ class HealConfig:
     """Steps of statistics before acting (a plain running mean meanwhile)."""
 
     correct_after: int = 2
-    """Precursors within `window` steps that call for correcting the cause..."""
+    """Precursors (clipped steps; two adjacent steps of one jump count as two) within
+    `window` steps that call for correcting the cause..."""
 
     window: int = 1000
     """...within this many steps."""

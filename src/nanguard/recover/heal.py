@@ -14,8 +14,9 @@ before the update:
   EMA update and two float comparisons on the grad norm the acting guard reads anyway.
 - **Act**: scale this step's gradients down to the rolling mean norm (what a typical step
   brings): the update goes ahead at its usual size, and the moments see a typical gradient.
-- **Correct the cause**: `HealConfig.correct_after` precursors within `HealConfig.window` steps
-  mean the setting itself is unstable, not one batch. Where the optimizer decays weights and
+- **Correct the cause**: `HealConfig.correct_after` precursors (clipped steps: two adjacent
+  steps of one jump count as two) within `HealConfig.window` steps are taken to mean the
+  setting itself is unstable, not one batch. Where the optimizer decays weights and
   the weight norm fell by > 10% while they came (decoupled weight decay shrinking the weights
   raises the effective step of every normalised layer: the product LR x WD sets it), the
   weight decay is cut (x `HealConfig.cut_factor`); otherwise the LR is (x `cut_factor`, on top
