@@ -153,7 +153,8 @@ class Healer:
         cfg = self.config
         groups = self.link.optimizer.param_groups
         lr = float(groups[0].get("lr", 0.0)) * self.lr_factor
-        wd = float(groups[0].get("weight_decay", 0.0) or 0.0)
+        # The largest group's: a no-decay group (biases, norms) often comes first.
+        wd = max(float(g.get("weight_decay", 0.0) or 0.0) for g in groups)
         # The largest sampled weight norm against the latest: shrinking by more than
         # `_SHRINK` is weight decay winning over the gradients (a few % is noise).
         first = max(self._pnorm, key=lambda s: s[1]) if self._pnorm else None
