@@ -10,7 +10,7 @@ import functools
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
-POLICIES = ("observe", "raise", "skip", "rollback")
+POLICIES = ("observe", "raise", "skip", "rollback", "heal")
 ALARM_KINDS = ("nonfinite", "overflow", "spike", "cascade", "forecast", "divergence",
                "vanishing", "amp_collapse")
 """Every alarm kind a detector can raise: the valid names for `GuardConfig.act_on`."""
@@ -269,6 +269,44 @@ class ClipConfig:
 
 @_strict
 @dataclass(kw_only=True)
+class HealConfig:
+    """The `heal` policy (`nanguard.recover.heal`): clip a loss spike's precursor before its
+    update, and cut the weight decay or the LR when precursors recur."""
+
+    ratio: float = 3.0
+    """A grad norm above this many times its rolling mean..."""
+
+    z: float = 6.0
+    """...and more than this many rolling standard deviations above it is a precursor (both
+    are needed: healthy runs never reach them at the defaults, tests/recover/test_heal.py)."""
+
+    ema: float = 0.02
+    """EMA factor of the grad norm's rolling mean and variance (~50 steps)."""
+
+    warmup_steps: int = 50
+    """Steps of statistics before acting (a plain running mean meanwhile)."""
+
+    correct_after: int = 2
+    """Precursors (clipped steps; two adjacent steps of one jump count as two) within
+    `window` steps that call for correcting the cause..."""
+
+    window: int = 1000
+    """...within this many steps."""
+
+    correct: str = "auto"
+    """How: `auto` (cut the weight decay when the optimizer decays weights and the weight norm
+    fell by > 10% while the precursors came, else the LR), `wd` (the weight decay whenever the
+    optimizer has one, else the LR), `lr` (always the LR), `none` (clip only)."""
+
+    cut_factor: float = 0.5
+    """Each cut multiplies the weight decay or the LR by this."""
+
+    max_cuts: int = 3
+    """At most this many cuts over the run."""
+
+
+@_strict
+@dataclass(kw_only=True)
 class AmpConfig:
     """GradScaler awareness (when a scaler is given to the guard)."""
 
@@ -331,6 +369,9 @@ class GuardConfig:
     amp: AmpConfig = field(default_factory=AmpConfig)
     """GradScaler thresholds."""
 
+    heal: HealConfig = field(default_factory=HealConfig)
+    """Precursor thresholds and cause correction (policy `heal`)."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -374,6 +415,11 @@ class GuardConfig:
         if r.skip_escalation not in ("raise", "rollback"):
             raise ValueError(f"unknown recover.skip_escalation {r.skip_escalation!r}; "
                              "use one of: raise, rollback")
+        h = self.heal
+        if h.correct not in ("auto", "wd", "lr", "none"):
+            raise ValueError(f"unknown heal.correct {h.correct!r}; use one of: auto, wd, lr, none")
+        if not 0 < h.cut_factor < 1 or h.ratio <= 1 or h.correct_after < 1:
+            raise ValueError("heal: cut_factor must be in (0, 1), ratio > 1, correct_after >= 1")
         if r.snapshot_slots < 1:
             raise ValueError(f"recover.snapshot_slots must be >= 1, got {r.snapshot_slots}")
         if r.snapshot_budget_mb is not None and not r.snapshot_budget_mb > 0:

@@ -71,8 +71,13 @@ class Guard(StepPath):
     Args:
         model: the model being trained (any `nn.Module`).
         optimizer: its optimizer; the guard hooks its `step()`.
-        policy: `observe` (default, changes nothing), `raise`, `skip` or `rollback`; overrides
-            `config`.
+        policy: `observe` (default, changes nothing), `raise`, `skip`, `rollback` or `heal`;
+            overrides `config`. `heal` (for loss spikes of LMs at an aggressive LR) skips a
+            non-finite update like `skip` and, in the pre-hook before each update, scales the
+            gradients down to their rolling typical norm when the grad norm jumps (the step
+            before a loss spike), then cuts the weight decay or the LR when such jumps recur
+            (`HealConfig`, `nanguard.recover.heal`); every action is in report.json `actions`
+            and its cost in `run.recovery.heal`.
         out: run folder; None picks `nanguard_runs/<time>`, "" records nothing.
         activations: also watch per-module activation abs-max and headroom.
         replay: `replay(batch) -> loss`, your forward and loss. When given, the first step whose

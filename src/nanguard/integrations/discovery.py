@@ -659,7 +659,7 @@ class Discovery:
         w = Watched(index=index, optimizer=optimizer, guard=None, model=model, folder=folder,
                     roots=roots)
         policy = self.policy
-        if w.manual and policy in ("skip", "rollback"):
+        if w.manual and policy in ("skip", "rollback", "heal"):
             # Discarding an update means taking the gradients away from the optimizer; a
             # hand-written update would then fail on `p.grad is None`. Watch only.
             w.note = (f"--policy {policy} cannot undo hand-written updates (no optimizer "

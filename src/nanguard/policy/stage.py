@@ -126,7 +126,14 @@ class Rollback(Policy):
         return Decision(action="rollback", why=why)
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Policy, Raise, Skip, Rollback)}
+class Heal(Skip):
+    """`heal`: decides like `skip` (discard a non-finite update); its loss-spike side acts in
+    `recover.heal` before every update, not on alarms."""
+
+    name = "heal"
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Policy, Raise, Skip, Rollback, Heal)}
 
 
 def make_policy(name: str, acting_on: tuple[str, ...], max_consecutive_skips: int = 10

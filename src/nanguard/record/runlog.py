@@ -25,6 +25,9 @@ from nanguard.watch.stats import StepStats
 HISTORY = 64
 """Steps kept for the summary and the diagnosis (the last ones up to the failure)."""
 
+RECOVERING = ("skip", "rollback", "heal_clip", "wd_cut", "lr_cut")
+"""Actions after which the run is recovering: the report says whether the model came back."""
+
 
 class RunLog:
     """Alarms, actions, finding, spikes and step history of one guard's run.
@@ -71,7 +74,7 @@ class RunLog:
     def add_action(self, step: int, action: str, detail: str) -> None:
         """What was done at `step` (report.json `actions`; written to run.db at once)."""
         self.actions.append({"step": step, "action": action, "detail": detail})
-        self.recovered_from |= action in ("skip", "rollback")
+        self.recovered_from |= action in RECOVERING
         self.store.write_action(step, action, detail)
         self.events.action(step, action, detail)
 
@@ -150,7 +153,7 @@ class RunLog:
         """Restore what `state_dict` (and `Guard.state_dict`'s `log`) returned."""
         self.alarms = [Alarm(**a) for a in state["alarms"]]
         self.actions = list(state["actions"])
-        self.recovered_from = any(a["action"] in ("skip", "rollback") for a in self.actions)
+        self.recovered_from = any(a["action"] in RECOVERING for a in self.actions)
         found = state["first_nonfinite"]
         self.finding = None if found is None else Finding.from_dict(found)
         self.spikes = list(state.get("spikes", []))

@@ -33,6 +33,7 @@ from nanguard.recover.amp import ScalerWatch
 from nanguard.recover.backoff import Backoff, decide
 from nanguard.recover.clip import AdaptiveClipper
 from nanguard.recover.effects import Discard, Effect, FollowPeers, Record, Stop
+from nanguard.recover.heal import Healer
 from nanguard.recover.ring import SnapshotRing
 from nanguard.recover.rollback import GiveUp, Rollback, trouble_start
 from nanguard.watch.stats import StepStats
@@ -111,6 +112,7 @@ class Recovery:
         self._spike_samples: dict[int, list[int]] = {}  # step -> fingerprints attribution named
         self.clipper = AdaptiveClipper(cfg.clip) if cfg.clip is not None else None
         self.amp = ScalerWatch(scaler, cfg.amp) if scaler is not None else None
+        self.healer = Healer(cfg.heal, link) if cfg.policy == "heal" else None
 
     # -- GradScaler
 
@@ -200,6 +202,8 @@ class Recovery:
                 ))
         if self.rollbacker is not None:
             self.rollbacker.backoff_on(stats.step)
+        if self.healer is not None:
+            effects += self.healer.before_update(stats)
         return effects
 
     def _leave_out(self, stats: StepStats) -> list[Effect]:
@@ -244,6 +248,8 @@ class Recovery:
             del self._spike_samples[old]
 
     def after_update(self) -> None:
+        if self.healer is not None:  # first: its LR was applied on top of any backoff
+            self.healer.after_update()
         if self.rollbacker is not None:
             self.rollbacker.backoff_off()
 
@@ -254,6 +260,8 @@ class Recovery:
         them has stepped too (the end of the training step), and happens only when all of them
         were healthy: a snapshot taken after this optimizer's update, while another optimizer
         of the model is still to find that step bad, could not undo this update."""
+        if self.healer is not None:
+            self.healer.observe(stats)
         if self.rollbacker is None:
             return
         self.rollbacker.trail.observe(stats)
@@ -413,9 +421,10 @@ class Recovery:
 
     def cost(self) -> dict[str, Any] | None:
         """What rollback cost so far (None without the `rollback` policy): updates undone, the
-        LR factor now applied, the host memory the snapshots hold (and how many), the budget."""
+        LR factor now applied, the host memory the snapshots hold (and how many), the budget;
+        under `heal`, `heal`: its own cost and cause (`Healer.cost`)."""
         if self.rollbacker is None:
-            return None
+            return {"heal": self.healer.cost()} if self.healer is not None else None
         ring = self.rollbacker.snapshot
         budget = self.link.config.recover.snapshot_budget_mb
         return {"rollbacks": len(self.rollbacker.history),
@@ -426,7 +435,8 @@ class Recovery:
                 "snapshot_bytes": ring.nbytes,
                 "snapshots": len(ring.slots),
                 "snapshot_budget_bytes": None if budget is None else int(budget * 2**20),
-                "snapshot_over_budget": ring.over_budget}
+                "snapshot_over_budget": ring.over_budget,
+                **({"heal": self.healer.cost()} if self.healer is not None else {})}
 
     # -- state
 
@@ -436,10 +446,12 @@ class Recovery:
             "clip": self.clipper.state_dict() if self.clipper else None,
             "amp": self.amp.state_dict() if self.amp else None,
             "left_out": {str(h): s for h, s in self.left_out.items()},
+            "heal": self.healer.state_dict() if self.healer else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for part, obj in (("rollback", self.rollbacker), ("clip", self.clipper), ("amp", self.amp)):
+        for part, obj in (("rollback", self.rollbacker), ("clip", self.clipper), ("amp", self.amp),
+                          ("heal", self.healer)):
             if obj is not None and state.get(part) is not None:
                 obj.load_state_dict(state[part])
         self.left_out = {int(h): int(s) for h, s in state.get("left_out", {}).items()}

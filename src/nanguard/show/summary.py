@@ -103,6 +103,9 @@ def print_summary(
     line = spike_line(report.spike_measures)
     if line and not _nonfinite_from_start(report):
         console.print(f"  {line}")
+    heal = heal_line(report)
+    if heal:
+        console.print(f"  {heal}")
     if report.alarms:
         table = Table(title="alarms", title_justify="left", show_edge=False)
         for col in ("step", "kind", "signal", "message"):
@@ -170,6 +173,23 @@ def spike_line(m: dict[str, Any] | None) -> str | None:
             + (f"; spike score {score}" if score else "")
             + ("" if m.get("complete", True) else " (not every step: see report.json)")
             + lead)
+
+
+def heal_line(report: Report) -> str | None:
+    """Under `heal`: what it did and what drove the spikes; else, on a run with loss spike
+    episodes, the recommendation to try it. None otherwise."""
+    heal = (report.run.get("recovery") or {}).get("heal")
+    if report.run.get("policy") == "heal":
+        if not heal:
+            return None
+        return (f"heal: {heal.get('updates_clipped', 0)} spike precursor(s) clipped, "
+                f"{len(heal.get('cuts') or [])} cut(s)"
+                + (f"; what drove the spikes: {heal['cause']}" if heal.get("cause") else ""))
+    m = report.spike_measures or {}
+    if int(m.get("episodes_total") or 0) > 0:
+        return ("remedy: policy='heal' clips the grad-norm jump that comes before a loss spike "
+                "and cuts the weight decay or the LR when the jumps recur")
+    return None
 
 
 def _rank(x: Any) -> float:

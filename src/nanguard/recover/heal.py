@@ -1,0 +1,215 @@
+"""The `heal` policy's loss-spike side: act on what comes before a loss spike, then correct
+the cause (issue 30; DESIGN.md section 5 "spikes").
+
+On a small GPT at an aggressive LR (benchmarks/spiky_lm.py) the global grad norm jumps to 10-30x
+its rolling mean one step before the loss jumps, while Adam's second moments (averaged over
+~1/(1 - beta2) steps) still hold the small gradients of before: the update that step makes is
+many times its usual size, and that update is the loss spike. Discarding the spiking update
+after the fact (`skip`) leaves the moments as they became; so `Healer` acts on the precursor,
+before the update:
+
+- **Precursor**: the global grad norm above `HealConfig.ratio` x its rolling mean AND more than
+  `HealConfig.z` rolling standard deviations above it (EMAs of the norms seen, fed the norm
+  *after* clipping, so a spike does not raise the bar for the next one). Quiet-step cost: one
+  EMA update and two float comparisons on the grad norm the acting guard reads anyway.
+- **Act**: scale this step's gradients down to the rolling mean norm (what a typical step
+  brings): the update goes ahead at its usual size, and the moments see a typical gradient.
+- **Correct the cause**: `HealConfig.correct_after` precursors (clipped steps: two adjacent
+  steps of one jump count as two) within `HealConfig.window` steps are taken to mean the
+  setting itself is unstable, not one batch. Where the optimizer decays weights and
+  the weight norm fell by > 10% while they came (decoupled weight decay shrinking the weights
+  raises the effective step of every normalised layer: the product LR x WD sets it), the
+  weight decay is cut (x `HealConfig.cut_factor`); otherwise the LR is (x `cut_factor`, on top
+  of the scheduler's value, every step from then on). Each cut is an action with the run's own
+  numbers; at most `HealConfig.max_cuts` cuts.
+
+Every action is returned to the guard as a `Record` effect (report.json `actions`); `cost()` gives
+`run.recovery.heal`: precursors, updates clipped, the cuts, the LR / WD factors now applied and
+what drove the spikes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Protocol
+
+import torch
+
+from nanguard.config import HealConfig
+from nanguard.recover.effects import Record
+from nanguard.watch.stats import StepStats
+
+_SHRINK = 0.1
+"""The weight norm must have fallen by more than this share for weight decay to be named."""
+
+
+class _Link(Protocol):
+    optimizer: torch.optim.Optimizer
+
+
+class Healer:
+    """Args:
+    config: thresholds and the cause correction (`HealConfig`).
+    link: the guard's recovery link (its optimizer).
+    """
+
+    def __init__(self, config: HealConfig, link: _Link) -> None:
+        self.config = config
+        self.link = link
+        self.mean = 0.0
+        self.var = 0.0
+        self.count = 0
+        self.lr_factor = 1.0
+        self.wd_factor = 1.0
+        self.precursors: deque[int] = deque()  # steps of the precursors within `window`
+        self.total = 0  # precursors acted on over the run
+        self.cuts: list[dict[str, Any]] = []
+        self.cause: str | None = None
+        self._saved_lrs: list[float] | None = None
+        # (step, weight norm) every 10 steps over the last 640: the decay's recent work
+        self._pnorm: deque[tuple[int, float]] = deque(maxlen=64)
+        self._records: list[Record] = []  # this step's actions, returned by `before_update`
+
+    # -- per step
+
+    def before_update(self, stats: StepStats) -> list[Record]:
+        """Pre-hook, when the update goes ahead: clip a precursor, correct the cause when
+        precursors recur, then apply the LR factor for this update (`after_update` undoes it,
+        so the scheduler's own value is what it reads next). Returns the actions taken, for
+        the guard to record."""
+        norm = stats.grad_norm if not stats.nonfinite_grads else math.nan
+        if math.isfinite(norm):
+            limit = self._precursor_limit(norm)
+            seen = norm
+            if limit is not None:
+                seen = self._clip(stats, norm, limit)
+            self._update(seen)
+        if self.lr_factor != 1.0:
+            self._saved_lrs = [g["lr"] for g in self.link.optimizer.param_groups]
+            for g in self.link.optimizer.param_groups:
+                g["lr"] = g["lr"] * self.lr_factor
+        records, self._records = self._records, []
+        return records
+
+    def after_update(self) -> None:
+        """Post-hook: the scheduler's (or user's) LR back."""
+        if self._saved_lrs is None:
+            return
+        for g, lr in zip(self.link.optimizer.param_groups, self._saved_lrs, strict=True):
+            g["lr"] = lr
+        self._saved_lrs = None
+
+    def _precursor_limit(self, norm: float) -> float | None:
+        """The norm to clip to when `norm` is a precursor (the rolling mean), else None."""
+        cfg = self.config
+        if self.count < cfg.warmup_steps:
+            return None
+        std = math.sqrt(max(self.var, 0.0))
+        if norm > cfg.ratio * self.mean and norm > self.mean + cfg.z * std and self.mean > 0:
+            return self.mean
+        return None
+
+    def _clip(self, stats: StepStats, norm: float, limit: float) -> float:
+        step, cfg = stats.step, self.config
+        grads = [p.grad for g in self.link.optimizer.param_groups for p in g["params"]
+                 if p.grad is not None]
+        scale = limit / norm
+        torch._foreach_mul_(grads, scale)
+        self.total += 1
+        self.precursors.append(step)
+        while self.precursors and self.precursors[0] <= step - cfg.window:
+            self.precursors.popleft()
+        std = math.sqrt(max(self.var, 0.0))
+        self._records.append(Record(
+            step, "heal_clip",
+            f"grad norm {norm:.3g} is {norm / self.mean:.1f}x its rolling mean {self.mean:.3g} "
+            f"({(norm - self.mean) / std if std > 0 else math.inf:.1f} sigma): a loss spike's "
+            f"precursor; gradients scaled by {scale:.3g} to the typical norm before the update "
+            f"(no step lost)"))
+        if len(self.precursors) >= cfg.correct_after and len(self.cuts) < cfg.max_cuts:
+            self._correct(step)
+        return limit
+
+    def _update(self, x: float) -> None:
+        self.count += 1
+        if self.count == 1:
+            self.mean, self.var = x, 0.0
+            return
+        a = self.config.ema if self.count > self.config.warmup_steps else 1.0 / self.count
+        delta = x - self.mean
+        self.mean += a * delta
+        self.var = (1 - a) * (self.var + a * delta * delta)
+
+    def observe(self, stats: StepStats) -> None:
+        """Post-hook, once the step is read: sample the weight norm (read for the detectors
+        anyway) every 10 steps, the evidence that weight decay shrank the weights."""
+        if stats.param_norms and stats.step % 10 == 0:
+            pn = stats.param_norm
+            if math.isfinite(pn):
+                self._pnorm.append((stats.step, pn))
+
+    # -- the cause
+
+    def _correct(self, step: int) -> None:
+        """Precursors recur: cut the weight decay when the evidence names LR x WD, else the LR."""
+        cfg = self.config
+        groups = self.link.optimizer.param_groups
+        lr = float(groups[0].get("lr", 0.0)) * self.lr_factor
+        # The largest group's: a no-decay group (biases, norms) often comes first.
+        wd = max(float(g.get("weight_decay", 0.0) or 0.0) for g in groups)
+        # The largest sampled weight norm against the latest: shrinking by more than
+        # `_SHRINK` is weight decay winning over the gradients (a few % is noise).
+        first = max(self._pnorm, key=lambda s: s[1]) if self._pnorm else None
+        last = self._pnorm[-1] if self._pnorm else None
+        shrank = first is not None and last is not None and last[1] < (1 - _SHRINK) * first[1]
+        n, span = len(self.precursors), step - self.precursors[0]
+        if wd > 0 and (cfg.correct == "wd" or (shrank and cfg.correct == "auto")):
+            for g in groups:
+                g["weight_decay"] = float(g.get("weight_decay", 0.0) or 0.0) * cfg.cut_factor
+            self.wd_factor *= cfg.cut_factor
+            fell = (f"the weight norm fell from {first[1]:.4g} (step {first[0]}) to "
+                    f"{last[1]:.4g} (step {last[0]})" if shrank and first and last else
+                    "the weight norm did not fall by > 10% (cut as configured: correct='wd')")
+            self.cause = (
+                f"LR x weight decay: lr {lr:.3g} x weight_decay {wd:.3g} = {lr * wd:.3g} per "
+                f"step; {fell} while {n} grad-norm spikes came within {span} steps")
+            what, detail = "wd_cut", (
+                f"weight decay {wd:.3g} -> {wd * cfg.cut_factor:.3g} for the rest of the run: "
+                f"{self.cause}")
+        elif cfg.correct == "none":
+            return
+        else:
+            self.lr_factor *= cfg.cut_factor
+            self.cause = (f"the LR: lr {lr:.3g}" + (f" (weight decay {wd:.3g}, weight norm not "
+                                                    "falling)" if wd > 0 else "")
+                          + f"; {n} grad-norm spikes within {span} steps")
+            what, detail = "lr_cut", (
+                f"LR x{self.lr_factor:.3g} of the scheduler's from now on "
+                f"({lr:.3g} -> {lr * cfg.cut_factor:.3g}): {self.cause}")
+        self.cuts.append({"step": step, "action": what, "lr": lr, "weight_decay": wd})
+        self.precursors.clear()  # the next cut needs fresh evidence
+        self._records.append(Record(step, what, detail))
+
+    # -- report and state
+
+    def cost(self) -> dict[str, Any]:
+        """`run.recovery.heal`: what the policy did and why."""
+        return {"precursors": self.total, "updates_clipped": self.total, "steps_lost": 0,
+                "cuts": list(self.cuts), "lr_factor": self.lr_factor,
+                "weight_decay_factor": self.wd_factor, "cause": self.cause}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mean": self.mean, "var": self.var, "count": self.count,
+                "lr_factor": self.lr_factor, "wd_factor": self.wd_factor, "total": self.total,
+                "precursors": list(self.precursors), "cuts": list(self.cuts),
+                "cause": self.cause}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.mean, self.var, self.count = (float(state["mean"]), float(state["var"]),
+                                           int(state["count"]))
+        self.lr_factor, self.wd_factor = float(state["lr_factor"]), float(state["wd_factor"])
+        self.total = int(state["total"])
+        self.precursors = deque(int(s) for s in state["precursors"])
+        self.cuts = list(state["cuts"])
+        self.cause = state["cause"]
