@@ -127,7 +127,7 @@ class StepPath:
         found = loads.finding(step, names, flags, self._load_site or loads.last_site())
         if found is not None:
             found["rank"] = distributed.rank()
-            self.log.set_finding(found)
+            self.log.set_finding(found, announce=True)  # said at once: where it came from
 
     def _check_leftover(self) -> None:
         """At close: a loss or batch handed to `watch` after the last optimizer step (the run

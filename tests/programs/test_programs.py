@@ -165,6 +165,9 @@ def test_gpt_resume_poisoned_checkpoint(tmp_path: Path, gpt_checkpoint: Path,
     line = next(i for i, text in enumerate(lines, 1) if call in text)
     assert g.first["source"] == f"{Path(__file__).parent / 'scripts' / GPT}:{line}", g.explain()
     assert f"{GPT}:{line}" in g.report["diagnosis"][0]["evidence"], g.explain()
+    # Said while it ran, not only at the end: the live line names the load and its line.
+    assert (f"first non-finite value at step 0: phase checkpoint in "
+            f"'transformer.h.1.mlp.c_fc' at {g.first['source']}") in g.proc.stderr, g.explain()
 
 
 def test_gpt_resume_from_a_checkpoint_that_changed_after_its_save(
