@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,11 @@ def main() -> None:
     # update comes before the replica check's read of that update.
     inj = FaultInjector(model, opt, seed=0).install() if mode == "step0" else None
     guard = None
-    if not (mode == "rank0only" and rank == 1):
+    # `late`: rank 1 builds its guard inside its first step, after the backward and a pause,
+    # as `nanguard run` does (the guard attaches at the first `optimizer.step()`): rank 0
+    # reaches its check before rank 1 has registered one.
+    late = mode == "late" and rank == 1
+    if not (mode == "rank0only" and rank == 1) and not late:
         guard = Guard(model, opt, out=os.path.join(out, f"rank-{rank}"), config=config,
                       policy=policy)
     if mode == "prestart" and rank == 1:
@@ -71,6 +76,10 @@ def main() -> None:
                 guard.watch(loss=loss)
             opt.zero_grad()
             loss.backward()
+            if late and guard is None:
+                time.sleep(1.5)
+                guard = Guard(model, opt, out=os.path.join(out, f"rank-{rank}"),
+                              config=config, policy=policy)
             opt.step()
     result = {"alarms": [], "checks": 0, "error": None, "causes": []}
     if guard:

@@ -118,3 +118,15 @@ def test_a_rank_without_guard_turns_the_check_off(tmp_path: Path) -> None:
     # Read from the store before any collective: nothing waits for rank 1, nothing fires.
     assert r0["checks"] == 0 and r0["alarms"] == []
     assert "replica check off: rank(s) 1 have no Guard" in err0, err0[-2000:]
+
+
+def test_a_rank_that_builds_its_guard_late_is_waited_for(tmp_path: Path) -> None:
+    """Rank 1's guard is built inside its first step, after a pause (as `nanguard run` builds
+    one at the first `optimizer.step()`): rank 0 reaches the check before the first update
+    while rank 1 has not registered yet. It waits for it instead of turning its check off
+    alone (which paired its next collective with rank 1's check: a hang, found in CI under
+    load): both ranks check at every due step and find the flip, under `raise`."""
+    results, _ = _launch(tmp_path, "late-raise")
+    for res in results:
+        assert res["checks"] == 5 and res["error"] is None
+        assert [(a["step"], a["kind"]) for a in res["alarms"]] == [(7, "replica_divergence")]

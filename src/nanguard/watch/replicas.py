@@ -33,6 +33,7 @@ import weakref
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -230,14 +231,27 @@ def register() -> None:
         store.set(_KEY.format(dist.get_rank()), "1")
 
 
-def ranks_without_check() -> list[int]:
-    """Ranks that never called `register` ([] also when the store is unavailable). Non-blocking:
-    one store request, plus one per rank only when some are missing."""
+REGISTER_WAIT_S = 10.0
+"""How long the check before the first update waits for every rank to register."""
+
+
+def ranks_without_check(wait_s: float = REGISTER_WAIT_S) -> list[int]:
+    """Ranks that have not called `register` after waiting up to `wait_s` for all of them ([]
+    also when the store is unavailable). The wait matters: the ranks reach their first step
+    at different times (under `nanguard run` a guard is built inside a rank's first
+    `optimizer.step()`), and a rank that looked before another registered would turn its
+    check off while that other one went into the all_gather: a hang. Every rank with a check
+    waits for the same keys, so all of them see every key, or all of them time out on the
+    rank that has no guard (at the cost of one `wait_s` stall, once)."""
     store = _store()
     keys = [_KEY.format(r) for r in range(dist.get_world_size())]
     if store is None or store.check(keys):
         return []
-    return [r for r, key in enumerate(keys) if not store.check([key])]
+    try:
+        store.wait(keys, timedelta(seconds=wait_s))
+        return []
+    except Exception:  # noqa: BLE001 - torch raises a timeout (its type varies by version)
+        return [r for r, key in enumerate(keys) if not store.check([key])]
 
 
 class ReplicaCheck:
