@@ -8,7 +8,7 @@ would poison the EMA for good): the step is skipped instead, and the statistics 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 from nanguard.config import ClipConfig
 
@@ -43,14 +43,7 @@ class AdaptiveClipper:
         return action, scale
 
     def _update(self, x: float) -> None:
-        self.count += 1
-        if self.count == 1:
-            self.mean, self.var = x, 0.0
-            return
-        a = self.config.ema if self.count > self.config.warmup_steps else 1.0 / self.count
-        delta = x - self.mean
-        self.mean += a * delta
-        self.var = (1 - a) * (self.var + a * delta * delta)
+        ema_update(self, x, self.config.ema, self.config.warmup_steps)
 
     def state_dict(self) -> dict[str, Any]:
         return {"mean": self.mean, "var": self.var, "count": self.count}
@@ -61,3 +54,22 @@ class AdaptiveClipper:
             float(state["var"]),
             int(state["count"]),
         )
+
+
+class _Running(Protocol):
+    mean: float
+    var: float
+    count: int
+
+
+def ema_update(stats: _Running, x: float, ema: float, warmup: int) -> None:
+    """Fold `x` into running `mean`/`var`/`count`: exact running moments for the first
+    `warmup` values (1/n weights), an exponential moving average with weight `ema` after."""
+    stats.count += 1
+    if stats.count == 1:
+        stats.mean, stats.var = x, 0.0
+        return
+    a = ema if stats.count > warmup else 1.0 / stats.count
+    delta = x - stats.mean
+    stats.mean += a * delta
+    stats.var = (1 - a) * (stats.var + a * delta * delta)

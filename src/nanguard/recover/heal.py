@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import torch
 
 from nanguard.config import HealConfig
+from nanguard.recover.clip import ema_update
 from nanguard.recover.effects import Record
 from nanguard.watch.stats import StepStats
 
@@ -132,14 +133,7 @@ class Healer:
         return limit
 
     def _update(self, x: float) -> None:
-        self.count += 1
-        if self.count == 1:
-            self.mean, self.var = x, 0.0
-            return
-        a = self.config.ema if self.count > self.config.warmup_steps else 1.0 / self.count
-        delta = x - self.mean
-        self.mean += a * delta
-        self.var = (1 - a) * (self.var + a * delta * delta)
+        ema_update(self, x, self.config.ema, self.config.warmup_steps)
 
     def observe(self, stats: StepStats) -> None:
         """Post-hook, once the step is read: sample the weight norm (read for the detectors
