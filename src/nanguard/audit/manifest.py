@@ -74,6 +74,22 @@ def hash_source(source: Source) -> dict[str, Any]:
     return {"tensors": tensors, "scalars": scalar_entries(source)}
 
 
+def hash_object(obj: Any, caller: str, verb: str) -> dict[str, Any]:
+    """`hash_source` of an in-memory object (what is saved, or was).
+
+    Raises:
+        ValueError: `obj` holds no tensor (a module: its `state_dict()` is what to pass), in
+            one line starting with `caller` and saying what to `verb` instead.
+    """
+    hashed = hash_source(TorchSource(obj))
+    if not hashed["tensors"]:
+        raise ValueError(
+            f"{caller}: {type(obj).__name__} holds no tensor; {verb} a state dict "
+            "(model.state_dict(), or a dict of them), not a module"
+        )
+    return hashed
+
+
 def scalar_entries(source: Source) -> dict[str, Any]:
     """The checkpoint's non-tensor leaves as the manifest records them."""
     return {k: _scalar(v) for k, v in source.scalars().items()}
@@ -173,13 +189,7 @@ def write_manifest(
         if path is None:
             raise ValueError("write_manifest(obj, path): name the file the object was saved to")
         ckpt = os.fspath(path)
-        hashed = hash_source(TorchSource(checkpoint))
-        if not hashed["tensors"]:
-            raise ValueError(
-                f"write_manifest: {type(checkpoint).__name__} holds no tensor; pass a state dict "
-                "(model.state_dict(), or a dict of them), not a module"
-            )
-        files = {os.path.basename(ckpt): hashed}
+        files = {os.path.basename(ckpt): hash_object(checkpoint, "write_manifest", "pass")}
         out = os.fspath(manifest) if manifest else ckpt + MANIFEST_SUFFIX
     dump_manifest(build_manifest(files), out)
     return out

@@ -12,8 +12,7 @@ import os
 import tempfile
 from typing import Any
 
-from nanguard.audit.ckpt_load import TorchSource
-from nanguard.audit.manifest import MANIFEST_SUFFIX, build_manifest, dump_manifest, hash_source
+from nanguard.audit.manifest import MANIFEST_SUFFIX, build_manifest, dump_manifest, hash_object
 
 
 def _fsync_dir(folder: str) -> None:
@@ -80,12 +79,7 @@ def save(obj: Any, path: str | os.PathLike[str]) -> str:
             a flat dict of tensors for a ``.safetensors`` path, or holds tied tensors there.
     """
     path = os.fspath(path)
-    hashed = hash_source(TorchSource(obj))
-    if not hashed["tensors"]:
-        raise ValueError(
-            f"nanguard.save: {type(obj).__name__} holds no tensor; save a state dict "
-            "(model.state_dict(), or a dict of them), not a module"
-        )
+    hashed = hash_object(obj, "nanguard.save", "save")
     folder = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
     manifest = path + MANIFEST_SUFFIX

@@ -30,7 +30,7 @@ from nanguard.record.store import DB_NAME
 from nanguard.show import plots
 from nanguard.show.markers import episode_spans
 from nanguard.show.series import RunSeries, bucket_width, load_series, step_range
-from nanguard.show.summary import spike_line
+from nanguard.show.summary import report_spike_line
 
 LINE_BUCKETS = 1000
 """At most this many buckets per line series."""
@@ -201,7 +201,7 @@ def header_html(src: Source) -> str:
     if rep.first_warning is not None and first:
         out.append(f"<p>first warning at step {rep.first_warning}: "
                    f"<b>{rep.lead_steps}</b> steps before the first non-finite value</p>")
-    spikes = spike_line(rep.spike_measures)
+    spikes = report_spike_line(rep)
     if spikes:
         out.append(f'<p class="spikes">{e(spikes)}</p>')
     if rep.diagnosis:

@@ -100,8 +100,8 @@ def print_summary(
         console.print(f"  cause {rank}: [bold]{cause['cause']}[/] ({cause['confidence']:.0%})")
         console.print(f"    why: {cause['evidence']}")
         console.print(f"    fix: {cause['fix']}")
-    line = spike_line(report.spike_measures)
-    if line and not _nonfinite_from_start(report):
+    line = report_spike_line(report)
+    if line:
         console.print(f"  {line}")
     heal = heal_line(report)
     if heal:
@@ -137,11 +137,14 @@ def print_summary(
         print_last_steps(console, [step_row(s) for s in history])
 
 
-def _nonfinite_from_start(report: Report) -> bool:
-    """Non-finite from the first step: every step is "in spike" by the measure's definition (a
-    non-finite value counts as one), which says nothing the failure does not."""
+def report_spike_line(report: Report) -> str | None:
+    """The report's spike line (`spike_line`), or None for a run non-finite from its first
+    step: every step is "in spike" by the measure's definition (a non-finite value counts as
+    one), which says nothing the failure does not."""
     first = report.first_nonfinite
-    return report.status == "failed" and first is not None and not first.get("step")
+    if report.status == "failed" and first is not None and not first.get("step"):
+        return None
+    return spike_line(report.spike_measures)
 
 
 def _pct(x: float | None) -> str:
