@@ -274,3 +274,24 @@ def test_folder_with_files_unsafe_to_load(tmp_path, cli):
         ("rng_state.pth", "changed")]
     code, out, _ = cli("audit", folder)
     assert code == 1 and "manifest_mismatch" in out and "rng_state.pth" in out, out
+
+
+def test_a_checkpoint_saved_again_without_its_manifest_is_called_that(tmp_path):
+    """A plain `torch.save` over a file `nanguard.save` wrote leaves the old manifest beside
+    it: every tensor then differs, and the message says the file is newer than its manifest
+    (saved again) instead of blaming storage; a flip that leaves the file's time alone (bit rot,
+    memory) keeps the corruption wording."""
+    path = tmp_path / "ckpt.pt"
+    nanguard.save(_trained_state(), path)
+    manifest = f"{path}.nanguard-manifest.json"
+    torch.save(_trained_state() | {"step": 7}, path)  # the next save, without nanguard.save
+    old = os.path.getmtime(path) - 60
+    os.utime(manifest, (old, old))  # the manifest is from the save before
+    with pytest.raises(nanguard.CheckpointMismatch, match="written after its manifest"):
+        nanguard.load(path)
+    nanguard.save(_trained_state(), path)
+    stamp = os.path.getmtime(path)
+    _flip_bit_on_disk(path, _torch_storage_offset(path, "2") + 4)
+    os.utime(path, (stamp, stamp))  # bit rot does not touch the modification time
+    with pytest.raises(nanguard.CheckpointMismatch, match="storage, copy or memory corruption"):
+        nanguard.load(path)

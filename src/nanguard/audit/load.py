@@ -16,7 +16,7 @@ from typing import Any
 from nanguard.audit._common import one_line
 from nanguard.audit.ckpt_load import TorchSource
 from nanguard.audit.manifest import hash_source, load_manifest_for
-from nanguard.audit.manifest_check import ManifestCheck
+from nanguard.audit.manifest_check import ManifestCheck, why_changed
 
 __all__ = ["CheckpointMismatch", "load", "verify_loaded"]
 
@@ -35,8 +35,8 @@ class CheckpointMismatch(ValueError):
         super().__init__(
             f"{path}: {len(check.mismatches)} difference(s) from its manifest "
             f"{check.manifest}: {shown}" + (f"; and {more} more" if more > 0 else "")
-            + "; restore the checkpoint from another copy or re-save it from a healthy run "
-            "(`nanguard audit` lists every difference)")
+            + f"; {why_changed(path, check.manifest)}: restore the checkpoint from another "
+            "copy or re-save it from a healthy run (`nanguard audit` lists every difference)")
 
 
 def verify_loaded(obj: Any, path: str, manifest: str | None = None) -> ManifestCheck | None:

@@ -146,6 +146,21 @@ class ManifestCheck:
         }
 
 
+def why_changed(checkpoint: str, manifest: str) -> str:
+    """What most likely changed the checkpoint, for a message: written again after its
+    manifest (a plain `torch.save` over a file `nanguard.save` had written leaves the old
+    manifest beside it) when the file is newer than the manifest, else corruption after the
+    save (storage, a copy, memory: none of them touches the file's modification time)."""
+    try:
+        newer = os.path.getmtime(checkpoint) > os.path.getmtime(manifest) + 1.0
+    except OSError:
+        newer = False
+    if newer:
+        return ("the file was written after its manifest: saved again without nanguard.save "
+                "(the old manifest no longer describes it), or changed since")
+    return "the checkpoint changed after it was saved (storage, copy or memory corruption)"
+
+
 def list_or(value: Any) -> Any:
     """Shapes read back from JSON are lists; compare tuples and lists alike."""
     return list(value) if isinstance(value, tuple) else value

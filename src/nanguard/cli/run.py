@@ -96,9 +96,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--fork-every must be >= 0, got {args.fork_every}")
     if args.activations_every < 0:
         raise ValueError(f"--activations-every must be >= 0, got {args.activations_every}")
-    from nanguard.show.live import set_level
+    from nanguard.show.live import ensure_handler, set_level
 
     set_level(args.log_level, quiet=args.quiet)
+    # Now, not when the first guard is built: a line said before that (a checkpoint loaded
+    # before the optimizer exists that differs from its manifest) looks like every other.
+    ensure_handler()
     return run_script(RunOptions(
         script=args.script, args=list(args.args), out=args.out, policy=args.policy,
         replay_budget=args.replay_budget, fork_every=args.fork_every, merge_wait=args.merge_wait,

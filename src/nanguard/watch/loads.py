@@ -152,12 +152,14 @@ def report_mismatch(path: str, manifest: str, site: str | None, names: list[str]
     """A checkpoint at `path` differs from its `manifest` in `names` (tensors, or files of a
     checkpoint folder): an ERROR line now, and a `checkpoint_mismatch` alarm at the next
     guard step (`take_mismatches`). Framework adapters that verify their checkpoints call it."""
+    from nanguard.audit.manifest_check import why_changed
+
     _mismatches.append({"path": path, "manifest": manifest, "site": site, "tensors": names})
     logging.getLogger("nanguard").error(
-        "%s (loaded at %s) differs from its manifest in %d tensor(s): %s -- the checkpoint "
-        "changed after it was saved (storage, copy or memory corruption); training goes on "
-        "from these values; `nanguard audit %s` lists every difference", path, site or "?",
-        len(names), ", ".join(names[:5]) + (" ..." if len(names) > 5 else ""), path)
+        "%s (loaded at %s) differs from its manifest in %d tensor(s): %s -- %s; training goes "
+        "on from these values; `nanguard audit %s` lists every difference", path, site or "?",
+        len(names), ", ".join(names[:5]) + (" ..." if len(names) > 5 else ""),
+        why_changed(path, manifest), path)
 
 
 def take_mismatches() -> list[dict[str, Any]]:
