@@ -22,7 +22,7 @@ from torch import nn
 import nanguard
 from nanguard import GuardConfig, RecordConfig
 from nanguard.record.report import load_report
-from nanguard.show.summary import spike_line
+from nanguard.show.summary import heal_line, spike_line
 from test_spike_measures import ref_score
 
 
@@ -112,6 +112,7 @@ def test_summary_line_and_html_shading(spiky: tuple[Path, list[float]], tmp_path
     line = spike_line(report.spike_measures)
     n = report.spike_measures["episodes_total"]
     assert line is not None and line.startswith(f"spikes: {n} episodes, ")
+    assert (heal_line(report) or "").startswith("remedy: policy='heal'")  # spikes it came back from
     assert "of steps in spike; spike score loss " in line and "grad norm" in line
     page = write_html([str(out)], tmp_path / "r.html").read_text()
     assert '"spike_episode"' in page and "spike at step " in page
@@ -161,6 +162,8 @@ def test_summary_leaves_out_the_spike_line_of_a_run_nonfinite_from_its_first_ste
     train(tmp_path / "at25", nan_from=25)
     later = capsys.readouterr().err
     assert "failed after 30 steps" in later and "of steps in spike" in later
+    # Its one episode is its end in NaN: not the spikes `heal` is for.
+    assert "remedy: policy='heal'" not in later
 
 
 def test_live_stream_plots_the_measures_step_by_step(spiky: tuple[Path, list[float]]) -> None:

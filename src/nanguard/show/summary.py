@@ -179,8 +179,10 @@ def spike_line(m: dict[str, Any] | None) -> str | None:
 
 
 def heal_line(report: Report) -> str | None:
-    """Under `heal`: what it did and what drove the spikes; else, on a run with loss spike
-    episodes, the recommendation to try it. None otherwise."""
+    """Under `heal`: what it did and what drove the spikes; else, on a run with a loss spike
+    episode it came back from (heal's case: spikes that recover or run away, again and again;
+    not a run whose one episode is its end in NaN), the recommendation to try it. None
+    otherwise."""
     heal = (report.run.get("recovery") or {}).get("heal")
     if report.run.get("policy") == "heal":
         if not heal:
@@ -189,7 +191,7 @@ def heal_line(report: Report) -> str | None:
                 f"{len(heal.get('cuts') or [])} cut(s)"
                 + (f"; what drove the spikes: {heal['cause']}" if heal.get("cause") else ""))
     m = report.spike_measures or {}
-    if int(m.get("episodes_total") or 0) > 0:
+    if any(not e.get("open") for e in m.get("episodes") or []):
         return ("remedy: policy='heal' clips the grad-norm jump that comes before a loss spike "
                 "and cuts the weight decay or the LR when the jumps recur")
     return None
