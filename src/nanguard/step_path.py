@@ -217,7 +217,8 @@ class StepPath:
             self._check_loaded = False
             loaded, flags = self._loaded_flags()
             for mismatch in loads.take_mismatches():  # `nanguard run`: verified at load
-                self.log.add_alarm(loads.mismatch_alarm(self.step, mismatch))
+                # Said at load time (`report_mismatch`'s line, with why): not said twice.
+                self.log.add_alarm(loads.mismatch_alarm(self.step, mismatch), said=True)
         self._current, grads = self.steps.begin(
             self.step, _lr(optimizer), self._device, self._loss, self.recovery.scale_tensor(),
             loaded, flags, self._step_rng)

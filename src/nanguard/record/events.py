@@ -190,10 +190,12 @@ class Events:
                          message=f"run closed, status {report.get('status')}", notable=False,
                          data=report), self.close_listeners)
 
-    def alarm(self, alarm: dict[str, Any], message: str | None = None) -> Event:
+    def alarm(self, alarm: dict[str, Any], message: str | None = None, *,
+              said: bool = False) -> Event:
         """An alarm was recorded (a dict with report.json's alarm keys); `message` replaces
-        its text in the event (see `alarms`)."""
-        notable = self.episodes.see(int(alarm["step"]), str(alarm["kind"]))
+        its text in the event (see `alarms`); `said`: its news already had a line of its own
+        (a checkpoint mismatch, said when it was loaded), so the event is not `notable`."""
+        notable = self.episodes.see(int(alarm["step"]), str(alarm["kind"])) and not said
         event = Event(type="alarm", step=int(alarm["step"]), kind=str(alarm["kind"]),
                       signal=str(alarm.get("signal", "")), value=alarm.get("value"),
                       message=message or str(alarm.get("message", "")), notable=notable,

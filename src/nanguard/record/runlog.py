@@ -64,12 +64,13 @@ class RunLog:
         self.alarms += alarms
         self.events.alarms([a.to_dict() for a in alarms])
 
-    def add_alarm(self, alarm: Alarm) -> None:
+    def add_alarm(self, alarm: Alarm, *, said: bool = False) -> None:
         """An alarm raised outside the detectors (recovery's `amp_collapse`, the saturation
-        probe, replica agreement): written to run.db at once."""
+        probe, replica agreement): written to run.db at once. `said`: the person was already
+        told (its event is not `notable`: no second live line)."""
         self.alarms.append(alarm)
         self.store.write_alarm(alarm.to_dict())
-        self.events.alarm(alarm.to_dict())
+        self.events.alarm(alarm.to_dict(), said=said)
 
     def add_action(self, step: int, action: str, detail: str) -> None:
         """What was done at `step` (report.json `actions`; written to run.db at once)."""
