@@ -136,34 +136,39 @@ def test_healthy_run_has_measures_and_an_old_report_gets_them(tmp_path: Path) ->
     assert load_report(out).spike_measures == m
 
 
-def test_summary_leaves_out_the_spike_line_of_a_run_nonfinite_from_its_first_step(
+def test_summary_leaves_out_the_spike_line_when_the_only_episode_is_the_failure(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A NaN row in every batch from step 0: each step is "in spike" by the measure's
-    definition, which says nothing the failure does not; a run that failed later keeps it."""
-    def train(out: Path, nan_from: int) -> None:
+    """A NaN row in every batch from some step on: each step from there is "in spike" by the
+    measure's definition, which says nothing the failure does not, so the summary leaves the
+    line out; a run that spiked and came back before it broke keeps it (its episodes count
+    what came before the failure)."""
+    def train(out: Path, nan_from: int, spike_at: int | None = None) -> str:
         torch.manual_seed(0)
         model = nn.Linear(4, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
         guard = nanguard.Guard(model, opt, out=out)
         for step in range(30):
             x = torch.randn(8, 4)
+            y = torch.full((8, 1), 1.0)
+            if step == spike_at:
+                y[0] = 40.0  # one mislabelled row: the loss jumps, the next step is back
             if step >= nan_from:
                 x[3, 1] = float("nan")
-            loss = ((model(x) - 1) ** 2).mean()
+            loss = ((model(x) - y) ** 2).mean()
             guard.watch(loss=loss, batch=x)
             loss.backward()
             opt.step()
             opt.zero_grad()
         guard.close()
+        return capsys.readouterr().err  # the summary goes to stderr
 
-    train(tmp_path / "at0", nan_from=0)
-    first = capsys.readouterr().err  # the summary goes to stderr
-    assert "failed after 30 steps" in first and "of steps in spike" not in first
-    train(tmp_path / "at25", nan_from=25)
-    later = capsys.readouterr().err
-    assert "failed after 30 steps" in later and "of steps in spike" in later
-    # Its one episode is its end in NaN: not the spikes `heal` is for.
-    assert "remedy: policy='heal'" not in later
+    for nan_from in (0, 25):
+        err = train(tmp_path / f"at{nan_from}", nan_from)
+        assert "failed after 30 steps" in err and "of steps in spike" not in err
+        # Its one episode is its end in NaN: not the spikes `heal` is for.
+        assert "remedy: policy='heal'" not in err
+    err = train(tmp_path / "spiked", nan_from=27, spike_at=22)
+    assert "failed after 30 steps" in err and "spikes: 2 episodes (1 open)" in err, err
 
 
 def test_live_stream_plots_the_measures_step_by_step(spiky: tuple[Path, list[float]]) -> None:

@@ -138,13 +138,16 @@ def print_summary(
 
 
 def report_spike_line(report: Report) -> str | None:
-    """The report's spike line (`spike_line`), or None for a run non-finite from its first
-    step: every step is "in spike" by the measure's definition (a non-finite value counts as
-    one), which says nothing the failure does not."""
-    first = report.first_nonfinite
-    if report.status == "failed" and first is not None and not first.get("step"):
-        return None
-    return spike_line(report.spike_measures)
+    """The report's spike line (`spike_line`), or None for a failed run whose only episode is
+    its end: from the first non-finite value on every step is "in spike" by the measure's
+    definition (a non-finite value counts as one), which says nothing the failure does not. A
+    failed run with an earlier episode (it spiked before it broke) keeps the line."""
+    m = report.spike_measures
+    if report.status == "failed" and report.first_nonfinite is not None and m:
+        episodes = m.get("episodes") or []
+        if int(m.get("episodes_total") or 0) <= 1 and all(e.get("open") for e in episodes):
+            return None
+    return spike_line(m)
 
 
 def _pct(x: float | None) -> str:
