@@ -44,9 +44,11 @@ from nanguard.watch.modes import leave
 
 MASKED = -1e3
 """A softmax input at or below this is a masked entry (a fill value or an additive mask)."""
-BLOCK = 1 << 22
-"""Logits recomputed at once for one scaled_dot_product_attention call at most (16 MiB of
-float32): more query rows are taken block by block."""
+BLOCK = 1 << 24
+"""Logits recomputed at once for one scaled_dot_product_attention call at most (64 MiB of
+float32): more query rows are taken block by block. Bounds the transient memory; the number of
+blocks (a few ops each) is what a long context pays on a sampled step (batch x heads 256 at
+4096 tokens: 256 blocks per call)."""
 
 _SDPA = F.scaled_dot_product_attention
 _SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax}
