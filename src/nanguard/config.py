@@ -69,6 +69,12 @@ class WatchConfig:
     activations_every: int = 1
     """When `activations` is on, measure on every N-th step only."""
 
+    attention: bool = True
+    """When `activations` is on, also measure the largest |attention logit| (softmax input of
+    `F.scaled_dot_product_attention` or of a hand-written 4-d attention softmax, masked entries
+    excluded) on the same steps (`nanguard.watch.attention`): a precursor of loss spikes in
+    transformers. Costs a function mode over the sampled forwards; no cost on other steps."""
+
     per_parameter: bool = True
     """Store per-parameter gradient / parameter / optimizer-state norms in the run store."""
 

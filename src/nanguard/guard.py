@@ -166,7 +166,8 @@ class Guard(StepPath):
         self.buffer_names, buffers = watched_buffers(model)
         self.probe = StepProbe(self.params, optimizer, buffers)
         self._sync_params()
-        self.act_probe = ActivationProbe(model) if cfg.watch.activations else None
+        self.act_probe = (ActivationProbe(model, attention=cfg.watch.attention)
+                          if cfg.watch.activations else None)
         self.batch_probe = BatchProbe()
         self.steps = StepWatch(self.probe, self.batch_probe, self.act_probe, cfg.watch,
                                on_loaded=self._loaded_finding)

@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from nanguard.record.report import REPORT_NAME
 from nanguard.record.spikes import SpikeMeter
-from nanguard.record.store import DB_NAME, dec, open_run
+from nanguard.record.store import DB_NAME, dec, open_run, step_columns
 
 if TYPE_CHECKING:
     from nanguard.guard import Guard
     from nanguard.record.events import Event as LiveEvent
 
-SIGNALS = ("loss", "grad_norm", "param_norm", "update_ratio", "momentum_norm", "act_max", "lr")
+SIGNALS = ("loss", "grad_norm", "param_norm", "update_ratio", "momentum_norm",
+           "second_moment_norm", "act_max", "attn_logit_max", "lr")
 """Per-step columns of run.db exported as scalars (named `nanguard/<name>`)."""
 
 
@@ -106,7 +107,8 @@ def load_run(folder: Path) -> RunData:
     """Read one recorded folder (holding run.db) into steps and events."""
     db = open_run(folder)
     try:
-        cols = ", ".join(SIGNALS)
+        have = step_columns(db)  # a store written before a signal existed lacks its column
+        cols = ", ".join(c if c in have else "NULL" for c in SIGNALS)
         rows = db.execute(
             f"SELECT step, time, {cols}, nonfinite, skipped FROM steps ORDER BY step").fetchall()
     finally:

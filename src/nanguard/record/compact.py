@@ -40,7 +40,7 @@ from nanguard.record.spikes import SIGNALS as SPIKE_SIGNALS
 from nanguard.record.spikes import SpikeMeter
 
 SIGNALS = ("loss", "grad_norm", "param_norm", "update_ratio", "momentum_norm", "act_max", "lr",
-           "amp_scale", "act_limit")
+           "amp_scale", "act_limit", "second_moment_norm", "attn_logit_max")
 """`steps` columns summarised per bucket."""
 
 _COLUMNS = ("step", *SIGNALS, "nonfinite", "skipped")

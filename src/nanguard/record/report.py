@@ -23,9 +23,10 @@ spike_measures  null | spike score, episodes and time in spike of every run, hea
                 (`nanguard.record.spikes`): {score: {loss, grad_norm, update_ratio} (share of
                 scored steps, 0..1, null if none scored), spike_steps, steps_scored, episodes:
                 [{start, value, baseline, peak_step, peak_value, recovered_at, recovery_steps,
-                open, before: {signal: {ratio, steps_before, value, baseline}}, at_jump:
-                {signal: ratio}}], episodes_total, time_in_spike (0..1), steps_in_spike, steps,
-                complete, definition: {window, min_window, sigmas, ..., text}}; null without a
+                open, before: {signal: {ratio, steps_before, value, baseline, min_ratio}},
+                at_jump: {signal: ratio}}], episodes_total, time_in_spike (0..1),
+                steps_in_spike, steps, measured: {precursor: steps measured}, complete,
+                definition: {window, min_window, sigmas, ..., text}}; null without a
                 run.db; {error} if it could not be read
 """
 

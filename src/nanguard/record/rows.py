@@ -15,8 +15,8 @@ from nanguard.watch.stats import StepStats
 
 __all__ = ["SIGNALS", "batch_hash", "step_signals", "write_step"]
 
-SIGNALS = ("loss", "grad_norm", "param_norm", "update_ratio", "momentum_norm", "act_max", "lr",
-           "amp_scale")
+SIGNALS = ("loss", "grad_norm", "param_norm", "update_ratio", "momentum_norm",
+           "second_moment_norm", "act_max", "attn_logit_max", "lr", "amp_scale")
 """The per-step signals a step listener gets (those measured this step), with `nonfinite` and
 `skipped` as 0/1."""
 
@@ -37,6 +37,9 @@ def write_step(store: NullStore, stats: StepStats, n_params: int, per_parameter:
         "momentum_norm": stats.momentum_norm, "act_max": stats.act_max, "lr": stats.lr,
         "nonfinite": stats.nonfinite_signals(), "skipped": stats.skipped,
         "amp_scale": stats.amp_scale, "act_limit": stats.act_limit,
+        # (No call without optimizer state: plain SGD's quiet step stays as it was.)
+        "second_moment_norm": stats.second_moment_norm if stats.state_norms else None,
+        "attn_logit_max": stats.attn_logit_max,
     }
     per_param: PerParam | None = None
     if per_parameter and n_params:

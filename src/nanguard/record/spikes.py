@@ -28,9 +28,16 @@ The definition (also written into every report, `definition.text`):
   `recover_within` (10%) of |level| (any finite loss when there was no window yet); that
   step is `recovered_at`, `recovery_steps` = recovered_at - start. An episode the run ends in
   is `open` (recovered_at null). Its peak is its largest loss (non-finite counts as largest).
-  `before`: for grad_norm, update_ratio, momentum_norm and act_max, the largest ratio of the
-  value to its own rolling mean (same window) over the `lookback` (3) steps before the jump;
-  `at_jump`: that ratio at the jump step itself.
+  `before`: for each precursor signal (`PRECURSORS`: grad_norm, update_ratio, momentum_norm =
+  the optimizer's first moment, second_moment_norm = its second moment, act_max, and
+  attn_logit_max = the largest |attention logit|), the largest ratio of the value to its own
+  rolling mean (same window, `min_window` values needed) over the `lookback` (3) steps before
+  the jump, and `min_ratio`, the smallest there (a fall precedes spikes too: Adam's second
+  moment decayed far below its mean turns an ordinary gradient into a large update);
+  `at_jump`: that ratio at the jump step itself. A signal the run did not measure
+  (no Adam, no attention, activations not watched) or did not measure within the lookback (the
+  sampled ones) is absent; `measured` counts each precursor's measured steps, so "not
+  measured" (0) reads apart from "measured, not elevated" (absent from `before`, count > 0).
 - Time in spike: steps from an episode's start up to (not including) its recovery, or to the
   end of the run, over the steps with a recorded loss.
 """
@@ -47,9 +54,10 @@ from nanguard.record.spike_window import Window
 
 SCORED = ("loss", "grad_norm", "update_ratio")
 """Signals that get a spike score."""
-PRECURSORS = ("grad_norm", "update_ratio", "momentum_norm", "act_max")
+PRECURSORS = ("grad_norm", "update_ratio", "momentum_norm", "second_moment_norm", "act_max",
+              "attn_logit_max")
 """Signals whose ratio to their own baseline is reported before each episode."""
-SIGNALS = ("loss", "grad_norm", "update_ratio", "momentum_norm", "act_max")
+SIGNALS = ("loss", *PRECURSORS)
 """Every signal the meter reads (`steps` columns)."""
 MAX_EPISODES = 100
 """Episodes kept in full in the report (the first ones); `episodes_total` counts them all."""
@@ -82,7 +90,9 @@ TEXT = (
     "stay out of windows; score = spikes / scored steps. episode: from a loss spike upwards (or "
     "a non-finite loss) to the first finite loss within {recover_within:.0%} of the pre-spike "
     "mean, or open at the end; time in spike = episode steps / steps with a loss; before: "
-    "largest value / own rolling mean in the {lookback} steps before the jump."
+    "largest value / own rolling mean in the {lookback} steps before the jump, per precursor "
+    "(grad norm, update ratio, first and second optimizer moment norms, activation max, "
+    "largest |attention logit|) measured there."
 )
 
 
@@ -97,6 +107,7 @@ class SpikeMeter:
         self.spikes = dict.fromkeys(SCORED, 0)
         self.loss_steps = 0
         self.in_spike = 0
+        self.measured = dict.fromkeys(PRECURSORS, 0)
         self.last_step = -1
         self.episodes: list[dict[str, Any]] = []
         self.episodes_total = 0
@@ -125,6 +136,8 @@ class SpikeMeter:
             if len(w) >= d.min_window:
                 mean, std = w.stats()
             record[name] = (x, mean)
+            if name in self.measured:
+                self.measured[name] += 1
             if name in self.scored and (mean is not None or not finite):
                 self.scored[name] += 1
                 spike = not finite
@@ -187,10 +200,14 @@ class SpikeMeter:
                 ratio = x / base
                 if k == 0:
                     at_jump[name] = ratio
-                elif 1 <= k <= self.definition.lookback and (
-                        name not in before or _rank(ratio) > _rank(before[name]["ratio"])):
-                    before[name] = {"ratio": ratio, "steps_before": k, "value": x,
-                                    "baseline": base}
+                elif 1 <= k <= self.definition.lookback:
+                    b = before.get(name)
+                    if b is None or _rank(ratio) > _rank(b["ratio"]):
+                        low = ratio if b is None else b["min_ratio"]
+                        b = before[name] = {"ratio": ratio, "steps_before": k, "value": x,
+                                            "baseline": base, "min_ratio": low}
+                    if _low(ratio) < _low(b["min_ratio"]):
+                        b["min_ratio"] = ratio
         return before, at_jump
 
     def now(self) -> dict[str, float]:
@@ -219,6 +236,7 @@ class SpikeMeter:
             "time_in_spike": self.in_spike / self.loss_steps if self.loss_steps else None,
             "steps_in_spike": self.in_spike,
             "steps": self.loss_steps,
+            "measured": dict(self.measured),
             "complete": True,
             "definition": {**asdict(d), "text": TEXT.format(**asdict(d))},
         }
@@ -230,7 +248,7 @@ class SpikeMeter:
             "definition": asdict(self.definition),
             "windows": {k: w.values() for k, w in self.windows.items()},
             "scored": self.scored, "spikes": self.spikes, "loss_steps": self.loss_steps,
-            "in_spike": self.in_spike, "last_step": self.last_step,
+            "in_spike": self.in_spike, "last_step": self.last_step, "measured": self.measured,
             "episodes": self.episodes, "episodes_total": self.episodes_total,
             "open_episode": self.open,
             "recent": [[s, {k: list(v) for k, v in rec.items()}] for s, rec in self.recent],
@@ -247,6 +265,8 @@ class SpikeMeter:
         meter.spikes.update(state["spikes"])
         meter.loss_steps = int(state["loss_steps"])
         meter.in_spike = int(state["in_spike"])
+        # A state saved before `measured` existed: its earlier steps were not counted.
+        meter.measured.update(state.get("measured") or {})
         meter.last_step = int(state["last_step"])
         meter.episodes = list(state["episodes"])
         meter.episodes_total = int(state["episodes_total"])
@@ -262,4 +282,9 @@ class SpikeMeter:
 
 def _rank(x: float) -> float:
     """Order for peaks and largest ratios: a non-finite value above every finite one."""
+    return x if math.isfinite(x) else math.inf
+
+
+def _low(x: float) -> float:
+    """Order for the smallest ratio: a non-finite value only when there is nothing else."""
     return x if math.isfinite(x) else math.inf

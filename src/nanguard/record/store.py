@@ -65,7 +65,8 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS params (id INTEGER PRIMARY KEY, name TEXT, shape TEXT, numel INTEGER);
 CREATE TABLE IF NOT EXISTS steps (
     step INTEGER PRIMARY KEY, time REAL, loss, grad_norm, param_norm, update_ratio,
-    momentum_norm, act_max, lr, nonfinite TEXT, skipped INTEGER, amp_scale, act_limit);
+    momentum_norm, act_max, lr, nonfinite TEXT, skipped INTEGER, amp_scale, act_limit,
+    second_moment_norm, attn_logit_max);
 CREATE TABLE IF NOT EXISTS param_stats_rows (
     step INTEGER, param_id INTEGER, grad_norm, param_norm, state TEXT,
     PRIMARY KEY (step, param_id));
@@ -97,7 +98,7 @@ SQLite cannot flatten a UNION ALL view under GROUP BY)."""
 
 DB_NAME = files.DB_NAME
 
-_LATER_STEP_COLUMNS = ("amp_scale", "act_limit")
+_LATER_STEP_COLUMNS = ("amp_scale", "act_limit", "second_moment_norm", "attn_logit_max")
 """`steps` columns that came later: a store written before them lacks them (`add_missing_columns`
 adds them when it is reopened for writing; readers check `step_columns`)."""
 

@@ -31,7 +31,8 @@ from operator import itemgetter
 from typing import Any
 
 STEP_ROW = ("step", "time", "loss", "grad_norm", "param_norm", "update_ratio", "momentum_norm",
-            "act_max", "lr", "nonfinite", "skipped", "amp_scale", "act_limit")
+            "act_max", "lr", "nonfinite", "skipped", "amp_scale", "act_limit",
+            "second_moment_norm", "attn_logit_max")
 """Columns of the `steps` table."""
 
 _INSERT = {
@@ -157,7 +158,8 @@ def encode(items: list[tuple[Any, ...]]) -> dict[str, list[tuple[Any, ...]]]:
                 step, when, enc(get("loss")), enc(get("grad_norm")), enc(get("param_norm")),
                 enc(get("update_ratio")), enc(get("momentum_norm")), enc(get("act_max")),
                 enc(get("lr")), _json_list(get("nonfinite")), int(get("skipped", False)),
-                enc(get("amp_scale")), enc(get("act_limit"))))
+                enc(get("amp_scale")), enc(get("act_limit")), enc(get("second_moment_norm")),
+                enc(get("attn_logit_max"))))
             if per_param is not None:
                 out["param_blobs"].append((step, param_blob(per_param)))
             if acts:

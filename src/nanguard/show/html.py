@@ -150,6 +150,8 @@ def build_layout(sources: Sequence[Source], runs: Sequence[RunSeries], *, origin
     limits = [r.act_limit for r in runs if r.act_limit is not None]
     limit = f" (dtype limit {min(limits):.3g})" if limits else ""
     row("activations", f"activation abs-max{limit}", lambda r: r.activations)
+    row("attn_logit_max", "largest |attention logit| (softmax input, masked entries excluded)",
+        step_series("attn_logit_max"))
     head = row("act_headroom", "activation headroom: decades left to the dtype's limit, "
                "log10(limit / abs-max)", step_series("act_headroom"), log=False, bad_level=0.0)
     if head is not None:

@@ -104,11 +104,18 @@ def episode_spans(measures: dict[str, Any] | None, last_step: int
                else "not recovered when the run ended")
         before = e.get("before") or {}
         lead = "; ".join(f"{k} {_num(b.get('ratio'))}x baseline {b.get('steps_before')} "
-                         "step(s) before" for k, b in before.items())
+                         "step(s) before" + _fell(b) for k, b in before.items())
         texts.append(f"spike at step {start}: loss {_num(e.get('value'))} over a level of "
                      f"{_num(e.get('baseline'))}, peak {_num(e.get('peak_value'))} at step "
                      f"{e.get('peak_step')}; {how}" + (f"; {lead}" if lead else ""))
     return x0, x1, texts
+
+
+def _fell(b: dict[str, Any]) -> str:
+    """` (down to 0.09x)` when the signal also fell below half its baseline in the lookback
+    (a decayed Adam second moment); empty otherwise."""
+    low = b.get("min_ratio")
+    return f" (down to {_num(low)}x)" if isinstance(low, (int, float)) and low < 0.5 else ""
 
 
 def _num(x: Any) -> str:

@@ -24,7 +24,7 @@ import numpy as np
 from nanguard.record.store import DB_NAME, step_columns
 
 STEP_COLUMNS = ("loss", "grad_norm", "param_norm", "update_ratio", "momentum_norm", "act_max", "lr",
-                "amp_scale")
+                "amp_scale", "second_moment_norm", "attn_logit_max")
 """Columns of the `steps` table read as series (`amp_scale` is absent from stores written
 before it; such a store simply has no loss-scale series)."""
 

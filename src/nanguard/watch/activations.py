@@ -2,6 +2,8 @@
 
 Forward hooks on leaf modules keep a running abs-max on the device (no host read in the hook);
 the guard collects them once per step. Hooks are removable: `close()` removes every handle.
+On the same sampled steps, the largest |attention logit| (`watch.attention`), where the model
+has attention.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from nanguard.watch.attention import AttentionProbe
 
 
 def dtype_max(dtype: torch.dtype) -> float:
@@ -27,25 +31,41 @@ class ActivationProbe:
 
     Args:
         model: the module to watch.
+        attention: also measure the largest |attention logit| on the same steps
+            (`AttentionProbe`).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, attention: bool = True) -> None:
+        self.attention = AttentionProbe(model) if attention else None
         self.names: list[str] = []
         self.dtypes: dict[str, torch.dtype] = {}
         self._current: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         """This step's (min, max) of each module's output, on the device."""
         self._seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], weakref.ref[Any]] = {}
         self._handles: list[RemovableHandle] = []
+        self._enabled = False
         self.enabled = True
         for name, module in model.named_modules():
             if next(module.children(), None) is None and name:
                 self.names.append(name)
                 self._handles.append(module.register_forward_hook(self._hook(name)))
 
+    @property
+    def enabled(self) -> bool:
+        """Whether this step's forwards are measured (set in the step post-hook for the next
+        step: the sampled steps; off during a replay)."""
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        self._enabled = on
+        if self.attention is not None:
+            self.attention.enabled = on
+
     def _hook(self, name: str) -> Callable[[nn.Module, object, object], None]:
         def hook(module: nn.Module, inputs: object, output: object) -> None:
             # Forwards without autograd (validation, inference) are not training steps.
-            if not self.enabled or not torch.is_grad_enabled():
+            if not self._enabled or not torch.is_grad_enabled():
                 return
             if isinstance(output, (tuple, list)):
                 output = next((o for o in output if isinstance(o, torch.Tensor)), None)
@@ -89,7 +109,14 @@ class ActivationProbe:
         self._current = {}
         return names, torch.maximum(his, torch.neg(los))
 
+    def attention_max(self) -> torch.Tensor | None:
+        """This step's largest |attention logit| (device value; None: no attention seen or
+        not watched); resets for the next step."""
+        return self.attention.collect() if self.attention is not None else None
+
     def close(self) -> None:
+        if self.attention is not None:
+            self.attention.close()
         for h in self._handles:
             h.remove()
         self._handles.clear()

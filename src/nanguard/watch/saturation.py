@@ -37,6 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanguard.detect.alarm import Alarm
+from nanguard.watch.modes import leave
 
 
 class Host(Protocol):
@@ -164,11 +165,7 @@ class SaturationProbe:
         """Leave the dispatch mode (idempotent). Another mode entered after ours and still
         active would make leaving out of order: the probe then stands down for good."""
         mode, self._mode = self._mode, None
-        if mode is None:
-            return
-        try:
-            mode.__exit__(None, None, None)
-        except Exception:  # noqa: BLE001 - a monitor never breaks training
+        if mode is not None and not leave(mode):
             self.broken = True
 
     def remove(self) -> None:

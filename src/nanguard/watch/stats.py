@@ -62,6 +62,9 @@ class StepStats:
     """Per-module activation abs-max (when activation watching is on and sampled)."""
     act_limit: float | None = None
     """Largest finite value of the narrowest dtype those activations were computed in."""
+    attn_logit_max: float | None = None
+    """Largest |attention logit| of the step's forward (sampled with the activations; None
+    where the model has no attention or it was not measured: `watch.attention`)."""
     sample_hashes: list[int] = field(default_factory=list)
     """52-bit fingerprints of each sample of the batch handed to the guard."""
     nonfinite_samples: list[int] = field(default_factory=list)
@@ -150,6 +153,15 @@ class StepStats:
         for key in FIRST_MOMENT_KEYS:
             if key in self.state_norms:
                 return self._global(self.state_norms[key])
+        return None
+
+    @property
+    def second_moment_norm(self) -> float | None:
+        """Global L2 norm of the optimizer's second moments (Adam `exp_avg_sq`, RMSprop
+        `square_avg`, Adagrad `sum`), from the per-tensor norms already read; None without."""
+        for key in SECOND_MOMENT_KEYS:
+            if key in self.state_norms:
+                return self._sealed_global("second_moment_norm", self.state_norms[key])
         return None
 
     @property

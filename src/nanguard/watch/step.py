@@ -40,7 +40,7 @@ class Pending:
     step: int
     lr: float | None
     pre: Packet
-    """Before the update: slots `loss`, `grad`, `act`, `loaded`, `batch`, `scale` (and
+    """Before the update: slots `loss`, `grad`, `act`, `attn`, `loaded`, `batch`, `scale` (and
     `found_inf` when `skip` is decided on the device)."""
     grad_layout: list[int]
     act_names: list[str]
@@ -115,6 +115,9 @@ class StepWatch:
             act_names, acts = self.act_probe.collect()
             if acts is not None:
                 pre.add("act", acts)
+            attn = self.act_probe.attention_max()
+            if attn is not None:
+                pre.add("attn", attn)
         if loaded:
             assert flags is not None
             pre.add("loaded", flags)
@@ -205,6 +208,8 @@ class StepWatch:
                 flags = [1.0 if n.startswith("buffer:") else f
                          for n, f in zip(p.loaded, flags, strict=True)]
             self._on_loaded(p.step, p.loaded, flags)
+        if "attn" in slots:
+            stats.attn_logit_max = slots["attn"][0]
         if "scale" in slots:
             stats.amp_scale = slots["scale"][0]
         if "found_inf" in slots:
