@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanguard.watch.layout import FIRST_MOMENT_KEYS, PostLayout
 from nanguard.watch.norms import NormPlan, Norms, _is_dtensor, _values, local, norm_values
 from nanguard.watch.packet import Packet
 
@@ -33,11 +34,6 @@ def _any_nonfinite(norms: dict[int, float], key: str, overflowed: set[tuple[str,
     if math.isfinite(sum(norms.values())):
         return False
     return any(not math.isfinite(v) for i, v in norms.items() if (key, i) not in overflowed)
-
-
-# Optimizer state entries that are tensors shaped like the parameter, by meaning.
-FIRST_MOMENT_KEYS = ("momentum_buffer", "exp_avg")
-SECOND_MOMENT_KEYS = ("exp_avg_sq", "square_avg", "sum")
 
 
 @dataclass(kw_only=True)
@@ -237,6 +233,8 @@ class StepProbe:
         self._with_update = False
         self._plan: NormPlan | None = None
         self._plan_for: list[torch.Tensor] | None = None
+        self._layout: PostLayout | None = None
+        """What the post-update pass measures, kept while its signature holds."""
 
     def _norms(self, tensors: list[torch.Tensor], like: list[torch.Tensor] | None = None
                ) -> Norms:
@@ -279,61 +277,38 @@ class StepProbe:
         grads = every if len(idx) == len(every) else [every[i] for i in idx]
         return self._norms(grads), idx  # type: ignore[arg-type]
 
-    def post_step(self, packet: Packet, second_moments: bool = True
-                  ) -> list[tuple[str, list[int]]]:
+    def post_step(self, packet: Packet, second_moments: bool = True) -> PostLayout:
         """Runs right after `optimizer.step()`: adds to `packet` the parameter norms,
         optimizer-state norms (per state key; second moments only when `second_moments`) and
-        buffer norms, all from one norm call (slot `post`; with a `NormPlan`, one slot each:
-        `param`, `state.<key>`, `buffer`), and, on sampled steps, the update norm (`update`).
-        Returns the layout: (`param`, `state.<key>`, `buffer` or `update`; the parameter or
-        buffer indices) in slot order, what `decode_post` reads back."""
+        buffer norms, all from one norm pass (slot `post`), and, on sampled steps, the update
+        norm (`update`). Returns the layout `decode_post` reads them back with: built once per
+        signature (`watch.layout`), reused while the optimizer state holds the same tensors."""
         # No autograd records for the parameters' reductions (the hook runs in the user's grad
         # mode): one context instead of a `detach()` per parameter.
         with torch.no_grad():
             return self._post_step(packet, second_moments)
 
-    def _post_step(self, packet: Packet, second_moments: bool) -> list[tuple[str, list[int]]]:
-        groups: list[tuple[str, list[int], list[torch.Tensor]]] = [
-            ("param", list(range(len(self.params))), self.params)]
-        by_key: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
+    def _post_step(self, packet: Packet, second_moments: bool) -> PostLayout:
+        lay = self._layout
         state_of = self.optimizer.state
-        for i, p in enumerate(self.params):
-            state = state_of.get(p)
-            if not state:
-                continue
-            for key, value in state.items():
-                if key in SECOND_MOMENT_KEYS and not second_moments:
-                    continue
-                # (`step` is a 0-dim counter: it matches a 0-dim parameter's shape.)
-                if (key != "step" and isinstance(value, torch.Tensor) and value.shape == p.shape
-                        and value.numel()):
-                    ids, tensors = by_key.setdefault(key, ([], []))
-                    ids.append(i)
-                    tensors.append(value)
-        # Named `state.<key>` (slot and layout alike): a state key called `param` or `update`
-        # (a custom optimizer's) cannot be taken for the parameters or the update norm.
-        groups += [(f"state.{key}", ids, tensors) for key, (ids, tensors) in by_key.items()]
-        if self.buffers:
-            groups.append(("buffer", list(range(len(self.buffers))), self.buffers))
-        if self._plan_for is self.params and self._plan is not None:
-            # Many small CPU tensors: the plan's one kernel per shape, per aligned group.
-            for slot, _, tensors in groups:
-                packet.add(slot, self._norms(tensors))
-        else:
-            # One norm call for the parameters, every optimizer-state key and the buffers
-            # (one dispatch, one slot): `post`, the groups' norms one after the other.
-            packet.add("post", norm_values([t for _, _, ts in groups for t in ts]))
-        layout = [(key, ids) for key, ids, _ in groups]
+        if lay is None or not lay.fits(self.params, state_of, self.buffers, second_moments):
+            lay = self._layout = PostLayout(self.params, state_of, self.buffers, second_moments)
+        norms = lay.norms()
+        if norms is None:  # the plan no longer fits (a dtype changed): measured without one
+            lay = self._layout = PostLayout(self.params, state_of, self.buffers, second_moments,
+                                            plan=False)
+            norms = lay.norms()
+            assert norms is not None
+        packet.add("post", norms)
         if self._with_update:
             assert self._update_buf is not None
             # In place: no transient parameter-sized allocation.
             torch._foreach_sub_(self._update_buf, [local(p) for p in self.params])
-            norms = self._norms(self._update_buf, like=self.params)
-            stacked = torch.stack(norms) if isinstance(norms, (list, tuple)) else norms
+            upd = self._norms(self._update_buf, like=self.params)
+            stacked = torch.stack(upd) if isinstance(upd, (list, tuple)) else upd
             packet.add("update", stacked.double().pow(2).sum().sqrt())
-            layout.append(("update", [0]))
         self._with_update = False
-        return layout
+        return lay
 
     @staticmethod
     def decode_pre(values: list[float], layout: list[int], stats: StepStats) -> None:
@@ -345,28 +320,14 @@ class StepProbe:
             stats.nonfinite_grads = {i for i, v in norms.items() if not math.isfinite(v)}
 
     @staticmethod
-    def decode_post(
-        slots: dict[str, list[float]], layout: list[tuple[str, list[int]]], stats: StepStats
-    ) -> None:
+    def decode_post(slots: dict[str, list[float]], layout: PostLayout, stats: StepStats
+                    ) -> None:
         """Fill `stats` from the host copy of the slots `post_step` added."""
         stats._signals = None
-        fused = slots.get("post")
-        pos = 0
-        for key, ids in layout:
-            if key == "update":
-                stats.update_norm = slots["update"][0]
-                continue
-            if fused is not None:
-                values, pos = fused[pos : pos + len(ids)], pos + len(ids)
-            else:
-                values = slots[key]
-            norms = dict(zip(ids, values, strict=True))
-            if key == "param":
-                stats.param_norms = norms
-            elif key == "buffer":
-                stats.buffer_norms = norms
-            else:
-                stats.state_norms[key[len("state."):]] = norms
+        stats.param_norms, stats.state_norms, stats.buffer_norms = layout.decode(slots["post"])
+        update = slots.get("update")
+        if update is not None:
+            stats.update_norm = update[0]
 
     def resolve_post_overflow(self, stats: StepStats) -> None:
         """Same as `resolve_overflow`, for parameter and optimizer-state norms after the step.
