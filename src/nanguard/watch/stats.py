@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -109,44 +109,46 @@ class StepStats:
         vals = norms.values()
         return math.sqrt(sum(map(operator.mul, vals, vals))) if norms else 0.0
 
-    def _once(self, name: str, compute: Callable[[], float | None]) -> float | None:
-        """`compute()`, kept until the next unseal (computed afresh while unsealed)."""
-        if self._signals is None:
-            return compute()
-        d = self._derived
-        if name not in d:
-            d[name] = compute()
-        return d[name]
-
     def _sealed_global(self, name: str, norms: dict[int, float]) -> float:
-        """`_global(norms)`, kept under `name` once sealed (a dict lookup, no closure: these
-        are asked ~10 times a step by the detectors, the policy and the record)."""
+        """`_global(norms)`, kept under `name` once sealed. The quiet step's path asks each
+        global ~2 times: computed inline (no nested call), as `_global` does."""
         if self._signals is None:
             return self._global(norms)
-        v = self._derived.get(name)
+        d = self._derived
+        v = d.get(name)
         if v is None:
-            v = self._derived[name] = self._global(norms)
+            vals = norms.values()
+            v = d[name] = math.sqrt(sum(map(operator.mul, vals, vals))) if norms else 0.0
         return v
 
     @property
     def grad_norm(self) -> float:
         """Global gradient L2 norm, computed in float64 on the host (no overflow). Once sealed,
         computed once (the detectors, the policy and the record all ask for it)."""
-        return self._sealed_global("grad_norm", self.grad_norms)
+        # `_sealed_global`'s fast path inline: one call per ask on the quiet step, not two.
+        v = self._derived.get("grad_norm") if self._signals is not None else None
+        return v if v is not None else self._sealed_global("grad_norm", self.grad_norms)
 
     @property
     def param_norm(self) -> float:
-        return self._sealed_global("param_norm", self.param_norms)
+        v = self._derived.get("param_norm") if self._signals is not None else None
+        return v if v is not None else self._sealed_global("param_norm", self.param_norms)
 
     @property
     def momentum_norm(self) -> float | None:
-        return self._once("momentum_norm", self._momentum_norm)
-
-    def _momentum_norm(self) -> float | None:
+        """Global L2 norm of the first moment (`momentum_buffer` / `exp_avg`), None when the
+        optimizer keeps none; once sealed, computed once."""
+        d = self._derived
+        if self._signals is not None and "momentum_norm" in d:
+            return d["momentum_norm"]
+        v = None
         for key in FIRST_MOMENT_KEYS:
             if key in self.state_norms:
-                return self._global(self.state_norms[key])
-        return None
+                v = self._sealed_global("momentum_norm", self.state_norms[key])
+                break
+        if self._signals is not None:
+            d["momentum_norm"] = v
+        return v
 
     @property
     def update_ratio(self) -> float | None:
@@ -203,16 +205,22 @@ class StepStats:
         if self.nonfinite_grads:
             out.append("grad")
         over = self.overflow_norms
-        if _any_nonfinite(self.param_norms, "param", over):
+        # Norms are >= 0: a finite float64 sum means every one is finite (the quiet step,
+        # without a call per group).
+        if (not math.isfinite(sum(self.param_norms.values()))
+                and _any_nonfinite(self.param_norms, "param", over)):
             out.append("param")
         for key, norms in self.state_norms.items():
-            if _any_nonfinite(norms, key, over):
+            if not math.isfinite(sum(norms.values())) and _any_nonfinite(norms, key, over):
                 out.append(f"optimizer.{key}")
         if not math.isfinite(sum(self.buffer_norms.values())):
             out.append("buffer")
         if not math.isfinite(sum(self.activations.values())):
             out.append("activation")
         return out
+
+
+_GRAD = operator.attrgetter("grad")
 
 
 class StepProbe:
@@ -234,6 +242,9 @@ class StepProbe:
         self._plan: NormPlan | None = None
         self._plan_for: list[torch.Tensor] | None = None
         self._layout: PostLayout | None = None
+        self._all_idx: list[int] = []
+        """`range(len(params))` as a list, the gradient layout of a step where every parameter
+        has a gradient (read only by the decoder)."""
         """What the post-update pass measures, kept while its signature holds."""
 
     def _norms(self, tensors: list[torch.Tensor], like: list[torch.Tensor] | None = None
@@ -259,8 +270,13 @@ class StepProbe:
         they belong to. When `snapshot_update` is set, copies the parameters into a buffer
         allocated once, so that `post_step` can measure the update.
         """
-        every = [p.grad for p in self.params]
-        idx = [i for i, g in enumerate(every) if g is not None]
+        every = list(map(_GRAD, self.params))  # C-level: no call per parameter
+        if any(map(operator.is_, every, repeat(None))):
+            idx = [i for i, g in enumerate(every) if g is not None]
+        else:  # every parameter has a gradient (the common step): one index list, kept
+            if len(self._all_idx) != len(every):
+                self._all_idx = list(range(len(every)))
+            idx = self._all_idx
         self._with_update = snapshot_update and bool(idx)
         if self._with_update:
             if self._update_buf is not None and any(
@@ -275,7 +291,7 @@ class StepProbe:
         if not idx:
             return None, idx
         grads = every if len(idx) == len(every) else [every[i] for i in idx]
-        return self._norms(grads), idx  # type: ignore[arg-type]
+        return self._norms(grads), idx
 
     def post_step(self, packet: Packet, second_moments: bool = True) -> PostLayout:
         """Runs right after `optimizer.step()`: adds to `packet` the parameter norms,
@@ -336,16 +352,14 @@ class StepProbe:
         before the NaN in the cascade); calling them non-finite would blame the optimizer for
         a value it has not produced yet. Runs only when such a norm came back infinite.
         """
+        # Norms are >= 0 (float32 norms: their float64 sum cannot overflow): a finite sum of
+        # them all means none is infinite (the every-step case), in C-level passes.
+        if math.isfinite(sum(stats.param_norms.values()) + sum(stats.buffer_norms.values())
+                         + sum(map(sum, map(dict.values, stats.state_norms.values())))):
+            return
         groups: list[tuple[dict[int, float], str | None]] = [(stats.param_norms, None)]
         groups += [(norms, key) for key, norms in stats.state_norms.items()]
         groups.append((stats.buffer_norms, "buffer"))
-        # Norms are >= 0: a finite float64 sum means none is infinite (the every-step case).
-        # A loop, not `all(<generator>)`: no Python call per group on every step.
-        for norms, _ in groups:
-            if not math.isfinite(sum(norms.values())):
-                break
-        else:
-            return
         stats._signals = None
         for norms, key in groups:
             for i, v in list(norms.items()):

@@ -213,7 +213,8 @@ class StepWatch:
             p.found_inf = bool(slots["found_inf"][0])
         if self.batch_probe.dropped is not None:
             stats.dropped_samples, self.batch_probe.dropped = self.batch_probe.dropped, None
-        if live and any(math.isinf(stats.grad_norms[i]) for i in stats.nonfinite_grads):
+        if live and stats.nonfinite_grads and any(
+                math.isinf(stats.grad_norms[i]) for i in stats.nonfinite_grads):
             self.probe.resolve_overflow(stats)  # rare: an extra read only here
         p.stats = stats
         return stats
