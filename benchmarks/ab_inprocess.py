@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=500)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--workloads", default="logreg,mlp,blocks")
+    ap.add_argument("--policy", default="observe",
+                    help="both guards' policy (e.g. heal: issue 30's wall-time target)")
     args = ap.parse_args(argv)
     src = Path(args.before)
     if not (src / "nanguard" / "guard.py").is_file():
@@ -102,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="nanguard_ab_") as tmp:
         before = load_before(src, Path(tmp) / "pkg")
         print(f"before: {src}  after: {Path(nanguard.__file__).parent}; torch "
-              f"{torch.__version__}, 1 thread, {args.rounds} rounds + {args.warmup} warm-up, "
+              f"{torch.__version__}, 1 thread, policy {args.policy}, {args.rounds} rounds + "
+              f"{args.warmup} warm-up, "
               "interleaved; process CPU time")
         for name in args.workloads.split(","):
             wl = builders[name](0)
@@ -112,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                 lib = {"before": before, "after": nanguard}.get(cfg)
                 guard = None if lib is None else lib.Guard(
                     model, opt, out=str(Path(tmp) / f"{name}-{cfg}"),
-                    config=lib.GuardConfig(record=lib.RecordConfig(summary=False)))
+                    config=lib.GuardConfig(policy=args.policy,
+                                           record=lib.RecordConfig(summary=False)))
                 runs[cfg] = (model, opt, list(model.parameters()), guard, [])
             order = list(CONFIGS)
             shuffle = random.Random(0)

@@ -133,6 +133,12 @@ def foreach_norms(tensors: list[torch.Tensor], like: list[torch.Tensor] | None =
 
 
 
+def _one(i: int) -> Any:
+    """`itemgetter(i)`, as a 1-tuple (what `itemgetter` of several indices gives)."""
+    get = operator.itemgetter(i)
+    return lambda seq: (get(seq),)
+
+
 class NormPlan:
     """Per-tensor norms of a fixed list of many small CPU tensors, one kernel per shape.
 
@@ -164,6 +170,10 @@ class NormPlan:
         for i, p in enumerate(tensors):
             groups.setdefault((tuple(p.shape), p.dtype), []).append(i)
         self.groups = list(groups.values())
+        # Each group's tensors picked in C (`itemgetter`; a 1-tuple for a group of one), not
+        # by a comprehension per group and step.
+        getter: Any = operator.itemgetter
+        self._pick = [getter(*ids) if len(ids) > 1 else _one(ids[0]) for ids in self.groups]
         self.order = [i for ids in self.groups for i in ids]
         """Tensor indices in the order `grouped` gives their norms."""
         self.inverse = torch.empty(len(self.order), dtype=torch.long)
@@ -193,8 +203,8 @@ class NormPlan:
             return None
         parts = []
         try:
-            for ids in self.groups:
-                x = torch.stack([tensors[i] for i in ids])
+            for ids, pick in zip(self.groups, self._pick, strict=True):
+                x = torch.stack(pick(tensors))
                 if x.dtype not in _F32_NORM or x.layout != torch.strided:
                     return None
                 parts.append(torch.linalg.vector_norm(x.reshape(len(ids), -1), dim=1,
