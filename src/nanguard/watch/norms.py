@@ -176,8 +176,7 @@ class NormPlan:
         self._pick = [getter(*ids) if len(ids) > 1 else _one(ids[0]) for ids in self.groups]
         self.order = [i for ids in self.groups for i in ids]
         """Tensor indices in the order `grouped` gives their norms."""
-        self.inverse = torch.empty(len(self.order), dtype=torch.long)
-        self.inverse[self.order] = torch.arange(len(self.order))
+        self._inverse: torch.Tensor | None = None
         self.size = len(tensors)
 
     @classmethod
@@ -217,4 +216,9 @@ class NormPlan:
         """Float64 norms of `tensors` (aligned with the plan) in their own order, or None when
         they no longer fit it (see `grouped`)."""
         out = self.grouped(tensors)
-        return None if out is None else out.double()[self.inverse]
+        if out is None:
+            return None
+        if self._inverse is None:  # made on first use: a post-update plan never needs it
+            self._inverse = torch.empty(len(self.order), dtype=torch.long)
+            self._inverse[self.order] = torch.arange(len(self.order))
+        return out.double()[self._inverse]
