@@ -11,8 +11,9 @@ configuration, shuffled:
     before    + the older Guard and watch(loss=..., batch=(x, y)), run store on
     after     + this checkout's Guard, the same
 
-on host_cost.py's workloads and overhead.py's transformer LM (`--workloads lm`; ~0.6 s a step
-here, so fewer rounds). Reported per workload: the plain step (median) and, from process
+on host_cost.py's workloads, overhead.py's transformer LM (`--workloads lm`; ~0.6 s a step
+here, so fewer rounds) and the small GPT of spiky_lm.py with AdamW (`--workloads gpt`, ~3.5 ms a
+step: issue 30's wall-time target). Reported per workload: the plain step (median) and, from process
 CPU time, the median of the paired per-round differences to plain; `after / before` is the
 ratio of those added times.
 
@@ -39,7 +40,7 @@ from types import ModuleType
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_cost import blocks, logreg, mlp  # noqa: E402
+from host_cost import Workload, blocks, logreg, mlp  # noqa: E402
 from overhead import lm_workload  # noqa: E402
 
 try:
@@ -64,24 +65,47 @@ def load_before(src: Path, into: Path) -> ModuleType:
     return importlib.import_module("nanguard_before")
 
 
+def gpt(seed: int) -> Workload:
+    """The small GPT of spiky_lm.py at its stable setting (AdamW, 29 parameter tensors)."""
+    from _spiky_model import GPT, Data
+
+    data = Data()
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = GPT(vocab=data.vocab, context=data.context)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.003, betas=(0.9, 0.99),
+                                        weight_decay=0.1)
+
+    g = torch.Generator().manual_seed(20_000 + seed)
+    batches = [data.batch(32, g) for _ in range(8)]
+    return Workload("gpt", build, batches,
+                    lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1),
+                                                                     y.flatten()),
+                    "the small GPT of spiky_lm.py, AdamW")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", required=True, help="the older checkout's src folder")
     ap.add_argument("--rounds", type=int, default=500)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--workloads", default="logreg,mlp,blocks")
+    ap.add_argument("--policy", default="observe",
+                    help="both guards' policy (e.g. heal: issue 30's wall-time target)")
     args = ap.parse_args(argv)
     src = Path(args.before)
     if not (src / "nanguard" / "guard.py").is_file():
         ap.error(f"{str(src)!r} holds no nanguard package (give the checkout's src folder)")
     torch.set_num_threads(1)
     builders = {"logreg": logreg, "mlp": mlp, "blocks": blocks,
-                "lm": lambda seed: lm_workload(False, seed, torch.device("cpu"))}
+                "lm": lambda seed: lm_workload(False, seed, torch.device("cpu")), "gpt": gpt}
     result: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="nanguard_ab_") as tmp:
         before = load_before(src, Path(tmp) / "pkg")
         print(f"before: {src}  after: {Path(nanguard.__file__).parent}; torch "
-              f"{torch.__version__}, 1 thread, {args.rounds} rounds + {args.warmup} warm-up, "
+              f"{torch.__version__}, 1 thread, policy {args.policy}, {args.rounds} rounds + "
+              f"{args.warmup} warm-up, "
               "interleaved; process CPU time")
         for name in args.workloads.split(","):
             wl = builders[name](0)
@@ -91,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                 lib = {"before": before, "after": nanguard}.get(cfg)
                 guard = None if lib is None else lib.Guard(
                     model, opt, out=str(Path(tmp) / f"{name}-{cfg}"),
-                    config=lib.GuardConfig(record=lib.RecordConfig(summary=False)))
+                    config=lib.GuardConfig(policy=args.policy,
+                                           record=lib.RecordConfig(summary=False)))
                 runs[cfg] = (model, opt, list(model.parameters()), guard, [])
             order = list(CONFIGS)
             shuffle = random.Random(0)

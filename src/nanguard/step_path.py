@@ -45,7 +45,8 @@ from nanguard.recover.verdict import LossWatch
 from nanguard.watch import loads, rng
 from nanguard.watch.activations import ActivationProbe
 from nanguard.watch.batch import BatchProbe
-from nanguard.watch.stats import StepProbe, StepStats, local
+from nanguard.watch.norms import _DTENSOR
+from nanguard.watch.stats import StepProbe, StepStats
 from nanguard.watch.step import Pending, StepWatch
 
 
@@ -146,7 +147,12 @@ class StepPath:
     def _device(self) -> torch.device:
         """Where a step's packet is gathered: the first parameter's device (read each step: the
         model may be moved after the guard was built)."""
-        return local(self.params[0]).device if self.params else torch.device("cpu")
+        if not self.params:
+            return torch.device("cpu")
+        p = self.params[0]  # `local(p)` inline: read every step
+        if _DTENSOR is not None and isinstance(p, _DTENSOR):
+            p = p.to_local()  # type: ignore[attr-defined]
+        return p.device
 
     def _sync_params(self) -> bool:
         """Follow the optimizer's parameters (`add_param_group` after the guard was built).
@@ -352,8 +358,9 @@ class StepPath:
         if not self._gate.passes(stats, phase):  # passed: the quiet step's state applied
             for d in self._by_phase[phase]:
                 alarms += d.check(stats)
-        for a in alarms_to_explain(alarms):  # spikes; an overflow at step 0
-            self._explain_spike(stats, a)
+        if alarms:
+            for a in alarms_to_explain(alarms):  # spikes; an overflow at step 0
+                self._explain_spike(stats, a)
         if signals:
             log = self.log
             if log.finding is None:
@@ -467,7 +474,8 @@ class StepPath:
         finding = log.finding
         self._losses.observe(stats.loss, stats.skipped,
                              troubled=finding is not None or log.recovered_from)
-        if not stats.alarms and not stats.nonfinite_signals():
+        signals = stats._signals if stats._signals is not None else stats.nonfinite_signals()
+        if not stats.alarms and not signals:
             # Each parameter's typical grad norm on healthy steps: the baseline of a spike.
             base = self._grad_baseline
             base.update({i: v if (prev := base.get(i)) is None else 0.9 * prev + 0.1 * v

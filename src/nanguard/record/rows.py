@@ -35,7 +35,9 @@ def write_step(store: NullStore, stats: StepStats, n_params: int, per_parameter:
         "step": stats.step, "loss": stats.loss, "grad_norm": stats.grad_norm,
         "param_norm": stats.param_norm, "update_ratio": stats.update_ratio,
         "momentum_norm": stats.momentum_norm, "act_max": stats.act_max, "lr": stats.lr,
-        "nonfinite": stats.nonfinite_signals(), "skipped": stats.skipped,
+        # Sealed by the detectors (a copy of the kept list, no call); else scanned.
+        "nonfinite": list(stats._signals) if stats._signals is not None
+        else stats.nonfinite_signals(), "skipped": stats.skipped,
         "amp_scale": stats.amp_scale, "act_limit": stats.act_limit,
         # (No call without optimizer state: plain SGD's quiet step stays as it was.)
         "second_moment_norm": stats.second_moment_norm if stats.state_norms else None,
@@ -44,10 +46,12 @@ def write_step(store: NullStore, stats: StepStats, n_params: int, per_parameter:
     per_param: PerParam | None = None
     if per_parameter and n_params:
         per_param = (n_params, stats.grad_norms.copy(), stats.param_norms.copy(),
-                     {k: v.copy() for k, v in stats.state_norms.items()})
+                     dict(zip(stats.state_norms, map(dict.copy, stats.state_norms.values()),
+                              strict=True)))
     batch = None
     if stats.sample_hashes:  # the writer computes the batch's fingerprint
         batch = (None, list(stats.sample_hashes), list(stats.nonfinite_samples))
     store.write_step(row, per_param=per_param,
                      activations=stats.activations.copy() if stats.activations else None,
-                     batch=batch, alarms=[a.to_dict() for a in stats.alarms])
+                     batch=batch,
+                     alarms=[a.to_dict() for a in stats.alarms] if stats.alarms else [])

@@ -133,59 +133,92 @@ def foreach_norms(tensors: list[torch.Tensor], like: list[torch.Tensor] | None =
 
 
 
+def _one(i: int) -> Any:
+    """`itemgetter(i)`, as a 1-tuple (what `itemgetter` of several indices gives)."""
+    get = operator.itemgetter(i)
+    return lambda seq: (get(seq),)
+
+
 class NormPlan:
     """Per-tensor norms of a fixed list of many small CPU tensors, one kernel per shape.
 
-    Built from the parameters (index = parameter id); measures any list aligned with them
-    (their gradients, the parameters, one optimizer-state key, the update buffers): tensors of
-    one shape are stacked (a copy the size of the group: the reason it is kept for small
-    tensors) and reduced together in float32, as `_foreach_norm` does.
+    Built from the tensors it will measure (the parameters, or every tensor the post-update
+    pass measures: parameters, optimizer state, buffers); measures any list aligned with them
+    (their gradients, the update buffers): tensors of one shape are stacked (a copy the size
+    of the group: the reason it is kept for small tensors) and reduced together in float32, as
+    `_foreach_norm` does (the same values: each row is reduced on its own).
 
     Args:
-        params: the parameters the plan is aligned with.
+        tensors: the tensors the plan is aligned with.
     """
 
     MIN_TENSORS = 16
     """Below this many tensors `_foreach_norm`'s loop is as cheap."""
+    PER_GROUP = 6
+    """A plan pays when it has at least this many tensors per shape group (plus a few): on the
+    CPU each of `_foreach_norm`'s per-tensor kernels costs ~1.1 us, and each group a stack and
+    a reduction, ~5 us (the small GPT of benchmarks/spiky_lm.py, 9 shapes: its 29 gradients take
+    33 us by `_foreach_norm`, 55 us by a plan; its 87 parameters and Adam moments 96 us by
+    `_foreach_norm`, 65 us by one plan)."""
     MAX_MEAN_NUMEL = 1 << 13
     """Above this mean size the stacking copy costs more than the per-tensor kernels save
     (64 float32 tensors, one thread: the plan takes 0.3x `_foreach_norm`'s time at 1024
     elements each, 0.7x at 4096, 1.4x at 16384, 2.0x at 65536)."""
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
         groups: dict[tuple[Any, ...], list[int]] = {}
-        for i, p in enumerate(params):
+        for i, p in enumerate(tensors):
             groups.setdefault((tuple(p.shape), p.dtype), []).append(i)
         self.groups = list(groups.values())
-        order = [i for ids in self.groups for i in ids]
-        self.inverse = torch.empty(len(order), dtype=torch.long)
-        self.inverse[order] = torch.arange(len(order))
-        self.size = len(params)
+        # Each group's tensors picked in C (`itemgetter`; a 1-tuple for a group of one), not
+        # by a comprehension per group and step.
+        getter: Any = operator.itemgetter
+        self._pick = [getter(*ids) if len(ids) > 1 else _one(ids[0]) for ids in self.groups]
+        self.order = [i for ids in self.groups for i in ids]
+        """Tensor indices in the order `grouped` gives their norms."""
+        self._inverse: torch.Tensor | None = None
+        self.size = len(tensors)
 
     @classmethod
-    def worth(cls, params: list[torch.Tensor]) -> bool:
-        """Whether a plan pays off: many small dense CPU tensors of float32-norm dtypes."""
-        if len(params) < cls.MIN_TENSORS:
+    def worth(cls, tensors: list[torch.Tensor]) -> bool:
+        """Whether a plan pays off: many small dense CPU tensors of float32-norm dtypes, in
+        few shapes (`PER_GROUP`)."""
+        if len(tensors) < cls.MIN_TENSORS:
             return False
-        if sum(p.numel() for p in params) > cls.MAX_MEAN_NUMEL * len(params):
+        if sum(p.numel() for p in tensors) > cls.MAX_MEAN_NUMEL * len(tensors):
+            return False
+        shapes = len({(tuple(p.shape), p.dtype) for p in tensors})
+        if len(tensors) < cls.PER_GROUP * shapes + 4:
             return False
         return all(type(p) is not _DTENSOR and p.device.type == "cpu"
-                   and p.layout == torch.strided and p.dtype in _F32_NORM for p in params)
+                   and p.layout == torch.strided and p.dtype in _F32_NORM for p in tensors)
 
-    def norms(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
-        """Float64 norms of `tensors` (aligned with the plan's parameters), or None when they
+    def grouped(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+        """Float32 norms of `tensors` (aligned with the plan) in the plan's group order
+        (`order`: the host puts them back in place, no gather on the device), or None when they
         no longer fit it (a shape, dtype or layout changed): the caller falls back to
         `foreach_norms`."""
         if len(tensors) != self.size:
             return None
         parts = []
         try:
-            for ids in self.groups:
-                x = torch.stack([tensors[i] for i in ids])
+            for ids, pick in zip(self.groups, self._pick, strict=True):
+                x = torch.stack(pick(tensors))
                 if x.dtype not in _F32_NORM or x.layout != torch.strided:
                     return None
                 parts.append(torch.linalg.vector_norm(x.reshape(len(ids), -1), dim=1,
                                                       dtype=torch.float32))
         except RuntimeError:  # shapes differ within a group (a parameter was resized)
             return None
-        return torch.cat(parts).double()[self.inverse]
+        return torch.cat(parts)
+
+    def norms(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
+        """Float64 norms of `tensors` (aligned with the plan) in their own order, or None when
+        they no longer fit it (see `grouped`)."""
+        out = self.grouped(tensors)
+        if out is None:
+            return None
+        if self._inverse is None:  # made on first use: a post-update plan never needs it
+            self._inverse = torch.empty(len(self.order), dtype=torch.long)
+            self._inverse[self.order] = torch.arange(len(self.order))
+        return out.double()[self._inverse]

@@ -155,8 +155,8 @@ class Packet:
 
     def decode(self, values: list[float]) -> dict[str, list[float]]:
         """Split the host list of `tensor()` back into its slots, by name."""
-        assert len(values) == len(self), (len(values), len(self))
         base = len(self._scalars)
+        assert len(values) == base + self._n_vector, (len(values), len(self))
         return {name: values[start if scalar else base + start :
                              (start if scalar else base + start) + n]
                 for name, (scalar, start, n, _) in self._slots.items()}
@@ -201,7 +201,12 @@ def _cpu_parts(packets: Sequence[Packet]) -> list[torch.Tensor]:
     value takes half the time of a stack and its `tolist()`, at 5 values as at 400), no float64
     conversion and no cat (a cat of mixed dtypes into float64 costs ~30 us a step, as much as
     the rest of the read), and int64 fingerprints come back exact."""
-    return [t for p in packets for t in p._scalars] + [t for p in packets for t in p._vectors]
+    scalars: list[torch.Tensor] = []
+    vectors: list[torch.Tensor] = []
+    for p in packets:  # a loop, not comprehensions: no Python call each, on every read
+        scalars += p._scalars
+        vectors += p._vectors
+    return scalars + vectors
 
 
 def read_packets(packets: Sequence[Packet],

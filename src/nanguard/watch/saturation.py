@@ -155,7 +155,8 @@ class SaturationProbe:
             self.armed_steps += 1
 
     def _disarm_hook(self, *_: Any) -> None:
-        self.disarm()
+        if self._mode is not None:  # armed on sampled steps only: no call on the others
+            self.disarm()
         guard = self._guard()
         if guard is not None and self._hits:
             hits, self._hits = self._hits, []

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import torch
 from torch import nn
 
+from nanguard.watch.layout import FIRST_MOMENT_KEYS, PostLayout
 from nanguard.watch.norms import NormPlan, Norms, _is_dtensor, _values, local, norm_values
 from nanguard.watch.packet import Packet
 
@@ -33,11 +34,6 @@ def _any_nonfinite(norms: dict[int, float], key: str, overflowed: set[tuple[str,
     if math.isfinite(sum(norms.values())):
         return False
     return any(not math.isfinite(v) for i, v in norms.items() if (key, i) not in overflowed)
-
-
-# Optimizer state entries that are tensors shaped like the parameter, by meaning.
-FIRST_MOMENT_KEYS = ("momentum_buffer", "exp_avg")
-SECOND_MOMENT_KEYS = ("exp_avg_sq", "square_avg", "sum")
 
 
 @dataclass(kw_only=True)
@@ -116,44 +112,46 @@ class StepStats:
         vals = norms.values()
         return math.sqrt(sum(map(operator.mul, vals, vals))) if norms else 0.0
 
-    def _once(self, name: str, compute: Callable[[], float | None]) -> float | None:
-        """`compute()`, kept until the next unseal (computed afresh while unsealed)."""
-        if self._signals is None:
-            return compute()
-        d = self._derived
-        if name not in d:
-            d[name] = compute()
-        return d[name]
-
     def _sealed_global(self, name: str, norms: dict[int, float]) -> float:
-        """`_global(norms)`, kept under `name` once sealed (a dict lookup, no closure: these
-        are asked ~10 times a step by the detectors, the policy and the record)."""
+        """`_global(norms)`, kept under `name` once sealed. The quiet step's path asks each
+        global ~2 times: computed inline (no nested call), as `_global` does."""
         if self._signals is None:
             return self._global(norms)
-        v = self._derived.get(name)
+        d = self._derived
+        v = d.get(name)
         if v is None:
-            v = self._derived[name] = self._global(norms)
+            vals = norms.values()
+            v = d[name] = math.sqrt(sum(map(operator.mul, vals, vals))) if norms else 0.0
         return v
 
     @property
     def grad_norm(self) -> float:
         """Global gradient L2 norm, computed in float64 on the host (no overflow). Once sealed,
         computed once (the detectors, the policy and the record all ask for it)."""
-        return self._sealed_global("grad_norm", self.grad_norms)
+        # `_sealed_global`'s fast path inline: one call per ask on the quiet step, not two.
+        v = self._derived.get("grad_norm") if self._signals is not None else None
+        return v if v is not None else self._sealed_global("grad_norm", self.grad_norms)
 
     @property
     def param_norm(self) -> float:
-        return self._sealed_global("param_norm", self.param_norms)
+        v = self._derived.get("param_norm") if self._signals is not None else None
+        return v if v is not None else self._sealed_global("param_norm", self.param_norms)
 
     @property
     def momentum_norm(self) -> float | None:
-        return self._once("momentum_norm", self._momentum_norm)
-
-    def _momentum_norm(self) -> float | None:
+        """Global L2 norm of the first moment (`momentum_buffer` / `exp_avg`), None when the
+        optimizer keeps none; once sealed, computed once."""
+        d = self._derived
+        if self._signals is not None and "momentum_norm" in d:
+            return d["momentum_norm"]
+        v = None
         for key in FIRST_MOMENT_KEYS:
             if key in self.state_norms:
-                return self._global(self.state_norms[key])
-        return None
+                v = self._sealed_global("momentum_norm", self.state_norms[key])
+                break
+        if self._signals is not None:
+            d["momentum_norm"] = v
+        return v
 
     @property
     def second_moment_norm(self) -> float | None:
@@ -219,16 +217,22 @@ class StepStats:
         if self.nonfinite_grads:
             out.append("grad")
         over = self.overflow_norms
-        if _any_nonfinite(self.param_norms, "param", over):
+        # Norms are >= 0: a finite float64 sum means every one is finite (the quiet step,
+        # without a call per group).
+        if (not math.isfinite(sum(self.param_norms.values()))
+                and _any_nonfinite(self.param_norms, "param", over)):
             out.append("param")
         for key, norms in self.state_norms.items():
-            if _any_nonfinite(norms, key, over):
+            if not math.isfinite(sum(norms.values())) and _any_nonfinite(norms, key, over):
                 out.append(f"optimizer.{key}")
         if not math.isfinite(sum(self.buffer_norms.values())):
             out.append("buffer")
         if not math.isfinite(sum(self.activations.values())):
             out.append("activation")
         return out
+
+
+_GRAD = operator.attrgetter("grad")
 
 
 class StepProbe:
@@ -249,6 +253,11 @@ class StepProbe:
         self._with_update = False
         self._plan: NormPlan | None = None
         self._plan_for: list[torch.Tensor] | None = None
+        self._layout: PostLayout | None = None
+        self._all_idx: list[int] = []
+        """`range(len(params))` as a list, the gradient layout of a step where every parameter
+        has a gradient (read only by the decoder)."""
+        """What the post-update pass measures, kept while its signature holds."""
 
     def _norms(self, tensors: list[torch.Tensor], like: list[torch.Tensor] | None = None
                ) -> Norms:
@@ -273,8 +282,13 @@ class StepProbe:
         they belong to. When `snapshot_update` is set, copies the parameters into a buffer
         allocated once, so that `post_step` can measure the update.
         """
-        every = [p.grad for p in self.params]
-        idx = [i for i, g in enumerate(every) if g is not None]
+        every = list(map(_GRAD, self.params))  # C-level: no call per parameter
+        if any(map(operator.is_, every, repeat(None))):
+            idx = [i for i, g in enumerate(every) if g is not None]
+        else:  # every parameter has a gradient (the common step): one index list, kept
+            if len(self._all_idx) != len(every):
+                self._all_idx = list(range(len(every)))
+            idx = self._all_idx
         self._with_update = snapshot_update and bool(idx)
         if self._with_update:
             if self._update_buf is not None and any(
@@ -289,63 +303,40 @@ class StepProbe:
         if not idx:
             return None, idx
         grads = every if len(idx) == len(every) else [every[i] for i in idx]
-        return self._norms(grads), idx  # type: ignore[arg-type]
+        return self._norms(grads), idx
 
-    def post_step(self, packet: Packet, second_moments: bool = True
-                  ) -> list[tuple[str, list[int]]]:
+    def post_step(self, packet: Packet, second_moments: bool = True) -> PostLayout:
         """Runs right after `optimizer.step()`: adds to `packet` the parameter norms,
         optimizer-state norms (per state key; second moments only when `second_moments`) and
-        buffer norms, all from one norm call (slot `post`; with a `NormPlan`, one slot each:
-        `param`, `state.<key>`, `buffer`), and, on sampled steps, the update norm (`update`).
-        Returns the layout: (`param`, `state.<key>`, `buffer` or `update`; the parameter or
-        buffer indices) in slot order, what `decode_post` reads back."""
+        buffer norms, all from one norm pass (slot `post`), and, on sampled steps, the update
+        norm (`update`). Returns the layout `decode_post` reads them back with: built once per
+        signature (`watch.layout`), reused while the optimizer state holds the same tensors."""
         # No autograd records for the parameters' reductions (the hook runs in the user's grad
         # mode): one context instead of a `detach()` per parameter.
         with torch.no_grad():
             return self._post_step(packet, second_moments)
 
-    def _post_step(self, packet: Packet, second_moments: bool) -> list[tuple[str, list[int]]]:
-        groups: list[tuple[str, list[int], list[torch.Tensor]]] = [
-            ("param", list(range(len(self.params))), self.params)]
-        by_key: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
+    def _post_step(self, packet: Packet, second_moments: bool) -> PostLayout:
+        lay = self._layout
         state_of = self.optimizer.state
-        for i, p in enumerate(self.params):
-            state = state_of.get(p)
-            if not state:
-                continue
-            for key, value in state.items():
-                if key in SECOND_MOMENT_KEYS and not second_moments:
-                    continue
-                # (`step` is a 0-dim counter: it matches a 0-dim parameter's shape.)
-                if (key != "step" and isinstance(value, torch.Tensor) and value.shape == p.shape
-                        and value.numel()):
-                    ids, tensors = by_key.setdefault(key, ([], []))
-                    ids.append(i)
-                    tensors.append(value)
-        # Named `state.<key>` (slot and layout alike): a state key called `param` or `update`
-        # (a custom optimizer's) cannot be taken for the parameters or the update norm.
-        groups += [(f"state.{key}", ids, tensors) for key, (ids, tensors) in by_key.items()]
-        if self.buffers:
-            groups.append(("buffer", list(range(len(self.buffers))), self.buffers))
-        if self._plan_for is self.params and self._plan is not None:
-            # Many small CPU tensors: the plan's one kernel per shape, per aligned group.
-            for slot, _, tensors in groups:
-                packet.add(slot, self._norms(tensors))
-        else:
-            # One norm call for the parameters, every optimizer-state key and the buffers
-            # (one dispatch, one slot): `post`, the groups' norms one after the other.
-            packet.add("post", norm_values([t for _, _, ts in groups for t in ts]))
-        layout = [(key, ids) for key, ids, _ in groups]
+        if lay is None or not lay.fits(self.params, state_of, self.buffers, second_moments):
+            lay = self._layout = PostLayout(self.params, state_of, self.buffers, second_moments)
+        norms = lay.norms()
+        if norms is None:  # the plan no longer fits (a dtype changed): measured without one
+            lay = self._layout = PostLayout(self.params, state_of, self.buffers, second_moments,
+                                            plan=False)
+            norms = lay.norms()
+            assert norms is not None
+        packet.add("post", norms)
         if self._with_update:
             assert self._update_buf is not None
             # In place: no transient parameter-sized allocation.
             torch._foreach_sub_(self._update_buf, [local(p) for p in self.params])
-            norms = self._norms(self._update_buf, like=self.params)
-            stacked = torch.stack(norms) if isinstance(norms, (list, tuple)) else norms
+            upd = self._norms(self._update_buf, like=self.params)
+            stacked = torch.stack(upd) if isinstance(upd, (list, tuple)) else upd
             packet.add("update", stacked.double().pow(2).sum().sqrt())
-            layout.append(("update", [0]))
         self._with_update = False
-        return layout
+        return lay
 
     @staticmethod
     def decode_pre(values: list[float], layout: list[int], stats: StepStats) -> None:
@@ -357,28 +348,14 @@ class StepProbe:
             stats.nonfinite_grads = {i for i, v in norms.items() if not math.isfinite(v)}
 
     @staticmethod
-    def decode_post(
-        slots: dict[str, list[float]], layout: list[tuple[str, list[int]]], stats: StepStats
-    ) -> None:
+    def decode_post(slots: dict[str, list[float]], layout: PostLayout, stats: StepStats
+                    ) -> None:
         """Fill `stats` from the host copy of the slots `post_step` added."""
         stats._signals = None
-        fused = slots.get("post")
-        pos = 0
-        for key, ids in layout:
-            if key == "update":
-                stats.update_norm = slots["update"][0]
-                continue
-            if fused is not None:
-                values, pos = fused[pos : pos + len(ids)], pos + len(ids)
-            else:
-                values = slots[key]
-            norms = dict(zip(ids, values, strict=True))
-            if key == "param":
-                stats.param_norms = norms
-            elif key == "buffer":
-                stats.buffer_norms = norms
-            else:
-                stats.state_norms[key[len("state."):]] = norms
+        stats.param_norms, stats.state_norms, stats.buffer_norms = layout.decode(slots["post"])
+        update = slots.get("update")
+        if update is not None:
+            stats.update_norm = update[0]
 
     def resolve_post_overflow(self, stats: StepStats) -> None:
         """Same as `resolve_overflow`, for parameter and optimizer-state norms after the step.
@@ -387,16 +364,14 @@ class StepProbe:
         before the NaN in the cascade); calling them non-finite would blame the optimizer for
         a value it has not produced yet. Runs only when such a norm came back infinite.
         """
+        # Norms are >= 0 (float32 norms: their float64 sum cannot overflow): a finite sum of
+        # them all means none is infinite (the every-step case), in C-level passes.
+        if math.isfinite(sum(stats.param_norms.values()) + sum(stats.buffer_norms.values())
+                         + sum(map(sum, map(dict.values, stats.state_norms.values())))):
+            return
         groups: list[tuple[dict[int, float], str | None]] = [(stats.param_norms, None)]
         groups += [(norms, key) for key, norms in stats.state_norms.items()]
         groups.append((stats.buffer_norms, "buffer"))
-        # Norms are >= 0: a finite float64 sum means none is infinite (the every-step case).
-        # A loop, not `all(<generator>)`: no Python call per group on every step.
-        for norms, _ in groups:
-            if not math.isfinite(sum(norms.values())):
-                break
-        else:
-            return
         stats._signals = None
         for norms, key in groups:
             for i, v in list(norms.items()):

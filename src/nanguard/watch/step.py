@@ -26,6 +26,7 @@ import torch
 from nanguard.config import WatchConfig
 from nanguard.watch.activations import ActivationProbe, dtype_max
 from nanguard.watch.batch import BatchProbe, Taken
+from nanguard.watch.layout import PostLayout
 from nanguard.watch.norms import Norms
 from nanguard.watch.packet import Packet, host_values, read_packets
 from nanguard.watch.stats import StepProbe, StepStats
@@ -47,9 +48,9 @@ class Pending:
     batch: Taken
     """The step's batch as `BatchProbe.take` gave it (slot `batch`)."""
     post: Packet | None = None
-    """After the update: slots `post` (or `param`, `state.<key>`, `buffer`) and `update` (see
+    """After the update: slots `post` (parameter, state and buffer norms) and `update` (see
     `StepProbe.post_step`)."""
-    post_layout: list[tuple[str, list[int]]] = field(default_factory=list)
+    post_layout: PostLayout | None = None
     stats: StepStats | None = None
     """The pre-update statistics once read (acting policies read them before the update)."""
     rng: dict[str, Any] | None = None
@@ -169,6 +170,7 @@ class StepWatch:
             if stats is None:
                 stats = self.decode_pre(p, next(per_packet), live=live)
             assert p.post is not None
+            assert p.post_layout is not None
             self.probe.decode_post(p.post.decode(next(per_packet)), p.post_layout, stats)
             if live:
                 self.probe.resolve_post_overflow(stats)  # an extra read only on an inf norm
@@ -216,7 +218,8 @@ class StepWatch:
             p.found_inf = bool(slots["found_inf"][0])
         if self.batch_probe.dropped is not None:
             stats.dropped_samples, self.batch_probe.dropped = self.batch_probe.dropped, None
-        if live and any(math.isinf(stats.grad_norms[i]) for i in stats.nonfinite_grads):
+        if live and stats.nonfinite_grads and any(
+                math.isinf(stats.grad_norms[i]) for i in stats.nonfinite_grads):
             self.probe.resolve_overflow(stats)  # rare: an extra read only here
         p.stats = stats
         return stats
