@@ -10,7 +10,7 @@ rank records the same verdict. Expected verdicts come from what was planted, on 
 a batch scaled by 300 gives the same bits anywhere (`reproducible`); a bit flipped once in its
 forward does not re-run there (`transient`); a bit flipped in every forward from step 25 on,
 re-runs included, repeats on rank 1 but not on rank 0 (`persistent` on rank 1). Training must
-not depend on the check: the final parameters are the same bytes with it off."""
+not depend on the check: the final parameters and buffers are the same bytes with it off."""
 
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ from _run import env, free_port
 WORKER = Path(__file__).resolve().parent / "rerun_worker.py"
 
 
-def _launch(tmp_path: Path, mode: str, policy: str = "observe", cross: bool = True
+def _launch(tmp_path: Path, mode: str, policy: str = "observe", cross: str = "1"
             ) -> list[dict]:
     port = str(free_port())
-    out = tmp_path / f"{mode}-{policy}-{int(cross)}"
+    out = tmp_path / f"{mode}-{policy}-{cross}"
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(out), str(rank), port, mode,
-                               policy, str(int(cross))],
+                               policy, cross],
                               env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for rank in (0, 1)]
     results = []
@@ -65,9 +65,10 @@ def test_a_data_spike_under_ddp_is_reproducible_on_every_rank(tmp_path: Path) ->
         cross = rerun["cross_rank"]
         assert (cross["rank"], cross["peer"], cross["verdict"]) == (1, 0, "reproducible")
         assert cross["loss_same"] and cross["grads_same"]
-    # Observing changes nothing: the same run without the cross-rank check (under `observe`
-    # it adds a per-step agreement) ends with the same parameter bytes.
-    assert {r["params"] for r in _launch(tmp_path, "data", cross=False)} == \
+    # Observing changes nothing: the same run without any re-run (under `observe` the check
+    # adds a per-step agreement; the replays run DDP's forward) ends with the same parameter
+    # and BatchNorm buffer bytes on every rank.
+    assert {r["params"] for r in _launch(tmp_path, "data", cross="none")} == \
         {r["params"] for r in results}
 
 
@@ -94,17 +95,19 @@ def test_a_fault_that_repeats_on_rank_1_is_persistent_there(tmp_path: Path) -> N
     r0, r1 = _launch(tmp_path, "persistent")
     assert r1["fired"] and not r0["fired"], r1["flip"]
     for res in (r0, r1):
-        first = res["first"]
         # Rank 1 repeats its own overflow; rank 0 computes rank 1's batch from the same
-        # parameters and RNG states and gets finite values: rank 1's device.
-        assert first["verdict"] == "persistent", first
-        cross = first["cross_rank"]
+        # parameters and RNG states and gets another loss: rank 1's device.
+        rerun = _first_rerun(res)
+        assert rerun["verdict"] == "persistent" and rerun["rank"] == 1, rerun
+        cross = rerun["cross_rank"]
         assert (cross["rank"], cross["peer"]) == (1, 0) and not cross["loss_same"], cross
-        assert (first["step"], "replica_divergence") in [tuple(a) for a in res["alarms"]]
+        assert (25, "replica_divergence") in [tuple(a) for a in res["alarms"]]
         assert res["causes"][0] == "replica_divergence", res["causes"]
         assert "persistent on rank 1" in res["evidence"]["replica_divergence"]
         assert "nondeterministic" not in res["causes"]
-    assert r1["first"]["local_verdict"] == "reproducible"  # rank 1 alone: no fault seen
+    # Rank 1 alone saw nothing wrong: its own re-run repeated the step bit for bit.
+    assert _first_rerun(r1)["local_verdict"] == "reproducible"
+    assert (r1["first"]["step"], r1["first"]["verdict"]) == (25, "persistent")
 
 
 def test_the_check_rides_an_acting_policys_agreement_and_changes_no_update(
@@ -112,6 +115,6 @@ def test_the_check_rides_an_acting_policys_agreement_and_changes_no_update(
     on = _launch(tmp_path, "data", policy="skip")
     for res in on:
         assert _first_rerun(res)["cross_rank"]["verdict"] == "reproducible"
-    off = _launch(tmp_path, "data", policy="skip", cross=False)
-    assert "cross_rank" not in _first_rerun(off[0])
+    off = _launch(tmp_path, "data", policy="skip", cross="0")  # each rank re-runs its own
+    assert "cross_rank" not in _first_rerun(off[0]) and _first_rerun(off[0])["verdict"]
     assert {r["params"] for r in on} == {r["params"] for r in off}
