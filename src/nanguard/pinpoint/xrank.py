@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nanguard.integrations import distributed
-from nanguard.pinpoint.rerun import grad_norm, run_again
+from nanguard.pinpoint.rerun import run_again
 from nanguard.watch.replicas import combine, tensor_fingerprints
 
 Replay = Callable[[Any], torch.Tensor]
@@ -160,15 +160,15 @@ def _bits(value: float) -> int:
 
 
 def _digest(compute_loss: Replay, model: nn.Module, params: list[torch.Tensor], batch: Any,
-            step_rng: dict[str, Any] | None) -> tuple[float, int, float]:
-    """(loss, gradient fingerprint, local gradient norm) of one more run of `batch`."""
+            step_rng: dict[str, Any] | None) -> tuple[float, int]:
+    """(loss, bitwise gradient fingerprint) of one more run of `batch` on this rank."""
     trainable = [p for p in params if p.requires_grad]
     out, grads = run_again(compute_loss, model=model, trainable=trainable, batch=batch,
                            step_rng=step_rng)
     loss = float(out.detach().reshape(-1)[0]) if out.numel() else math.nan
     fps = tensor_fingerprints([g if g is not None else p.new_zeros(0)
                                for g, p in zip(grads, trainable, strict=True)])
-    return loss, int(combine(fps)), grad_norm(grads)
+    return loss, int(combine(fps))
 
 
 def cross_rerun(compute_loss: Replay, *, suspect: int, model: nn.Module,
@@ -201,7 +201,7 @@ def cross_rerun(compute_loss: Replay, *, suspect: int, model: nn.Module,
     failed = ""
     if me in (suspect, peer):
         try:
-            value, fp, _norm = _digest(compute_loss, model, params, batch, step_rng)
+            value, fp = _digest(compute_loss, model, params, batch, step_rng)
             repeats = (own is not None and own.get("verdict") == "reproducible"
                        and (loss is None or _bits(value) == _bits(loss)
                             or (math.isnan(value) and math.isnan(loss))))
