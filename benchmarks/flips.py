@@ -64,6 +64,8 @@ class Trial:
     clean_loss: float
     alarms: list[dict[str, Any]] = field(default_factory=list)
     verdicts: list[str | None] = field(default_factory=list)
+    cause: str | None = None
+    """The diagnosis' top cause (None: no diagnosis)."""
     window: int = 3
 
     @property
@@ -235,7 +237,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             trials.append(Trial(seed=plan["seed"], flip=flip, bit_class=plan["bit_class"],
                                 final_loss=final, clean_loss=clean[plan["seed"]],
                                 alarms=list(report.alarms), window=args.window,
-                                verdicts=_verdicts(report, flip.step)))
+                                verdicts=_verdicts(report, flip.step),
+                                cause=(report.diagnosis or [{}])[0].get("cause")))
     elapsed = time.perf_counter() - t0
 
     classes: dict[str, list[Trial]] = {}
@@ -262,7 +265,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     not_transient = [str(t.flip) for t in trials if t.changed and t.detected and not t.transient]
     missed = [f"{t.flip} loss {t.final_loss:.4g} vs {t.clean_loss:.4g}" for t in
               sorted(trials, key=lambda t: -t.rel_change) if t.loss_off and not t.detected]
-    print(f"alarm kinds near flips: {dict(kinds)}; verdicts at flip steps: {dict(verdicts)}")
+    # What the diagnosis makes of a detected flip: after a `transient` verdict the fault's
+    # cause (`nondeterministic`) should lead, not one read from its magnitudes.
+    causes = Counter(str(t.cause) for t in trials if t.changed and t.detected)
+    print(f"alarm kinds near flips: {dict(kinds)}; verdicts at flip steps: {dict(verdicts)}; "
+          f"top cause of detected flips: {dict(causes)}")
     for line in not_transient[:10]:
         print(f"detected, not transient: {line}")
     for line in missed[:10]:
@@ -271,6 +278,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "flips": len(trials), "steps": args.steps, "seeds": args.seeds, "window": args.window,
         "seconds": round(elapsed, 1), "clean_run_alarms": sum(clean_alarms.values()),
         "classes": rows, "alarm_kinds": dict(kinds), "verdicts": dict(verdicts),
+        "top_causes_detected": dict(causes),
         "missed_rel_change_max": max((t.rel_change for t in trials
                                       if t.loss_off and not t.detected), default=None),
         "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
@@ -282,6 +290,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              "bit": t.flip.bit, "bit_class": t.bit_class, "old": t.flip.old, "new": t.flip.new,
              "final_loss": t.final_loss, "clean_loss": t.clean_loss, "changed": t.changed,
              "detected": t.detected, "transient": t.transient, "verdicts": t.verdicts,
+             "cause": t.cause,
              "alarms": [(a["step"], a["kind"], a["signal"]) for a in t.alarms]}
             for t in trials]
     print(json.dumps(result))

@@ -137,6 +137,15 @@ class DetectConfig:
     to the host, waiting for the queued work once per check (not once per step). 0 disables
     it."""
 
+    cross_rank_rerun: bool = True
+    """Under torch.distributed with `Guard(replay=...)` (or `nanguard run`) and a DDP model:
+    when a rank's alarmed step re-runs (a spike, the first non-finite value), re-run that
+    rank's batch on a peer rank too, to tell a faulty device (`persistent` on rank r) from a
+    transient and from software or data (`nanguard.pinpoint.xrank`). The request rides the
+    pre-step agreement the ranks make anyway under an acting policy; under `observe` it adds
+    that agreement (one int32 all-reduce per step, as acting policies pay). False: each rank
+    re-runs only its own batch."""
+
     lead_window: int = 10
     """report.json's `first_warning` is the first alarm within this many steps before the first
     non-finite value (an unrelated spike long before does not count as a warning of it)."""

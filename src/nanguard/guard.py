@@ -225,6 +225,7 @@ class Guard(StepPath):
         self._hooked = hook_optimizer
         self._in_hook: str | None = None  # `pre` / `post` while a step hook runs
         self._agreed = False  # that hook took part in its cross-rank agreement
+        self._rerun_rank: int | None = None  # the agreement asked for a cross-rank re-run
         self._exit: distributed.LockstepExit | None = None  # owed after standing down
         self._handles = [
             *([optimizer.register_step_pre_hook(self._pre_hook),
@@ -455,16 +456,19 @@ class Guard(StepPath):
         self._pending = []
         self.detach()
         self.error = note_internal_error(exc, where, self.step, self.folder, self.store)
-        if (self.config.policy != "observe" and distributed.active()
+        observe = self.config.policy == "observe"
+        if ((not observe or self._cross_rank) and distributed.active()
                 and not isinstance(exc, distributed.PeerStoodDown)):
             # The other ranks agree every decision with this one: take part in the next
-            # agreement, saying so, and every rank stands down in it (nobody waits).
+            # agreement, saying so, and every rank stands down in it (nobody waits). Under
+            # `observe` (agreeing for the cross-rank re-run) there is one, before the update.
             self._exit = distributed.LockstepExit(self.optimizer, self._agree_device,
                                                   hooked=self._hooked)
-            if self._in_hook is not None and not self._agreed:
+            if self._in_hook is not None and not self._agreed and not (
+                    observe and self._in_hook == "post"):
                 self._exit.pay_now()  # the others are in this hook's agreement now
             else:
-                self._exit.owe("post" if self._in_hook == "pre" else "pre")
+                self._exit.owe("post" if self._in_hook == "pre" and not observe else "pre")
 
     def refine(self, finding: dict[str, Any]) -> Report:
         """After `close()`: take a refined first-non-finite finding (e.g. from a re-run with the

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from nanguard.config import GuardConfig
 from nanguard.detect import Alarm
@@ -30,6 +31,7 @@ from nanguard.detect.gate import QuietGate
 from nanguard.errors import NanguardError
 from nanguard.integrations import distributed
 from nanguard.pinpoint import live as pinpoint
+from nanguard.pinpoint import xrank, xrank_log
 from nanguard.pinpoint.rerun import alarms_to_explain
 from nanguard.policy import Policy, device_skip, wants_to_act
 from nanguard.policy.act import device_skip_effects, effects_of
@@ -87,6 +89,7 @@ class StepPath:
     _load_site: str | None
     _in_hook: str | None
     _agreed: bool
+    _rerun_rank: int | None
 
     def stand_down(self, exc: BaseException, where: str) -> None:
         raise NotImplementedError  # the Guard's
@@ -233,6 +236,12 @@ class StepPath:
         self._watch_calls = 0
         replaying = self.replay is not None and self.log.finding is None
         if cfg.policy == "observe" and not replaying and cfg.clip is None:
+            if self._cross_rank:  # observe's own agreement, every step: nothing to ask here,
+                # but another rank may ask, and this one is then its peer or a bystander.
+                self._rerun_rank = distributed.agree(False, None, self._agree_device).rerun_rank
+                self._agreed = True
+                if self._rerun_rank is not None:
+                    self._cross_rerun(self.step, None, [], None)
             return
         if not replaying and cfg.clip is None and device_skip.applies(
                 cfg, self.optimizer, grads, scaler_watched=self.recovery.amp is not None):
@@ -251,8 +260,13 @@ class StepPath:
             self._pinpoint(stats, self._current)
         elif replaying and stats.amp_skipped:
             self._check_scaler_skip(stats)
-        if cfg.policy != "observe" and self._decide(stats, alarms):
-            self._act(stats, alarms)
+        if cfg.policy != "observe" or self._cross_rank:
+            want, own = xrank_log.request(self.log, stats.step) if self._cross_rank else (0, None)
+            act = self._decide(stats, alarms, want=want)
+            if self._rerun_rank is not None:
+                self._cross_rerun(stats.step, stats.loss, stats.alarms, own)
+            if act:
+                self._act(stats, alarms)
         if not stats.skipped:
             self._skips_in_row = 0
             effects = self.recovery.before_update(stats)
@@ -379,19 +393,50 @@ class StepPath:
     def _agree_device(self) -> torch.device:
         return self.params[0].device if self.params else torch.device("cpu")
 
-    def _decide(self, stats: StepStats, alarms: list[Alarm], post: bool = False) -> bool:
+    @property
+    def _cross_rank(self) -> bool:
+        """The ranks re-run an alarmed rank's batch on a peer (`pinpoint.xrank`): with a replay
+        under a process group, for a DDP model (replicas: the peer holds the same parameters;
+        a sharded or per-rank model has no peer that could compute the same step, and FSDP's
+        forward gathers across all ranks). The same on every rank: none may skip the
+        agreement."""
+        return (self.replay is not None and self.config.detect.cross_rank_rerun
+                and isinstance(self.model, DistributedDataParallel) and distributed.active())
+
+    def _decide(self, stats: StepStats, alarms: list[Alarm], post: bool = False,
+                want: int = 0) -> bool:
         """This rank's verdict, agreed with every other rank under torch.distributed: all ranks
-        act in the same step, or none does (one small int32 all-reduce). Raises
-        `PeerStoodDown` when another rank's guard stood down (this one then does too)."""
-        act = wants_to_act(stats, alarms, self.config.acting_on, post)
+        act in the same step, or none does (one small int32 all-reduce). `want`: this rank
+        asks for a cross-rank re-run (`pinpoint.xrank`; the agreed rank, if any, is left in
+        `_rerun_rank`). Under `observe` nothing acts. Raises `PeerStoodDown` when another
+        rank's guard stood down (this one then does too)."""
+        self._rerun_rank = None
+        act = (self.config.policy != "observe"
+               and wants_to_act(stats, alarms, self.config.acting_on, post))
         if not distributed.active():
             return act
         phase = self._locate(stats)["phase"] or "" if stats.nonfinite_signals() else None
-        act, bad_rank = distributed.agree(act, phase, self._agree_device)
+        act, bad_rank, self._rerun_rank = distributed.agree(act, phase, self._agree_device,
+                                                            want=want)
         self._agreed = True
         if bad_rank is not None:
             stats.agreed_bad_rank = bad_rank
         return act
+
+    def _cross_rerun(self, step: int, loss: float | None, alarms: list[Alarm],
+                     own: dict[str, Any] | None) -> None:
+        """Every rank, after an agreement that named `_rerun_rank`: re-run that rank's batch
+        there and on a peer, and record the verdict of `step` (`pinpoint.xrank`); `loss`,
+        `own`: the step's loss and this rank's own re-run verdict (the suspect's count).
+        A rank that cannot take part any more raises out of here (a timeout: a peer died)
+        and stands down."""
+        assert self.replay is not None and self._rerun_rank is not None
+        cur = self._current
+        verdict = xrank.cross_rerun(
+            self.replay, suspect=self._rerun_rank, model=self.model, params=self.params,
+            batch=self.batch_probe.last, step_rng=cur.rng if cur is not None else None,
+            loss=loss, own=own)
+        xrank_log.record(self.log, step, alarms, verdict)
 
     def _act(self, stats: StepStats, alarms: list[Alarm], post: bool = False) -> None:
         """Apply what the policy stage decides for this step (see `nanguard.policy`)."""

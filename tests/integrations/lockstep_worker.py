@@ -1,10 +1,12 @@
-"""One rank of the lockstep stand-down test: `python lockstep_worker.py OUT RANK PORT WHERE`.
+"""One rank of the lockstep stand-down test:
+`python lockstep_worker.py OUT RANK PORT WHERE [POLICY]`.
 
 Two gloo ranks train a DDP MLP under `skip` (so every step's decision is agreed across ranks in
-one all-reduce). At step 3, rank 0 alone hits an internal error of nanguard's own, WHERE:
-`pre` (in its optimizer pre-hook, before the step's agreement) or `post` (in its post-hook,
-before that agreement). Both ranks must finish every step: nobody waits in a collective the
-other will never join. Prints one `RESULT {json}` line.
+one all-reduce), or under `observe` with a replay (the ranks agree before every update whether
+to re-run a rank's batch across ranks, `pinpoint.xrank`). At step 3, rank 0 alone hits an
+internal error of nanguard's own, WHERE: `pre` (in its optimizer pre-hook, before the step's
+agreement) or `post` (in its post-hook, before the next agreement). Both ranks must finish
+every step: nobody waits in a collective the other will never join. Prints one `RESULT {json}` line.
 """
 
 from __future__ import annotations
@@ -25,13 +27,16 @@ STEPS, BREAK_AT = 10, 3
 
 def main() -> None:
     out, rank, port, where = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    policy = sys.argv[5] if len(sys.argv) > 5 else "skip"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    guard = Guard(model, opt, policy="skip", out=os.path.join(out, f"rank-{rank}"),
-                  config=GuardConfig(record=RecordConfig(summary=False)))
+    guard = Guard(model, opt, policy=policy, out=os.path.join(out, f"rank-{rank}"),
+                  config=GuardConfig(record=RecordConfig(summary=False)),
+                  replay=(lambda x: nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)))
+                  if policy == "observe" else None)
     if rank == 0:  # an internal error of nanguard's own, at one step, on one rank
         target = guard.steps.read_pre if where == "pre" else guard.recovery.after_update
         name = "read_pre" if where == "pre" else "after_update"

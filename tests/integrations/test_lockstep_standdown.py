@@ -3,7 +3,9 @@ down after an internal error while the policy agrees every step's decision acros
 other ranks must not wait in an all-reduce it will never join. The rank that stands down says
 so in the next agreement, and every rank stands down together (status `degraded` on each), and
 training finishes on all of them. Two real gloo processes (DDP), the error injected on rank 0
-before the pre-update agreement and before the post-update one."""
+before the pre-update agreement and before the post-update one; and under `observe` with a
+replay, where the ranks agree before each update on a cross-rank re-run (`pinpoint.xrank`)
+and the stand-down after it owes the next step's agreement, not a post-update one."""
 
 from __future__ import annotations
 
@@ -18,11 +20,12 @@ from _run import env, free_port
 WORKER = Path(__file__).resolve().parent / "lockstep_worker.py"
 
 
-@pytest.mark.parametrize("where", ["pre", "post"])
-def test_one_rank_standing_down_stops_no_one(tmp_path: Path, where: str) -> None:
+@pytest.mark.parametrize(("where", "policy"),
+                         [("pre", "skip"), ("post", "skip"), ("post", "observe")])
+def test_one_rank_standing_down_stops_no_one(tmp_path: Path, where: str, policy: str) -> None:
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), str(rank), port,
-                               where], env=env(), stdout=subprocess.PIPE,
+                               where, policy], env=env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     results = []
     try:

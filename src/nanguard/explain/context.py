@@ -83,8 +83,10 @@ def _reruns(spikes: list[dict[str, Any]], first: dict[str, Any] | None) -> list[
              and isinstance(sp.get("step"), int)]
     if first and first.get("verdict") and isinstance(first.get("step"), int):
         found.append({"step": first["step"], "source": "nonfinite", "verdict": first["verdict"],
-                      **{k: first[k] for k in ("deterministic_algorithms", "device")
-                         if k in first}})
+                      **{k: first[k] for k in ("deterministic_algorithms", "device",
+                                               "cross_rank", "local_verdict") if k in first}})
+        if isinstance(first.get("cross_rank"), dict):  # `persistent` on this rank
+            found[-1]["rank"] = first["cross_rank"].get("rank")
     # A spike and the non-finite value in one step: the spike's re-run compares more.
     return sorted(found, key=lambda r: (r["step"], r["source"] != "spike"))
 

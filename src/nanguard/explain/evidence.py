@@ -67,8 +67,12 @@ class Evidence:
     reruns: list[dict[str, Any]] = field(default_factory=list)
     """Re-execution verdicts of alarmed steps (`pinpoint.rerun`), oldest first: `step`,
     `source` (`spike`: the spike re-run, `spikes[].rerun`; `nonfinite`: the first non-finite
-    step's replay), `verdict` (`reproducible` / `transient`), and when known `loss_same`,
-    `differing` (gradients that differed), `deterministic_algorithms`, `device`, `why`."""
+    step's replay), `verdict` (`reproducible` / `transient` / `persistent`), and when known
+    `loss_same`, `differing` (gradients that differed), `deterministic_algorithms`, `device`,
+    `why`; after a cross-rank re-run (`pinpoint.xrank`) the verdict is the one every rank
+    agreed, with `rank` (the rank whose batch was re-run: the faulty one when `persistent`),
+    `cross_rank` (`rank`, `peer`, `loss_same`, `grads_same`, `why`) and `local_verdict` (this
+    rank's own re-run's)."""
     preflight: dict[str, Any] | None = None
     """The preflight's verdict when one ran before training (`nanguard run --preflight`,
     report.json `run.preflight`): `findings` (`code`, `severity`, `location`, `details`),

@@ -1101,6 +1101,19 @@ def replica_divergence(ev: Evidence) -> Cause | None:
     alarms = [a for a in ev.alarms if a["kind"] == "replica_divergence"]
     if not alarms:
         return None
+    computed = [a for a in alarms if a.get("signal") == "rerun"]
+    if computed:  # a cross-rank re-run: the parameters agree, one rank computes wrong
+        a = computed[0]
+        return Cause(
+            cause="replica_divergence",
+            confidence=0.9,
+            evidence=f"step {a['step']}: {a['message']}",
+            fix=f"take rank {int(a['value'])}'s device out of the job: it repeats a wrong result "
+            "that its replicas do not compute (check its ECC counters, run a memory test or the "
+            "vendor's diagnostics); resume every rank from the last checkpoint before the step "
+            "whose manifest verifies (`nanguard audit CKPT`). The numbers measured after the "
+            "step are the fault's, not the model's",
+        )
     return Cause(
         cause="replica_divergence",
         confidence=0.8,
@@ -1115,6 +1128,14 @@ def replica_divergence(ev: Evidence) -> Cause | None:
 def _rerun_text(r: dict[str, Any]) -> str:
     """What a re-run found, in words: the step, what differed, the setup it ran on."""
     what = "its replay" if r.get("source") == "nonfinite" else "its re-run"
+    cross: dict[str, Any] = r["cross_rank"] if isinstance(r.get("cross_rank"), dict) else {}
+    if r.get("verdict") == "persistent":
+        return (f"rank {r.get('rank')} repeated step {r['step']} bit for bit while rank "
+                f"{cross.get('peer', '?')} computed the same batch from the same parameters and "
+                f"RNG states differently (persistent on rank {r.get('rank')}: a faulty device)")
+    if r.get("verdict") == "reproducible" and cross:
+        return (f"step {r['step']} re-ran bit for bit on rank {cross['rank']}, and on rank "
+                f"{cross['peer']} from the same batch, parameters and RNG states")
     if r.get("verdict") == "reproducible":
         return (f"{what} of step {r['step']} from the same parameters, RNG states and batch "
                 "reproduced it bit for bit")
@@ -1149,8 +1170,12 @@ def _weigh_verdict(ev: Evidence, cause: Cause) -> Cause:
         cause.evidence += f"; {_rerun_text(r)}: software or data, not a fault"
         return cause
     cause.confidence = round(cause.confidence * 0.5, 3)
-    cause.evidence += (f"; but {_rerun_text(r)}: the trouble began with a fault the same "
-                       "inputs do not repeat, and what followed is its echo")
+    if r["verdict"] == "persistent":
+        cause.evidence += (f"; but {_rerun_text(r)}: the trouble began with that device's "
+                           "fault (see `replica_divergence`), and what followed is its echo")
+    else:
+        cause.evidence += (f"; but {_rerun_text(r)}: the trouble began with a fault the same "
+                           "inputs do not repeat, and what followed is its echo")
     # Its fix was measured on the fault's magnitudes (an LR cut from a 1e37x spike): none.
     cause.fix = ("only if it recurs once the fault is handled (see `nondeterministic`): "
                  "diagnose that run; the magnitudes measured here are the fault's and give no "
@@ -1189,8 +1214,8 @@ def nondeterministic(ev: Evidence) -> Cause | None:
                    f"{_rollback(ev)}")
         return Cause(cause="nondeterministic", confidence=0.9,
                      evidence=f"{_rerun_text(r)}: {suspect}", fix=fix)
-    if ev.reproduced is not False:
-        return None
+    if ev.reproduced is not False or (r is not None and r["verdict"] == "persistent"):
+        return None  # (persistent: this rank's replay ran clean, the fault is another rank's)
     return Cause(
         cause="nondeterministic",
         confidence=0.7,

@@ -8,10 +8,14 @@ fed a NaN into the all-reduce, so "the lowest rank with a NaN" would name rank 0
 therefore carries the phase where each rank saw it (data < forward < loss < backward <
 optimizer) and MAX picks the earliest phase, then the lowest rank.
 
+A fourth column carries a cross-rank re-run request (`want`, `pinpoint.xrank`): a rank whose
+alarmed step re-ran on it asks for its batch to be re-run on a peer too; MAX picks one
+suspect for every rank alike, so the re-run costs no collective on a quiet step.
+
 A rider (`ride`) travels in the next agreement instead of its own collective: the replica
 check's fingerprint on the steps it is due. That agreement then gathers every rank's
-[act, score, down, *payload] (one all_gather of int64) and takes the MAX of the first three
-itself: the same decision, and the payloads for free.
+[act, score, down, want, *payload] (one all_gather of int64) and takes the MAX of the first
+four itself: the same decision, and the payloads for free.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -89,8 +93,24 @@ class PeerStoodDown(RuntimeError):
         self.rank = rank
 
 
+class Agreed(NamedTuple):
+    """What an agreement decided, the same on every rank."""
+
+    act: bool
+    """Some rank acts on this step."""
+    bad_rank: int | None
+    """Where the non-finite value showed first (earliest phase, then lowest rank), or None."""
+    rerun_rank: int | None = None
+    """The rank whose batch every rank re-runs across ranks now (`pinpoint.xrank`), or None."""
+
+
+def _top_rank(best: int, world: int) -> int | None:
+    # best % world == (world - rank) % world: 0 for rank 0, else world - rank.
+    return None if not best else (world - best % world) % world
+
+
 def agree(act: bool, nonfinite_phase: str | None, device: torch.device, *,
-          down: bool = False) -> tuple[bool, int | None]:
+          down: bool = False, want: int = 0) -> Agreed:
     """Reduce this rank's verdict with every other rank's.
 
     Args:
@@ -100,51 +120,55 @@ def agree(act: bool, nonfinite_phase: str | None, device: torch.device, *,
         device: where the collective runs (the gradients' device; CPU for gloo).
         down: this rank's guard has stood down: this is the last agreement it takes part in
             (`LockstepExit`), and it tells the others.
+        want: this rank asks for a cross-rank re-run of its step's batch, with this priority
+            (`pinpoint.xrank.priority`; 0: no). The highest one wins, then the lowest rank.
 
     Returns:
-        (whether any rank acts, the rank where the value showed first — earliest phase, then
-        lowest rank — or None).
-        Without a process group: this rank's own verdict.
+        `Agreed`: whether any rank acts, the rank where the value showed first, the rank whose
+        batch is re-run across ranks. Without a process group: this rank's own verdict (and
+        no cross-rank re-run).
 
     Raises:
         PeerStoodDown: another rank said `down` (not raised on the rank that said it).
     """
     if not active():
-        return act, (rank() if nonfinite_phase is not None else None)
+        return Agreed(act, rank() if nonfinite_phase is not None else None)
     world, me = dist.get_world_size(), dist.get_rank()
-    if dist.get_backend() == "gloo":
-        device = torch.device("cpu")
+    device = group_device(device)
     score = 0
     if nonfinite_phase is not None:
         order = PHASE_ORDER.index(nonfinite_phase) if nonfinite_phase in PHASE_ORDER else 3
         score = (len(PHASE_ORDER) - order) * world + (world - me)
+    asks = want * world + (world - me) if want > 0 else 0
     global _rider, _over
     rider, _rider = _rider, None
+    head = [int(act), score, world - me if down else 0, asks]
     if rider is None:
-        flags = torch.tensor([int(act), score, world - me if down else 0], dtype=torch.int32,
-                             device=device)
+        flags = torch.tensor(head, dtype=torch.int32, device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        any_act, best, gone = flags.tolist()
+        any_act, best, gone, asked = flags.tolist()
     else:
-        mine = torch.cat([torch.tensor([int(act), score, world - me if down else 0],
-                                       dtype=torch.int64, device=device),
+        mine = torch.cat([torch.tensor(head, dtype=torch.int64, device=device),
                           rider.payload.to(device)])
         rows = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(rows, mine)
         table = torch.stack(rows).tolist()
-        any_act, best, gone = (max(col) for col in list(zip(*table, strict=True))[:3])
+        any_act, best, gone, asked = (max(col) for col in list(zip(*table, strict=True))[:4])
         try:
-            rider.done([row[3:] for row in table])
+            rider.done([row[4:] for row in table])
         except Exception:  # noqa: BLE001 - the rider's own failure is not this decision's
             log.exception("nanguard: a payload of the rank agreement failed")
     if down or gone:
         _over = True
     if gone and not down:
         raise PeerStoodDown(world - gone)
-    if not best:
-        return bool(any_act), None
-    # best % world == (world - rank) % world: 0 for rank 0, else world - rank.
-    return bool(any_act), (world - best % world) % world
+    return Agreed(bool(any_act), _top_rank(best, world), None if down else _top_rank(asked, world))
+
+
+def group_device(device: torch.device) -> torch.device:
+    """Where a collective of the default group takes its tensors: the CPU under gloo, else
+    `device` (NCCL: the rank's GPU)."""
+    return torch.device("cpu") if dist.get_backend() == "gloo" else device
 
 
 class LockstepExit:

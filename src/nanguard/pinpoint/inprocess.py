@@ -83,13 +83,29 @@ def _eager() -> contextlib.AbstractContextManager[Any]:
     return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
-def local(model: nn.Module) -> contextlib.AbstractContextManager[Any]:
-    """A replay's forward and backward without DDP's gradient all-reduce (`no_sync`; nothing
-    for other models). A replay may run on one rank alone (its loss went non-finite, the
-    others' did not): its all-reduce would pair with another rank's next training all-reduce,
-    mixing the replay's gradients into that rank's update, or hang."""
+@contextlib.contextmanager
+def local(model: nn.Module) -> Any:
+    """A replay's forward and backward without DDP's collectives (nothing for other models).
+    A replay may run on one rank alone (its loss went non-finite, the others' did not), or on
+    two ranks of many (`pinpoint.xrank`): a collective in it would pair with another rank's
+    next training collective, mixing the replay into that rank's update, or hang. So the
+    gradient all-reduce is off (`no_sync`) and so is the broadcast of buffers before the
+    forward (`require_forward_param_sync`), which DDP's forward under `no_sync` would also
+    clear for the next training forward: its value is put back, so that next forward syncs
+    the buffers exactly as it would have without the replay."""
     no_sync = getattr(model, "no_sync", None)
-    return no_sync() if callable(no_sync) else contextlib.nullcontext()
+    if not callable(no_sync):
+        yield
+        return
+    synced = getattr(model, "require_forward_param_sync", None)
+    try:
+        if synced is not None:
+            setattr(model, "require_forward_param_sync", False)  # noqa: B010 - DDP's flag
+        with no_sync():
+            yield
+    finally:
+        if synced is not None:
+            setattr(model, "require_forward_param_sync", synced)  # noqa: B010
 
 
 def replay_forward_backward(

@@ -136,7 +136,9 @@ def refine_by_replay(finding: Finding, stats: StepStats, replay: Replay, *,
         # made the value is not in them (a non-deterministic kernel, state outside the
         # RNG, a device fault: `pinpoint.rerun`).
         return {"reproduced": False, "verdict": "transient", **rerun_context(params)}, True
-    update = {k: v for k, v in found.items() if v is not None or k == "reproduced"}
+    # The rank stays the one the finding was located on (the replay's checker says 0).
+    update = {k: v for k, v in found.items()
+              if (v is not None or k == "reproduced") and k != "rank"}
     if isinstance(found.get("reproduced"), bool):  # the replay re-ran the step bit for bit
         update["verdict"] = "reproducible" if found["reproduced"] else "transient"
         update.update(rerun_context(params))

@@ -27,7 +27,8 @@ from nanguard.integrations import distributed
 from nanguard.pinpoint.inprocess import _KeepBuffers, local
 from nanguard.watch import rng
 
-VERDICTS = ("reproducible", "transient")
+VERDICTS = ("reproducible", "transient", "persistent")
+"""`persistent` (on rank r) comes only from a cross-rank re-run (`pinpoint.xrank`)."""
 
 
 def alarms_to_explain(alarms: list[Any]) -> list[Any]:
@@ -57,6 +58,32 @@ def context(params: list[torch.Tensor]) -> dict[str, Any]:
             "device": params[0].device.type if params else "cpu"}
 
 
+def run_again(compute_loss: Callable[[Any], torch.Tensor], *, model: nn.Module,
+              trainable: list[torch.Tensor], batch: Any, step_rng: dict[str, Any] | None
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+    """One more forward and backward of `batch` from the RNG states `step_rng` (None: as they
+    are), on this rank alone (`local`): the loss and the gradients of `trainable`, with
+    `torch.autograd.grad` so `.grad` stays as it is; the buffers and RNG states are put back."""
+    now = rng.capture()
+    keep = _KeepBuffers(model)
+    try:
+        if step_rng is not None:
+            rng.restore(step_rng)
+        with local(model):
+            out = compute_loss(batch)
+            grads = torch.autograd.grad(out, trainable, allow_unused=True)
+    finally:
+        keep.__exit__()
+        rng.restore(now)
+    return out, grads
+
+
+def grad_norm(grads: tuple[torch.Tensor | None, ...]) -> float:
+    """The float64 norm of a re-run's gradients (inf when one overflows or is non-finite)."""
+    sq = sum(float(g.detach().double().pow(2).sum()) for g in grads if g is not None)
+    return math.sqrt(sq) if math.isfinite(sq) else math.inf
+
+
 def rerun_verdict(
     compute_loss: Callable[[Any], torch.Tensor],
     *,
@@ -83,21 +110,15 @@ def rerun_verdict(
 
     Returns:
         `{verdict, loss_same, grads_same, grads_compared, differing, deterministic_algorithms,
-        device, why}`; `verdict` is `reproducible` or `transient`.
+        device, why, local_grad_norm}`; `verdict` is `reproducible` or `transient`;
+        `local_grad_norm` (under a process group only): the re-run's gradient norm on this
+        rank alone (under DDP, which
+        rank's batch carries a gradient spike all ranks see: `pinpoint.xrank`).
     """
     trainable = [p for p in params if p.requires_grad]
     reduced = distributed.active()
-    now = rng.capture()
-    keep = _KeepBuffers(model)
-    try:
-        if step_rng is not None:
-            rng.restore(step_rng)
-        with local(model):
-            out = compute_loss(batch)
-            grads = torch.autograd.grad(out, trainable, allow_unused=True)
-    finally:
-        keep.__exit__()
-        rng.restore(now)
+    out, grads = run_again(compute_loss, model=model, trainable=trainable, batch=batch,
+                           step_rng=step_rng)
     value = float(out.detach().reshape(-1)[0]) if out.numel() else float("nan")
     loss_same = loss is None or value == loss or (math.isnan(value) and math.isnan(loss))
     differing = 0 if reduced else sum(
@@ -124,4 +145,5 @@ def rerun_verdict(
     return {"verdict": verdict, "loss_same": loss_same,
             "grads_same": None if reduced else differing == 0, "grads_compared": not reduced,
             "differing": differing, "deterministic_algorithms": deterministic,
-            "device": device, "why": why}
+            "device": device, "why": why,
+            **({"local_grad_norm": grad_norm(grads)} if reduced else {})}
