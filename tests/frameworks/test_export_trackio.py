@@ -73,11 +73,14 @@ from nanguard.export import trackio as ng
 
 def read(name, until=None):
     deadline = time.monotonic() + 30
-    while True:  # trackio writes from a thread of its own: poll until the step is there
+    while True:  # trackio writes from a thread of its own (logs and alerts each on their
+        # own schedule: seen under load, the step's log there before its alert): poll for both
         logs = SQLiteStorage.get_logs("ng", name)
-        if until is None or any(r["step"] == until and "nanguard/loss" in r for r in logs) \\
+        alerts = SQLiteStorage.get_alerts("ng", run_name=name)
+        if until is None or (any(r["step"] == until and "nanguard/loss" in r for r in logs)
+                             and any(int(a["step"]) == until for a in alerts)) \\
                 or time.monotonic() > deadline:
-            return logs, SQLiteStorage.get_alerts("ng", run_name=name)
+            return logs, alerts
         time.sleep(0.2)
 
 out = {}
