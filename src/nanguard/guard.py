@@ -226,6 +226,7 @@ class Guard(StepPath):
         self._in_hook: str | None = None  # `pre` / `post` while a step hook runs
         self._agreed = False  # that hook took part in its cross-rank agreement
         self._rerun_rank: int | None = None  # the agreement asked for a cross-rank re-run
+        self._cross_rank = self._crosses_ranks()
         self._exit: distributed.LockstepExit | None = None  # owed after standing down
         self._handles = [
             *([optimizer.register_step_pre_hook(self._pre_hook),

@@ -90,6 +90,7 @@ class StepPath:
     _in_hook: str | None
     _agreed: bool
     _rerun_rank: int | None
+    _cross_rank: bool
 
     def stand_down(self, exc: BaseException, where: str) -> None:
         raise NotImplementedError  # the Guard's
@@ -393,13 +394,13 @@ class StepPath:
     def _agree_device(self) -> torch.device:
         return self.params[0].device if self.params else torch.device("cpu")
 
-    @property
-    def _cross_rank(self) -> bool:
-        """The ranks re-run an alarmed rank's batch on a peer (`pinpoint.xrank`): with a replay
-        under a process group, for a DDP model (replicas: the peer holds the same parameters;
-        a sharded or per-rank model has no peer that could compute the same step, and FSDP's
-        forward gathers across all ranks). The same on every rank: none may skip the
-        agreement."""
+    def _crosses_ranks(self) -> bool:
+        """Whether the ranks re-run an alarmed rank's batch on a peer (`pinpoint.xrank`): with
+        a replay under a process group, for a DDP model (replicas: the peer holds the same
+        parameters; a sharded or per-rank model has no peer that could compute the same step,
+        and FSDP's forward gathers across all ranks). The same on every rank (none may skip
+        the agreement); decided once, when the Guard is built (`_cross_rank`: no call on the
+        quiet path)."""
         return (self.replay is not None and self.config.detect.cross_rank_rerun
                 and isinstance(self.model, DistributedDataParallel) and distributed.active())
 
