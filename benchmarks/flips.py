@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from nanguard import Guard, GuardConfig, RecordConfig
+from nanguard import DetectConfig, Guard, GuardConfig, RecordConfig
 from nanguard.scenarios.cascade import DIM, make_cascade
 from nanguard.testing import FaultInjector, Flip
 
@@ -111,7 +111,7 @@ def _heldout(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x @ w
 
 
-def run(seed: int, steps: int, out: Path, plan: dict[str, Any] | None
+def run(seed: int, steps: int, out: Path, plan: dict[str, Any] | None, rerun_every: int = 0
         ) -> tuple[float, Any, Flip | None]:
     """Train one seed for `steps` steps under a Guard, with one planned flip (or none).
 
@@ -122,7 +122,8 @@ def run(seed: int, steps: int, out: Path, plan: dict[str, Any] | None
     def replay(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return s.loss_fn(model(batch[0]), batch[1])
 
-    cfg = GuardConfig(record=RecordConfig(out=str(out), summary=False))
+    cfg = GuardConfig(record=RecordConfig(out=str(out), summary=False),
+                      detect=DetectConfig(rerun_every=rerun_every))
     guard = Guard(model, s.optimizer, config=cfg, replay=replay)
     injector = FaultInjector(model, s.optimizer, seed=seed)
     flip = None
@@ -208,6 +209,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0, help="draws the flips")
     ap.add_argument("--quick", action="store_true", help="6 flips, 2 seeds, 40 steps")
     ap.add_argument("--trials", action="store_true", help="every trial in the JSON line")
+    ap.add_argument("--rerun-every", type=int, default=0,
+                    help="DetectConfig.rerun_every: re-run every Nth quiet step (0: off)")
     args = ap.parse_args(argv)
     if args.quick:
         args.flips, args.seeds, args.steps = 6, 2, 40
@@ -228,11 +231,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         clean: dict[int, float] = {}
         clean_alarms: dict[int, int] = {}
         for seed in range(args.seeds):
-            clean[seed], report, _ = run(seed, args.steps, Path(tmp) / f"clean{seed}", None)
+            clean[seed], report, _ = run(seed, args.steps, Path(tmp) / f"clean{seed}", None,
+                                            args.rerun_every)
             clean_alarms[seed] = len(report.alarms)
         trials = []
         for i, plan in enumerate(todo):
-            final, report, flip = run(plan["seed"], args.steps, Path(tmp) / f"f{i}", plan)
+            final, report, flip = run(plan["seed"], args.steps, Path(tmp) / f"f{i}", plan,
+                                       args.rerun_every)
             assert flip is not None and flip.fired, plan
             trials.append(Trial(seed=plan["seed"], flip=flip, bit_class=plan["bit_class"],
                                 final_loss=final, clean_loss=clean[plan["seed"]],

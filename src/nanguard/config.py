@@ -146,6 +146,15 @@ class DetectConfig:
     that agreement (one int32 all-reduce per step, as acting policies pay). False: each rank
     re-runs only its own batch."""
 
+    rerun_every: int = 0
+    """Opt-in silent-corruption check (`Guard(replay=...)` or `nanguard run` needed): re-run
+    one quiet step every N steps before its update, from the same parameters, RNG states and
+    batch, and compare its loss and gradients bit for bit (`nanguard.pinpoint.rerun`). A step
+    that re-runs differently is a `rerun_mismatch` alarm with the verdict `transient` (a flipped
+    bit or a non-deterministic kernel that left every value in range, which no detector of
+    values can see). Costs one more forward and backward every N steps (N=1 doubles the step);
+    alarmed steps are re-run anyway. 0 (default) disables it."""
+
     lead_window: int = 10
     """report.json's `first_warning` is the first alarm within this many steps before the first
     non-finite value (an unrelated spike long before does not count as a warning of it)."""
@@ -427,6 +436,9 @@ class GuardConfig:
         if self.detect.replica_every < 0:
             raise ValueError("detect.replica_every must be >= 0 (0 disables the check), "
                              f"got {self.detect.replica_every}")
+        if self.detect.rerun_every < 0:
+            raise ValueError("detect.rerun_every must be >= 0 (0 disables the check), "
+                             f"got {self.detect.rerun_every}")
         if r.skip_escalation not in ("raise", "rollback"):
             raise ValueError(f"unknown recover.skip_escalation {r.skip_escalation!r}; "
                              "use one of: raise, rollback")

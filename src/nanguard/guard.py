@@ -182,6 +182,7 @@ class Guard(StepPath):
         self._by_phase = {"pre": pre, "post": post, "both": pre + post}
         self._gate = QuietGate(self.detectors)
         """Steps no detector could alarm on: their state updates only (`detect.gate`)."""
+        self._rerun_every = cfg.detect.rerun_every
 
         self.step = 0
         self._last_stats: StepStats | None = None

@@ -74,6 +74,7 @@ class StepPath:
     step: int
     _param_order: list[int]
     _by_phase: dict[str, list[Detector]]
+    _rerun_every: int
     _gate: QuietGate
     _current: Pending | None
     _pending: list[Pending]
@@ -376,6 +377,8 @@ class StepPath:
         if alarms:
             for a in alarms_to_explain(alarms):  # spikes; an overflow at step 0
                 self._explain_spike(stats, a)
+        elif phase != "post" and self._rerun_every and stats.step % self._rerun_every == 0:
+            alarms += self._sampled_rerun(stats)
         if signals:
             log = self.log
             if log.finding is None:
@@ -513,6 +516,25 @@ class StepPath:
             found["alarm"] = alarm.kind
         self.log.add_spike(stats.step, found)
         alarm.message += pinpoint.spike_note(found)
+
+    def _sampled_rerun(self, stats: StepStats) -> list[Alarm]:
+        """`DetectConfig.rerun_every`: re-run this quiet step before its update and compare
+        bit for bit; a `rerun_mismatch` alarm when it differs (its verdict is kept with the
+        spikes' ones, where the diagnosis reads re-run verdicts)."""
+        cur = self._current
+        if self.replay is None or cur is None or cur.stats is not stats:
+            return []  # no forward to re-run, or the step was read after its update
+        found = pinpoint.rerun(stats, self.replay, model=self.model, params=self.params,
+                               batches=self.batch_probe, act_probe=self.act_probe,
+                               step_rng=cur.rng, amp=self.recovery.amp is not None)
+        if found.get("verdict") != "transient":
+            return []
+        self.log.add_spike(stats.step, {"layers": [], "samples": [], "rerun": found,
+                                        "alarm": "rerun_mismatch"})
+        return [Alarm(step=stats.step, kind="rerun_mismatch", signal="rerun",
+                      value=float(found.get("differing") or 0),
+                      message=f"a sampled re-run of step {stats.step} differs from the step "
+                      f"itself: {found.get('why')}")]
 
     def _record(self, stats: StepStats, p: Pending) -> None:
         self._last_stats = stats

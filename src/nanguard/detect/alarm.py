@@ -19,6 +19,7 @@ ALARM_KINDS = (
     "replica_divergence",  # data-parallel replicas' parameters differ bit for bit
     # (nanguard.watch.replicas, every DetectConfig.replica_every steps: recorded, never acted on)
     "checkpoint_mismatch",  # a loaded checkpoint differs from the manifest of its save
+    "rerun_mismatch",  # a sampled quiet step re-ran differently (`DetectConfig.rerun_every`)
     # (nanguard.watch.loads, under `nanguard run`: recorded, never acted on)
 )
 
