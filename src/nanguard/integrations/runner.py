@@ -385,6 +385,7 @@ def _run_script(script: Path, args: list[str], disc: Discovery) -> ScriptOutcome
         script_globals = runpy.run_path(str(script), run_name="__main__")
         _end_steps(disc)
         outcome.evidence = _evidence(disc, on_error=False)
+        _attach_while_alive(disc, outcome)
         del script_globals
     except PreflightStop:
         outcome = ScriptOutcome("preflight", 0, "stopped after the preflight (--preflight-only)")
@@ -393,6 +394,7 @@ def _run_script(script: Path, args: list[str], disc: Discovery) -> ScriptOutcome
         _end_steps(disc)
         if outcome.kind != "ok":
             outcome.evidence = _evidence(disc, on_error=True)
+        _attach_while_alive(disc, outcome)
     except KeyboardInterrupt as exc:
         sigterm = isinstance(exc, Terminated)
         outcome = ScriptOutcome("interrupted", 143 if sigterm else 130,
@@ -410,6 +412,7 @@ def _run_script(script: Path, args: list[str], disc: Discovery) -> ScriptOutcome
             outcome = ScriptOutcome("error", 1, f"{type(exc).__name__}: {exc}")
             _end_steps(disc)
             outcome.evidence = _evidence(disc, on_error=True, tb=exc.__traceback__)
+            _attach_while_alive(disc, outcome)
         exc.__traceback__ = None  # let the script's frames (and tensors) go
     finally:
         # A resume point's child ends here, whichever way the script stopped in it.
@@ -458,6 +461,18 @@ def _evidence(disc: Discovery, *, on_error: bool, tb: TracebackType | None = Non
         return disc.nonfinite_evidence(on_error=on_error, tb=tb)
     except Exception:  # noqa: BLE001 - a check at the end must never fail the run
         return None
+
+
+def _attach_while_alive(disc: Discovery, outcome: ScriptOutcome) -> None:
+    """With evidence of a non-finite value and no guard yet: attach the guard now, while the
+    script's objects are still alive (its globals, or the traceback's frames). Discovery holds
+    the optimizers and modules it saw weakly; once the script's namespace is gone, whether they
+    survive to `_late_finding` depended on garbage-collection timing (seen: a run whose first
+    batch was NaN reported `unwatched` whenever bytecode caches made the start faster)."""
+    if outcome.evidence is None:
+        return
+    with contextlib.suppress(Exception):  # fail open: the evidence is still reported
+        disc.attach_unstepped()
 
 
 def _system_exit(exc: SystemExit) -> ScriptOutcome:
