@@ -81,3 +81,31 @@ def test_healthy_run_is_unchanged_and_quiet(tmp_path):
 def test_a_negative_interval_is_a_user_error():
     with pytest.raises(ValueError, match="rerun_every must be >= 0"):
         GuardConfig(detect=DetectConfig(rerun_every=-1))
+
+
+def test_nanguard_run_rerun_every(tmp_path):
+    """Zero code: `nanguard run --rerun-every 1` on a script that flips one in-range bit of an
+    activation at step 15 (its own FaultInjector): the alarm and the cause name that step;
+    a negative interval is a one-line usage error."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = root / "tests" / "programs" / "scripts" / "flipped_mlp.py"
+    env = {"PYTHONPATH": str(root / "src"), "PATH": "/usr/bin:/bin"}
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "nanguard", "run", "--rerun-every", "1",
+                        "--out", str(out), str(script), "--flip-at", "15"],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "step 15 rerun_mismatch" in r.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert [(a["step"], a["kind"]) for a in report["alarms"]] == [(15, "rerun_mismatch")]
+    assert report["diagnosis"][0]["cause"] == "nondeterministic"
+    bad = subprocess.run([sys.executable, "-m", "nanguard", "run", "--rerun-every", "-1",
+                          str(script)], capture_output=True, text=True, timeout=60, env=env,
+                         cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
+    assert "--rerun-every must be >= 0" in bad.stderr

@@ -69,6 +69,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="measure per-module activation abs-max (headroom to the dtype's limit, "
                         "the forecast of an overflow) every N steps (default 10; 0 turns it "
                         "off; a torch.compile'd model is not hooked)")
+    p.add_argument("--rerun-every", type=int, default=0, metavar="N",
+                   help="re-run one quiet step every N steps before its update and compare it "
+                        "bit for bit: a step that computes differently the second time is a "
+                        "rerun_mismatch alarm (a flipped bit, a faulty device, a "
+                        "non-deterministic kernel); one more forward and backward every N "
+                        "steps (default 0: off)")
     p.add_argument("--preflight", action="store_true",
                    help="check init, loss numerics and LR on copies at the first optimizer "
                         "step, print the verdict, then train on")
@@ -96,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--fork-every must be >= 0, got {args.fork_every}")
     if args.activations_every < 0:
         raise ValueError(f"--activations-every must be >= 0, got {args.activations_every}")
+    if args.rerun_every < 0:
+        raise ValueError(f"--rerun-every must be >= 0, got {args.rerun_every}")
     from nanguard.show.live import ensure_handler, set_level
 
     set_level(args.log_level, quiet=args.quiet)
@@ -106,5 +114,5 @@ def run(args: argparse.Namespace) -> int:
         script=args.script, args=list(args.args), out=args.out, policy=args.policy,
         replay_budget=args.replay_budget, fork_every=args.fork_every, merge_wait=args.merge_wait,
         preflight=args.preflight, preflight_only=args.preflight_only,
-        activations_every=args.activations_every,
+        activations_every=args.activations_every, rerun_every=args.rerun_every,
     ))

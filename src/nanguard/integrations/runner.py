@@ -67,7 +67,7 @@ from types import TracebackType
 from typing import Any
 
 from nanguard.audit.preflight_live import LivePreflight, PreflightStop, verdict_lines
-from nanguard.config import GuardConfig, RecordConfig, WatchConfig
+from nanguard.config import DetectConfig, GuardConfig, RecordConfig, WatchConfig
 from nanguard.errors import NanguardError
 from nanguard.integrations import resume
 from nanguard.integrations.discovery import Discovery, Watched
@@ -107,6 +107,9 @@ class RunOptions:
     activations_every: int = 10
     """Per-module activation abs-max every N steps (0: off): the headroom to the dtype's
     limit and the forecast of an overflow, cheaply (hooks return at once between samples)."""
+    rerun_every: int = 0
+    """`DetectConfig.rerun_every`: re-run one quiet step every N steps and compare bit for
+    bit (0: off)."""
     summary: bool = True
     preflight: bool = False
     """Run the preflight at the script's first optimizer step, then train on."""
@@ -179,6 +182,7 @@ def run(opts: RunOptions) -> int:
     disc = Discovery(lambda i: folder / f"optimizer-{i}", policy=opts.policy,
                      config=GuardConfig(
                          record=RecordConfig(summary=False),
+                         detect=DetectConfig(rerun_every=opts.rerun_every),
                          watch=WatchConfig(activations=opts.activations_every > 0,
                                            activations_every=max(1, opts.activations_every))),
                      preflight=live if live is not None and not live.done else None)
