@@ -116,7 +116,11 @@ def _worker(rank: int, port: int, rounds: int) -> None:
 LM_CONFIGS = ("plain", "no_check", "ride", "separate")
 
 
-def _lm_worker(rank: int, port: int, rounds: int, quick: bool, out: str) -> None:
+def ddp_lm_rounds(rank: int, port: int, rounds: int, quick: bool, configs: tuple[str, ...],
+                  make_guard):  # type: ignore[no-untyped-def]
+    """The LM of overhead.py in DDP on 2 gloo ranks, one model per config (`make_guard(name,
+    model, opt, wl)`: its Guard, or None), stepped once each per round in a seeded shuffled
+    order (the same on both ranks), 3 warm-up rounds. Returns (workload, runs, step times)."""
     import random
     import sys
     from pathlib import Path
@@ -124,7 +128,6 @@ def _lm_worker(rank: int, port: int, rounds: int, quick: bool, out: str) -> None
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from nanguard import DetectConfig, Guard, GuardConfig, RecordConfig
     from overhead import lm_workload
 
     torch.set_num_threads(1)
@@ -132,22 +135,14 @@ def _lm_worker(rank: int, port: int, rounds: int, quick: bool, out: str) -> None
                             world_size=2)  # fmt: skip
     wl = lm_workload(quick, 0, torch.device("cpu"))
     runs = {}
-    for name in LM_CONFIGS:
+    for name in configs:
         model, opt = wl.build()
         model = DDP(model)
-        guard = None
-        if name != "plain":
-            cfg = GuardConfig(detect=DetectConfig(replica_every=0 if name == "no_check" else 1),
-                              record=RecordConfig(summary=False))
-            guard = Guard(model, opt, policy="skip", out=f"{out}/{name}-{rank}", config=cfg)
-            if name == "separate":
-                assert guard.replicas is not None
-                guard.replicas.rides = False
-        runs[name] = (model, opt, guard)
-    times: dict[str, list[float]] = {n: [] for n in LM_CONFIGS}
+        runs[name] = (model, opt, make_guard(name, model, opt, wl))
+    times: dict[str, list[float]] = {n: [] for n in configs}
     warmup = 3
     for r in range(warmup + rounds):
-        order = list(LM_CONFIGS)
+        order = list(configs)
         random.Random(r).shuffle(order)
         x, y = wl.batches[(r + rank) % len(wl.batches)]
         for name in order:
@@ -161,6 +156,24 @@ def _lm_worker(rank: int, port: int, rounds: int, quick: bool, out: str) -> None
             opt.step()
             if r >= warmup:
                 times[name].append(time.perf_counter() - t0)
+    return wl, runs, times
+
+
+def _lm_worker(rank: int, port: int, rounds: int, quick: bool, out: str) -> None:
+    from nanguard import DetectConfig, Guard, GuardConfig, RecordConfig
+
+    def make_guard(name, model, opt, wl):  # type: ignore[no-untyped-def]
+        if name == "plain":
+            return None
+        cfg = GuardConfig(detect=DetectConfig(replica_every=0 if name == "no_check" else 1),
+                          record=RecordConfig(summary=False))
+        guard = Guard(model, opt, policy="skip", out=f"{out}/{name}-{rank}", config=cfg)
+        if name == "separate":
+            assert guard.replicas is not None
+            guard.replicas.rides = False
+        return guard
+
+    wl, runs, times = ddp_lm_rounds(rank, port, rounds, quick, LM_CONFIGS, make_guard)
     if rank == 0:
         plain = statistics.median(times["plain"]) * 1e3
         base = statistics.median(times["no_check"]) * 1e3

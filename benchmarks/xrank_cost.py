@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import socket
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -32,44 +30,19 @@ CONFIGS = ("plain", "off", "on")
 
 
 def _worker(rank: int, port: int, rounds: int, quick: bool, out: str) -> None:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from nanguard import DetectConfig, Guard, GuardConfig, RecordConfig
-    from overhead import lm_workload
+    from replicas import ddp_lm_rounds
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)  # fmt: skip
-    wl = lm_workload(quick, 0, torch.device("cpu"))
-    runs = {}
-    for name in CONFIGS:
-        model, opt = wl.build()
-        model = DDP(model)
-        guard = None
-        if name != "plain":
-            cfg = GuardConfig(detect=DetectConfig(cross_rank_rerun=name == "on"),
-                              record=RecordConfig(summary=False))
-            guard = Guard(model, opt, out=f"{out}/{name}-{rank}", config=cfg,
-                          replay=lambda b, m=model: wl.loss(m(b[0]), b[1]))
-        runs[name] = (model, opt, guard)
-    times: dict[str, list[float]] = {n: [] for n in CONFIGS}
-    warmup = 3
-    for r in range(warmup + rounds):
-        order = list(CONFIGS)
-        random.Random(r).shuffle(order)
-        x, y = wl.batches[(r + rank) % len(wl.batches)]
-        for name in order:
-            model, opt, guard = runs[name]
-            t0 = time.perf_counter()
-            loss = wl.loss(model(x), y)
-            if guard is not None:
-                guard.watch(loss=loss, batch=(x, y))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if r >= warmup:
-                times[name].append(time.perf_counter() - t0)
+    def make_guard(name, model, opt, wl):  # type: ignore[no-untyped-def]
+        if name == "plain":
+            return None
+        cfg = GuardConfig(detect=DetectConfig(cross_rank_rerun=name == "on"),
+                          record=RecordConfig(summary=False))
+        return Guard(model, opt, out=f"{out}/{name}-{rank}", config=cfg,
+                     replay=lambda b, m=model: wl.loss(m(b[0]), b[1]))
+
+    wl, runs, times = ddp_lm_rounds(rank, port, rounds, quick, CONFIGS, make_guard)
     if rank == 0:
         plain = statistics.median(times["plain"]) * 1e3
         print(f"lm: {wl.describe}; DDP on 2 gloo ranks, policy='observe' with replay=, "
