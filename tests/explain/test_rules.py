@@ -376,3 +376,69 @@ def test_healthy_run_has_no_diagnosis() -> None:
     report = _loop(m, torch.optim.SGD(m.parameters(), lr=0.01), _batches(60))
     assert report.status == "healthy"
     assert report.diagnosis == []
+
+
+def _big_update_ev(ratio: float, at: int, fails: int = 1) -> Evidence:
+    return Evidence(first_nonfinite={"step": fails, "phase": "forward", "op": "aten.exp",
+                                     "inputs": [{"dtype": "float32", "min": -1.0,
+                                                 "max": 97.0}]},
+                    lr=0.3, optimizer="Adam",
+                    history=[{"step": at, "loss": 0.4, "grad_norm": 0.47, "lr": 0.3,
+                              "update_ratio": ratio}])
+
+
+def test_an_update_that_replaced_the_weights_is_ranked_above_the_op_it_overflowed() -> None:
+    causes = diagnose(_big_update_ev(0.98, at=0))
+    assert [c.cause for c in causes[:2]] == ["optimizer_divergence", "exp_overflow"]
+    assert "0.98x their norm" in causes[0].evidence
+    assert "lr=0.3 -> lr=0.003" in causes[0].fix  # ~1% of the weights a step: 100x
+    # An ordinary first update (a healthy VAE at lr 1e-2: 0.12), a zero-initialised model's
+    # (exactly 1: the weights were all zero), and a big update long before the failure are
+    # not evidence against the LR.
+    for ev in (_big_update_ev(0.12, at=0), _big_update_ev(1.0, at=0),
+               _big_update_ev(0.98, at=0, fails=30)):
+        assert [c.cause for c in diagnose(ev)][:1] == ["exp_overflow"]
+
+
+class _VAE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(64, 128), nn.ReLU())
+        self.mu, self.logvar = nn.Linear(128, 8), nn.Linear(128, 8)
+        self.dec = nn.Sequential(nn.Linear(8, 128), nn.ReLU(), nn.Linear(128, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.enc(x)
+        mu, lv = self.mu(h), self.logvar(h)
+        z = mu + torch.randn_like(mu) * torch.exp(0.5 * lv)
+        kl = -0.5 * torch.mean(1 + lv - mu.pow(2) - lv.exp())
+        return nn.functional.mse_loss(self.dec(z), x) + kl
+
+
+@pytest.mark.parametrize("lr", [0.3, 5.0])
+def test_vae_at_a_typo_lr_blames_the_lr_not_the_exp(tmp_path, lr: float) -> None:
+    """A VAE whose KL term's exp(logvar) overflows at step 1 because Adam at this LR
+    replaced the weights at step 0 (the update ratio checked here without nanguard)."""
+    torch.manual_seed(0)
+    m = _VAE()
+    opt = torch.optim.Adam(m.parameters(), lr=lr)
+    g = nanguard.Guard(m, opt, out=tmp_path, config=GuardConfig(record=RecordConfig(
+        summary=False)))
+    data = torch.rand(256, 64)
+    before = torch.cat([p.detach().flatten().clone() for p in m.parameters()])
+    losses = []
+    for i in range(4):
+        loss = m(data[i * 64:(i + 1) * 64])
+        g.watch(loss=loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if i == 0:
+            after = torch.cat([p.detach().flatten() for p in m.parameters()])
+            assert ((after - before).norm() / after.norm()).item() > 0.5  # replaced
+    report = g.close()
+    assert math.isfinite(losses[0]) and not math.isfinite(losses[1])
+    assert report.first_nonfinite["step"] == 1
+    assert report.diagnosis[0]["cause"] == "optimizer_divergence", report.diagnosis
+    assert "update of step 0" in report.diagnosis[0]["evidence"]

@@ -190,6 +190,33 @@ def _jump(ev: Evidence) -> dict[str, Any] | None:
     return None
 
 
+BIG_UPDATE = 0.5
+"""An update at least half the size of the weights it changes (`update_ratio`, measured
+against the weights after it): ordinary training moves them ~1e-4 to ~1e-2 of their norm a
+step (a healthy small VAE under Adam at lr 1e-2: 0.12 at its first step, 0.03 ten steps
+later); this replaces them."""
+
+BIG_UPDATE_WINDOW = 10
+"""How many steps before the failure such an update counts: update ratios are sampled every
+`WatchConfig.update_ratio_every` (10) steps, step 0 always."""
+
+
+def _big_update(ev: Evidence) -> dict[str, Any] | None:
+    """The first measured update at most `BIG_UPDATE_WINDOW` steps before the failing step
+    that moved the weights by at least `BIG_UPDATE` of their norm: {step, ratio}, else None.
+    A ratio of exactly 1 says the weights were all zero before it (a zero-initialised model's
+    first update), not that the update was large: it does not count."""
+    if ev.step is None:
+        return None
+    for h in sorted(ev.history, key=lambda h: h.get("step", 0)):
+        s = h.get("step", 0)
+        r = _num(h.get("update_ratio"), math.nan)
+        if (0 <= ev.step - s - 1 < BIG_UPDATE_WINDOW and math.isfinite(r) and r >= BIG_UPDATE
+                and r != 1.0):
+            return {"step": s, "ratio": r}
+    return None
+
+
 def _healthy_grad_norm(ev: Evidence, before: int | None = None) -> float | None:
     """The median finite grad norm of the recorded steps before step `before` (the jump), else
     the guard's healthy median, else the median of all recorded steps."""
@@ -881,7 +908,8 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
         (ev.inputs[0].get("dtype") if ev.inputs else None) or ev.dtype)
     if huge and _singular_input(ev)[0] in ("zero", "tiny") and _singular_node(ev):
         huge = False  # a singular point explains it (singular_gradient)
-    if not (warn or jump or huge):
+    big = _big_update(ev)
+    if not (warn or jump or huge or big):
         return None
     ordinary = _ordinary_before(ev) if huge and not (warn or jump) else None
     why: list[str] = []
@@ -908,10 +936,20 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
                    "a singular point)")
     if ordinary:
         why.append(f"one update earlier the run was ordinary ({ordinary})")
+    if big:
+        why.append(f"the update of step {big['step']} moved the weights by {big['ratio']:.3g}x "
+                   "their norm (ordinary training: ~1e-4 to ~1e-2 a step)")
     factor, basis = _lr_cut(ev, jump, spike_ratio)
-    strong = bool(warn or jump or ordinary)
-    # Warned but never non-finite: 0.6.
-    conf = 0.6 if ev.step is None else 0.85 if strong else 0.65
+    if big and not (warn or jump):
+        # The ratio is measured against the weights after the update: it saturates near 1,
+        # so the cut it implies (to ~1% of the weights a step) is a lower bound.
+        factor = max(10.0, 10.0 ** round(math.log10(big["ratio"] / 0.01)))
+        basis = (f"to bring the {big['ratio']:.3g}x update of step {big['step']} to ~1% of "
+                 "the weights a step")
+    strong = bool(warn or jump or ordinary or big)
+    # Warned but never non-finite: 0.6. An update that replaced the weights explains the
+    # out-of-range input of whatever op overflowed next: ranked above that op's own cause.
+    conf = 0.6 if ev.step is None else 0.92 if big else 0.85 if strong else 0.65
     probe = (ev.preflight or {}).get("lr_probe") or {}
     div, sug = _num(probe.get("diverge_lr"), math.nan), _num(probe.get("suggested_lr"), math.nan)
     if math.isfinite(div) and ev.lr is not None:
@@ -960,8 +998,9 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
     return _weigh_verdict(ev, Cause(
         cause="optimizer_divergence",
         confidence=conf,
-        evidence=f"{ev.optimizer or 'the optimizer'}{mom} at {lr} amplified the error step "
-        "after step: " + "; ".join(why)
+        evidence=f"{ev.optimizer or 'the optimizer'}{mom} at {lr} "
+        + ("replaced the weights in one update: " if big and not (warn or jump)
+           else "amplified the error step after step: ") + "; ".join(why)
         + ("" if strong else " (no alarm or loss history shows the growth)"),
         fix=f"{fixes[0]}; {fixes[1]}; add a warm-up; or let nanguard recover: {_rollback(ev)}",
     ))

@@ -187,11 +187,13 @@ class StepStats:
     def record(self) -> dict[str, Any]:
         """The magnitudes of this step a diagnosis reads (`Guard.run_log()["history"]`): `step`,
         `loss`, `grad_norm` (global; None when no gradient was measured), `act_max` (largest
-        finite activation abs-max) and `lr`. Plain floats, NaN/Inf kept."""
+        finite activation abs-max), `lr` and `update_ratio` (None on steps not sampled). Plain
+        floats, NaN/Inf kept."""
         acts = [v for v in self.activations.values() if math.isfinite(v)]
         return {"step": self.step, "loss": self.loss,
                 "grad_norm": self.grad_norm if self.grad_norms else None,
-                "act_max": max(acts) if acts else None, "lr": self.lr}
+                "act_max": max(acts) if acts else None, "lr": self.lr,
+                "update_ratio": self.update_ratio}
 
     def assume_overflow(self) -> None:
         """Call infinite (not NaN) norms overflows of finite values. Sound when the parameters
