@@ -442,3 +442,33 @@ def test_vae_at_a_typo_lr_blames_the_lr_not_the_exp(tmp_path, lr: float) -> None
     assert report.first_nonfinite["step"] == 1
     assert report.diagnosis[0]["cause"] == "optimizer_divergence", report.diagnosis
     assert "update of step 0" in report.diagnosis[0]["evidence"]
+
+
+def test_after_heal_cut_the_lr_the_fix_starts_where_the_run_ended_not_at_a_rollback() -> None:
+    """A run under `heal` that cut the LR twice (0.05 -> 0.0125) and still warned: the fix
+    proposes the LR the run ended at (its own history), and not a recovery that already ran;
+    the summary's heal line says where the cuts began and how far they went."""
+    from nanguard.record.report import Report
+    from nanguard.show.summary import heal_line
+
+    actions = [{"step": 205, "action": "heal_clip", "detail": "..."},
+               {"step": 260, "action": "lr_cut", "detail": "..."},
+               {"step": 359, "action": "lr_cut", "detail": "..."}]
+    history = [{"step": s, "grad_norm": 0.5, "loss": 2.8, "lr": lr}
+               for s, lr in ((300, 0.025), (400, 0.0125), (401, 0.0125))]
+    ev = Evidence(alarms=[{"step": 321, "kind": "cascade", "signal": "grad_norm",
+                           "value": 1.7, "message": "grew"}],
+                  lr=0.05, optimizer="AdamW", history=history, actions=actions, entry="run")
+    fix = R.optimizer_divergence(ev).fix
+    assert "heal cut it 2 times in this run, lr=0.05 -> lr=0.0125 (0.25x)" in fix, fix
+    assert "start at or below lr=0.0125" in fix
+    assert "--policy rollback" not in fix and "acted in this run (heal_clip, lr_cut" in fix
+    plain = R.optimizer_divergence(Evidence(alarms=ev.alarms, lr=0.05, history=history,
+                                            entry="run")).fix
+    assert "--policy rollback" in plain and "heal cut" not in plain  # no action, as before
+    report = Report(run={"policy": "heal", "recovery": {"heal": {
+        "updates_clipped": 3, "cuts": [{"step": 260, "action": "lr_cut", "lr": 0.05},
+                                       {"step": 359, "action": "lr_cut", "lr": 0.025}],
+        "lr_factor": 0.25, "cause": "the LR: lr 0.025; 2 grad-norm spikes within 38 steps"}}})
+    assert heal_line(report).endswith(
+        "within 38 steps (LR cuts from lr 0.05: x0.25 of the scheduler's in all)")

@@ -42,7 +42,7 @@ def evidence_from_log(log: Mapping[str, Any]) -> Evidence:
 
     Keys read (each optional): `first_nonfinite`, `alarms`, `optimizer` (`name`, `lr`,
     `momentum`, `eps`, `dtype`), `failing` (the first failing step: `lr`, `bad_tensors`,
-    `n_batch_tensors`), `healthy_grad_norm`, `history` (step records), `lead_window`,
+    `n_batch_tensors`), `healthy_grad_norm`, `history` (step records), `actions`, `lead_window`,
     `script_clip` (the `max_norm` of the script's own clipping, 0 when off), `entry` (`run` for
     `nanguard run`, else `api`), `preflight` (`nanguard run --preflight`'s verdict) and
     `spikes` (their `rerun` verdicts, with `first_nonfinite.verdict`: `Evidence.reruns`).
@@ -70,6 +70,7 @@ def evidence_from_log(log: Mapping[str, Any]) -> Evidence:
         clip=_float_or_none(log.get("script_clip")),
         entry=str(log.get("entry") or "api"),
         preflight=_preflight(log.get("preflight")),
+        actions=list(log.get("actions") or []),
         reruns=_reruns(log.get("spikes") or [], first),
     )
 

@@ -73,6 +73,10 @@ class Evidence:
     agreed, with `rank` (the rank whose batch was re-run: the faulty one when `persistent`),
     `cross_rank` (`rank`, `peer`, `loss_same`, `grads_same`, `why`) and `local_verdict` (this
     rank's own re-run's)."""
+    actions: list[dict[str, Any]] = field(default_factory=list)
+    """What a recovery policy did during the run (`step`, `action`, `detail`; report.json
+    `actions`): a fix does not propose the recovery that already ran, and after `heal`'s LR
+    cuts it starts from the LR the run ended at."""
     preflight: dict[str, Any] | None = None
     """The preflight's verdict when one ran before training (`nanguard run --preflight`,
     report.json `run.preflight`): `findings` (`code`, `severity`, `location`, `details`),

@@ -151,10 +151,31 @@ def _where(ev: Evidence) -> str:
 
 
 def _rollback(ev: Evidence) -> str:
-    """How this user turns on nanguard's own recovery."""
+    """The fix's last clause: how this user turns on nanguard's own recovery, or, when a
+    recovery policy already acted in this run, that it did (not a second proposal)."""
+    done = sorted({str(a.get("action")) for a in ev.actions} & set(_RECOVERY))
+    if done:
+        return f"nanguard's recovery acted in this run ({', '.join(done)}: see its actions)"
     if ev.entry == "run":
-        return "`nanguard run --policy rollback <your script> ...`"
-    return "`Guard(..., policy='rollback')`"
+        return "or let nanguard recover: `nanguard run --policy rollback <your script> ...`"
+    return "or let nanguard recover: `Guard(..., policy='rollback')`"
+
+
+_RECOVERY = ("skip", "rollback", "heal_clip", "wd_cut", "lr_cut")
+"""Actions of nanguard's recovery policies (report.json `actions`; `record.runlog.RECOVERING`)."""
+
+
+def _healed_lr(ev: Evidence) -> tuple[int, float] | None:
+    """(number of `heal` LR cuts, the LR the last recorded step used) when heal cut the LR
+    during the run: the LR the run went on at, measured, not derived from the cut's text."""
+    cuts = sum(1 for a in ev.actions if a.get("action") == "lr_cut")
+    if not cuts:
+        return None
+    for h in sorted(ev.history, key=lambda h: h.get("step", 0), reverse=True):
+        lr = _num(h.get("lr"), math.nan)
+        if math.isfinite(lr) and lr > 0:
+            return cuts, lr
+    return None
 
 
 def _batch_evidence(ev: Evidence) -> bool:
@@ -981,7 +1002,7 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
             "step after step: " + "; ".join(why),
             fix=f"lower the weight decay (weight_decay={wd:g} -> weight_decay={target:.3g}: "
             f"lr * weight_decay = {ev.lr * target:.3g}, far below 1; your {lr} is ordinary "
-            f"and stays); or let nanguard recover: {_rollback(ev)}",
+            f"and stays); {_rollback(ev)}",
         ))
     sched = ""
     if ev.lr is not None:
@@ -992,6 +1013,11 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
     else:
         new_lr = f"your LR / {factor:.3g}"
     lower = f"lower the LR ({lr} -> {new_lr}: {factor:.3g}x smaller, {basis}{sched})"
+    healed = _healed_lr(ev)
+    if healed is not None and ev.lr is not None and healed[1] < ev.lr:
+        n, at = healed
+        lower = (f"lower the LR: heal cut it {n} time{'s' if n > 1 else ''} in this run, {lr} "
+                 f"-> lr={at:.3g} ({at / ev.lr:.3g}x); start at or below lr={at:.3g}")
     clip = _clip_fix(ev, healthy)
     # A script that turned its own clipping off: turning it back on is the first fix.
     fixes = [clip, lower] if ev.clip == 0 else [lower, clip]
@@ -1002,7 +1028,7 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
         + ("replaced the weights in one update: " if big and not (warn or jump)
            else "amplified the error step after step: ") + "; ".join(why)
         + ("" if strong else " (no alarm or loss history shows the growth)"),
-        fix=f"{fixes[0]}; {fixes[1]}; add a warm-up; or let nanguard recover: {_rollback(ev)}",
+        fix=f"{fixes[0]}; {fixes[1]}; add a warm-up; {_rollback(ev)}",
     ))
 
 
@@ -1242,15 +1268,13 @@ def nondeterministic(ev: Evidence) -> Cause | None:
                        "race)")
             fix = ("test the device (memory errors: ECC counters, a memory test; move the job "
                    "off it if a re-run there differs again); resume from the last checkpoint "
-                   "before the step (`nanguard audit CKPT` verifies it); or let nanguard "
-                   f"recover: {_rollback(ev)}")
+                   f"before the step (`nanguard audit CKPT` verifies it); {_rollback(ev)}")
         else:
             suspect = ("deterministic algorithms were off: a non-deterministic kernel (atomic "
                        "adds, autotuning) is the first suspect, a device fault the second")
             fix = ("rerun with `torch.use_deterministic_algorithms(True)`: a re-run that still "
                    "differs points at the device (memory errors: ECC counters, a memory test); "
-                   f"resume from the last good checkpoint, or let nanguard recover: "
-                   f"{_rollback(ev)}")
+                   f"resume from the last good checkpoint; {_rollback(ev)}")
         return Cause(cause="nondeterministic", confidence=0.9,
                      evidence=f"{_rerun_text(r)}: {suspect}", fix=fix)
     if ev.reproduced is not False or (r is not None and r["verdict"] == "persistent"):

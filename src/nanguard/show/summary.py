@@ -190,9 +190,17 @@ def heal_line(report: Report) -> str | None:
     if report.run.get("policy") == "heal":
         if not heal:
             return None
+        cuts = heal.get("cuts") or []
+        lrs = [c["lr"] for c in cuts if c.get("action") == "lr_cut" and c.get("lr")]
+        factor = heal.get("lr_factor") or 1.0
+        # Several cuts: the last cut's cause names the LR it cut, already lowered by the
+        # earlier ones; say where the cuts began and how far they went in all.
+        overall = (f" (LR cuts from lr {lrs[0]:.3g}: x{factor:.3g} of the scheduler's in all)"
+                   if len(lrs) > 1 else "")
         return (f"heal: {heal.get('updates_clipped', 0)} spike precursor(s) clipped, "
-                f"{len(heal.get('cuts') or [])} cut(s)"
-                + (f"; what drove the spikes: {heal['cause']}" if heal.get("cause") else ""))
+                f"{len(cuts)} cut(s)"
+                + (f"; what drove the spikes: {heal['cause']}" if heal.get("cause") else "")
+                + overall)
     m = report.spike_measures or {}
     if any(not e.get("open") for e in m.get("episodes") or []):
         return ("remedy: policy='heal' clips the grad-norm jump that comes before a loss spike "
