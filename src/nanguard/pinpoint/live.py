@@ -27,10 +27,15 @@ Replay = Callable[[Any], torch.Tensor]
 def locate_step(stats: StepStats, param_names: list[str], rank: int, *, order: list[int],
                 buffer_names: list[str]) -> dict[str, Any]:
     """Where the first non-finite value of step `stats` showed, from its signals alone
-    (`detect.locate`), marked when it was in a batch the GradScaler skipped."""
+    (`detect.locate`), marked when it was in a batch the GradScaler skipped, or (`script`)
+    when only an activation of the step's forwards was non-finite while its loss, gradients,
+    parameters and optimizer state stayed finite: the forward that held it never reached the
+    update (the script's own `if not torch.isfinite(loss): continue`, an evaluation pass)."""
     found = locate(stats, param_names, rank, order=order, buffer_names=buffer_names)
     if stats.dropped_samples:  # the batch of a step the GradScaler skipped
         found["skipped_by"] = "GradScaler"
+    elif stats.nonfinite_signals() == ["activation"]:
+        found["skipped_by"] = "script"
     return found
 
 

@@ -36,6 +36,15 @@ def sparkline(values: Sequence[float | None]) -> str:
     return "".join(out)
 
 
+_STEPPED_OVER = {
+    "GradScaler": "the GradScaler skipped that step: no update used it",
+    "script": "no update used it: the step's loss, gradients and parameters stayed finite "
+              "(the forward that held it was stepped over: your own non-finite check, or "
+              "an evaluation pass)",
+}
+"""What `first_nonfinite.skipped_by` means for the run, said under the finding."""
+
+
 def headline(report: Report) -> str:
     """`failed after 12 steps`; a failure before any update says so instead of reading like a
     crash (`failed: non-finite at step 0, before any update`)."""
@@ -91,6 +100,8 @@ def print_summary(
         )
         if first.get("source"):
             console.print(f"    at {first['source']}")
+        if first.get("skipped_by") in _STEPPED_OVER:
+            console.print(f"    {_STEPPED_OVER[first['skipped_by']]}")
     if report.first_warning is not None and first:
         console.print(
             f"  first warning at step {report.first_warning}: "
