@@ -472,3 +472,15 @@ def test_after_heal_cut_the_lr_the_fix_starts_where_the_run_ended_not_at_a_rollb
         "lr_factor": 0.25, "cause": "the LR: lr 0.025; 2 grad-norm spikes within 38 steps"}}})
     assert heal_line(report).endswith(
         "within 38 steps (LR cuts from lr 0.05: x0.25 of the scheduler's in all)")
+
+
+def test_bfloat16_has_float32s_range_so_no_low_precision_overflow() -> None:
+    """A masked softmax under bf16 autocast (a fully padded sequence): bfloat16 holds what
+    float32 holds, so inputs of 2.75 overflow nothing; the masked row is the cause."""
+    first = {"step": 0, "phase": "forward", "op": "aten._softmax",
+             "inputs": [{"dtype": "bfloat16", "min": "-inf", "max": 2.75}]}
+    causes = diagnose(Evidence(first_nonfinite=first, dtype="bfloat16"))
+    assert [c.cause for c in causes] == ["masked_softmax"]
+    fp16 = R.low_precision_overflow(Evidence(first_nonfinite=dict(first, op="aten.mm"),
+                                             dtype="float16"))
+    assert fp16 is not None and "65504" in fp16.evidence

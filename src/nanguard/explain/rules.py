@@ -723,8 +723,13 @@ _SOFTPLUS_NEXT = ("aten.add", "aten.rsub", "aten.log1p", "aten.log", "aten.recip
 def low_precision_overflow(ev: Evidence) -> Cause | None:
     """Needs: a reduced-precision dtype and an overflow from finite inputs in forward/loss,
     with input magnitudes float32 would hold. Ruled out: inputs so large they would overflow
-    float32 too (exploding_init / optimizer_divergence). Without ranges it fires lower."""
+    float32 too (exploding_init / optimizer_divergence); a dtype with float32's range
+    (bfloat16 rounds coarsely but overflows only where float32 would). Without ranges it
+    fires lower."""
     if ev.dtype not in _LOW_PRECISION or ev.phase not in ("forward", "loss"):
+        return None
+    largest = _finfo(ev.dtype).max
+    if largest > 1e38:  # bfloat16: float32's 8-bit exponent (3.39e38 against 3.40e38)
         return None
     top = ev.magnitude
     if top is not None and top >= _overflow_scale("float32"):
@@ -732,7 +737,7 @@ def low_precision_overflow(ev: Evidence) -> Cause | None:
     return Cause(
         cause="low_precision_overflow",
         confidence=0.8 if top is not None else 0.6,
-        evidence=f"{_where(ev)} overflowed {ev.dtype} (largest value 65504 for float16)"
+        evidence=f"{_where(ev)} overflowed {ev.dtype} (its largest value: {largest:.6g})"
         + (f"; its inputs reach {top:.3g}, fine in float32" if top is not None
            else "; the input ranges were not recorded"),
         fix="use bfloat16 instead of float16, keep this op in float32 "
