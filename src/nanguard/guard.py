@@ -17,19 +17,16 @@ reductions and, in the default `observe` policy, one host read per step (or per
 `read_every` steps). Policies that act before the update (`raise`, `skip`) read the
 pre-step statistics in the pre-hook, so they make two small reads per step.
 
-This module is the Guard's public face and lifecycle (build, watch, close, state); what runs
-inside the optimizer's step is `step_path.StepPath`. What the run saw lives in its run log
-(`record.runlog`); recovery and the policy stage return effects (`recover.effects`) that
-`apply` carries out; pinpointing inside a step is `pinpoint.live`; the report is built by
-`record.closing`.
+This module is the Guard's public face and lifecycle; it orchestrates. What runs inside the
+optimizer's step is `step_path.StepPath`; how a guard is built, `wiring`; its state across a
+resume, `guard_state`. What the run saw lives in its run log (`record.runlog`); recovery and
+the policy stage return effects (`recover.effects`) that `apply` carries out; the report is
+built by `record.closing`.
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
-import time
-import weakref
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -37,17 +34,17 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from nanguard._version import __version__
+from nanguard import guard_state, wiring
 from nanguard.config import GuardConfig
-from nanguard.detect import Alarm, default_detectors
+from nanguard.detect import Alarm
 from nanguard.detect.detectors import Detector
-from nanguard.detect.gate import QuietGate
 from nanguard.integrations import distributed
 from nanguard.policy import make_policy
 from nanguard.record import ending
-from nanguard.record.closing import recovery_summary, run_report
-from nanguard.record.events import EVENT_TYPES, Event, Events, Listener
+from nanguard.record.closing import announce_finding, run_report
+from nanguard.record.events import Events, Listener
 from nanguard.record.finding import Finding
 from nanguard.record.report import Report
 from nanguard.record.runlog import RunLog
@@ -55,14 +52,12 @@ from nanguard.record.standdown import note_internal_error
 from nanguard.record.store import open_store
 from nanguard.recover.link import WeakLink
 from nanguard.recover.policy import Recovery
-from nanguard.recover.verdict import LossWatch
-from nanguard.show import live
 from nanguard.step_path import StepPath
-from nanguard.watch import replicas, rng, saturation
-from nanguard.watch.activations import ActivationProbe, dtype_max
-from nanguard.watch.batch import BatchProbe
-from nanguard.watch.stats import StepProbe, StepStats, watched_buffers
-from nanguard.watch.step import Pending, StepWatch
+from nanguard.watch import replicas, saturation
+from nanguard.watch.replicas import ReplicaCheck
+from nanguard.watch.saturation import SaturationProbe
+from nanguard.watch.stats import StepStats
+from nanguard.watch.step import StepWatch
 
 
 class Guard(StepPath):
@@ -108,6 +103,34 @@ class Guard(StepPath):
             run folder), with a one-line message that says what to do.
     """
 
+    # Set in `__init__` (the step path's own state: `StepPath`; how: `nanguard.wiring`).
+    detectors: list[Detector]  # pre-step ones first (`detect.default_detectors`)
+    steps: StepWatch
+    """The watch stage: each step's packets, read back as `StepStats`."""
+    events: Events
+    """Every alarm, action and finding as it happens; `add_listener` subscribes."""
+    log: RunLog
+    """Alarms, actions, the first non-finite finding, spikes and the steps before it."""
+    report: Report | None  # the report `close()` wrote; None before
+    run_entry: str
+    """How the user runs nanguard: `api` (this class) or `run` (`nanguard run`, set by the
+    runner); the diagnosis words its fixes for that entry point."""
+    script_clip: float | None
+    """`nanguard run`: the `max_norm` of the script's own `clip_grad_norm_` (0 when off);
+    the diagnosis weighs its fixes by it."""
+    preflight: dict[str, Any] | None
+    """`nanguard run --preflight`: its verdict, for the diagnosis."""
+    error: dict[str, Any] | None
+    """Set when nanguard stood down after an error in its own hooks (see `stand_down`)."""
+    saturation: SaturationProbe | None  # armed one step in `saturation_every`; None: off
+    replicas: ReplicaCheck | None  # replica agreement under DDP (issue 28); None: off
+    _hooked: bool  # hooks `optimizer.step()` (False: an adapter calls before/after_update)
+    _exit: distributed.LockstepExit | None  # owed to the other ranks after standing down
+    _handles: list[RemovableHandle]
+    _atexit: Callable[[], None]
+    _closed: bool
+    _ended: tuple[str, str | None]  # how the run ended (`close`; `ok` until then)
+
     def __init__(
         self,
         model: nn.Module,
@@ -125,119 +148,28 @@ class Guard(StepPath):
         on_action: Listener | None = None,
         on_finding: Listener | None = None,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise ValueError(
-                f"model must be a torch.nn.Module, got {type(model).__name__}; "
-                "pass the model you train"
-            )
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
-                "pass the optimizer whose step() trains the model"
-            )
-        cfg = dataclasses.replace(config) if config else GuardConfig()
-        if policy is not None:
-            cfg.policy = policy
-        if activations is not None:
-            cfg.watch = dataclasses.replace(cfg.watch, activations=activations)
-        if out is not None:
-            cfg.record = dataclasses.replace(cfg.record, out=str(out))
-        cfg.validate()
-        self.config = cfg
-        self.replay = replay
-        self.model = model
-        self.optimizer = optimizer
+        cfg = wiring.settle_config(model, optimizer, config, policy=policy, out=out,
+                                   activations=activations)
+        self.config, self.replay, self.model, self.optimizer = cfg, replay, model, optimizer
         # Before any hook is registered: an unwritable folder must leave the model untouched.
         self.store = self._open_store(cfg.record.out, cfg.record.if_exists)
-        self.run_entry = "api"
-        """How the user runs nanguard: `api` (this class) or `run` (`nanguard run`, set by the
-        runner); the diagnosis words its fixes for that entry point."""
-        self.script_clip: float | None = None
-        """`nanguard run`: the `max_norm` of the script's own `clip_grad_norm_` (0 when off);
-        the diagnosis weighs its fixes by it."""
-        self.preflight: dict[str, Any] | None = None
-        """`nanguard run --preflight`: its verdict, for the diagnosis."""
-        self.error: dict[str, Any] | None = None
-        """Set when nanguard stood down after an error in its own hooks (see `stand_down`)."""
-
-        self.params: list[torch.Tensor] = []
-        self.param_names: list[str] = []
-        self._param_order: list[int] = []  # module order of each parameter (locate's tiebreak)
-        self.buffer_names, buffers = watched_buffers(model)
-        self.probe = StepProbe(self.params, optimizer, buffers)
-        self._sync_params()
-        self.act_probe = (ActivationProbe(model, attention=cfg.watch.attention)
-                          if cfg.watch.activations else None)
-        self.batch_probe = BatchProbe()
-        self.steps = StepWatch(self.probe, self.batch_probe, self.act_probe, cfg.watch,
-                               on_loaded=self._loaded_finding)
-        """The watch stage: each step's packets, read back as `StepStats`."""
-        act_limit = None
-        if cfg.watch.activations:
-            dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-            act_limit = min((dtype_max(d) for d in dtypes), default=None)
-        self.detectors: list[Detector] = default_detectors(cfg.detect, act_limit)
-        pre = [d for d in self.detectors if d.phase == "pre"]
-        post = [d for d in self.detectors if d.phase == "post"]
-        self._by_phase = {"pre": pre, "post": post, "both": pre + post}
-        self._gate = QuietGate(self.detectors)
-        """Steps no detector could alarm on: their state updates only (`detect.gate`)."""
-        self._rerun_every = cfg.detect.rerun_every
-
-        self.step = 0
-        self._last_stats: StepStats | None = None
-        self._grad_baseline: dict[int, float] = {}  # per-parameter EMA of healthy grad norms
-        self._loss: torch.Tensor | None = None
-        self._pending: list[Pending] = []
-        self._current: Pending | None = None
-        self._stashed_grads: list[torch.Tensor | None] | None = None
-        self._step_rng = rng.capture()
-        self._closed = False
-        self._check_loaded = True  # state loaded before the first update: checked once
-        self._load_site: str | None = None
-        self._watch_calls = 0  # watch(loss=...) calls since the last optimizer step
-        self._skips_in_row = 0  # consecutive updates the `skip` policy discarded
-        self._losses = LossWatch()  # the loss level before any trouble, and since
-        self.report: Report | None = None
-        self.events = Events(quiet_steps=max(cfg.detect.lead_window, 10))
-        self.events.summary_follows = cfg.record.summary
-        """Every alarm, action and finding as it happens; `add_listener` subscribes."""
-        self.log = RunLog(self.store, self.events)
-        """Alarms, actions, the first non-finite finding, spikes and the steps before it."""
-        live.ensure_handler()
-        self.events.add(live.log_event)
-        for fn, kind in ((on_alarm, "alarm"), (on_action, "action"), (on_finding, "finding")):
-            if fn is not None:
-                self.add_listener(fn, only=kind)
+        self.run_entry, self.script_clip, self.preflight, self.error = "api", None, None, None
+        self.detectors = wiring.watch_stage(self)
+        wiring.step_state(self)
+        self._closed, self._ended, self.report = False, ("ok", None), None
+        self.events, self.log = wiring.record_stage(
+            self.store, cfg, on_alarm=on_alarm, on_action=on_action, on_finding=on_finding)
         self.recovery = Recovery(WeakLink(self), scheduler=scheduler, scaler=scaler)
         self.policy = make_policy(cfg.policy, cfg.acting_on, cfg.recover.max_consecutive_skips)
-
-        self.store.write_meta(
-            version=__version__, policy=cfg.policy, model=type(model).__name__,
-            optimizer=type(optimizer).__name__, started=time.time(),
-        )
-        self._write_params()
-        self.store.write_rng(0, rng.dumps(self._step_rng))
-        # Its hooks first: it disarms before this guard's pre-hook (and any replay) runs.
+        wiring.write_start(self)
+        # Their hooks before the guard's own: the saturation probe disarms before the guard's
+        # pre-hook (and any replay) runs; the replica check (DDP) is a post-hook of its own.
         self.saturation = saturation.attach(self, cfg.detect.saturation_every)
-        # Issue 28: replica agreement under DDP, its own post-hook (watch/replicas.py); None: off.
         self.replicas = replicas.attach(self, cfg.detect.replica_every,
                                         rides=cfg.policy != "observe")
-        self._hooked = hook_optimizer
-        self._in_hook: str | None = None  # `pre` / `post` while a step hook runs
-        self._agreed = False  # that hook took part in its cross-rank agreement
-        self._rerun_rank: int | None = None  # the agreement asked for a cross-rank re-run
-        self._cross_rank = self._crosses_ranks()
-        self._exit: distributed.LockstepExit | None = None  # owed after standing down
-        self._handles = [
-            *([optimizer.register_step_pre_hook(self._pre_hook),
-               optimizer.register_step_post_hook(self._post_hook)] if hook_optimizer else []),
-            model.register_load_state_dict_post_hook(self._on_load),
-            optimizer.register_load_state_dict_post_hook(self._on_load),
-        ]
-        ref = weakref.ref(self)
-        self._atexit = lambda: (g := ref()) is not None and g.close()
-        atexit.register(self._atexit)
+        self._hooked, self._exit = hook_optimizer, None
+        self._handles = wiring.hooks(self, hook_optimizer)
+        self._atexit = wiring.close_at_exit(self)
         ending.acquire()
 
     # ------------------------------------------------------------------ public face
@@ -248,20 +180,7 @@ class Guard(StepPath):
         which only `only="step"` delivers), as it happens; errors inside it are contained (see
         `on_alarm`). `close` (also only with `only`): once, when `close()` has written the
         report (its dict in `data`). Exporters and framework adapters subscribe this way."""
-        if not callable(listener):
-            raise ValueError(f"a listener must be callable, got {type(listener).__name__}")
-        if only not in (None, *EVENT_TYPES):
-            raise ValueError(f"unknown event type {only!r}; use one of {', '.join(EVENT_TYPES)}")
-        if only in (None, "step", "close"):
-            self.events.add(listener, steps=only == "step", close=only == "close")
-            return
-
-        def typed(event: Event) -> None:
-            if event.type == only:
-                listener(event)
-
-        typed.__qualname__ = getattr(listener, "__qualname__", type(listener).__name__)
-        self.events.add(typed)
+        self.events.subscribe(listener, only)
 
     @property
     def folder(self) -> Path | None:
@@ -400,12 +319,8 @@ class Guard(StepPath):
         if self._closed:
             assert self.report is not None
             return self.report
-        if ended is None:
-            ended, error = ending.seen()
-        if ended not in ending.ENDINGS:
-            raise ValueError(f"unknown ending {ended!r}; use one of: {', '.join(ending.ENDINGS)}")
+        self._ended = ending.settle(ended, error)
         self._closed = True
-        self._ended = (ended, error)
         self.detach()
         atexit.unregister(self._atexit)
         ending.release()
@@ -417,12 +332,7 @@ class Guard(StepPath):
             except Exception as exc:  # noqa: BLE001 - still write the report below
                 self.stand_down(exc, "close")
         self.events.tick(self.step, final=True)
-        report = self._build_report()
-        if self.folder is not None:
-            report.write(self.folder)
-        self.store.close()
-        self.report = report
-        self._say_finding(report)
+        report = self._publish(close_store=True)
         # After the finding: a streaming exporter writes it, then finishes its tracker run.
         if self.events.close_listeners:
             self.events.close(self.step, report.to_dict())
@@ -458,37 +368,16 @@ class Guard(StepPath):
         self._pending = []
         self.detach()
         self.error = note_internal_error(exc, where, self.step, self.folder, self.store)
-        observe = self.config.policy == "observe"
-        if ((not observe or self._cross_rank) and distributed.active()
-                and not isinstance(exc, distributed.PeerStoodDown)):
-            # The other ranks agree every decision with this one: take part in the next
-            # agreement, saying so, and every rank stands down in it (nobody waits). Under
-            # `observe` (agreeing for the cross-rank re-run) there is one, before the update.
-            self._exit = distributed.LockstepExit(self.optimizer, self._agree_device,
-                                                  hooked=self._hooked)
-            if self._in_hook is not None and not self._agreed and not (
-                    observe and self._in_hook == "post"):
-                self._exit.pay_now()  # the others are in this hook's agreement now
-            else:
-                self._exit.owe("post" if self._in_hook == "pre" and not observe else "pre")
+        self._exit = distributed.LockstepExit.after_stand_down(
+            exc, self.optimizer, self._agree_device, hooked=self._hooked,
+            observe=self.config.policy == "observe", cross_rank=self._cross_rank,
+            in_hook=self._in_hook, agreed=self._agreed)
 
     def refine(self, finding: dict[str, Any]) -> Report:
         """After `close()`: take a refined first-non-finite finding (e.g. from a re-run with the
         op checker armed), diagnose again and rewrite report.json. Returns the new report."""
         self.log.set_finding(finding, write=False)
-        report = self._build_report()
-        if self.folder is not None:
-            report.write(self.folder)
-        self.report = report
-        self._say_finding(report)
-        return report
-
-    def _say_finding(self, report: Report) -> None:
-        """The finding event of a failed run, with its top cause (at close, after a refine)."""
-        if report.status == "failed" and report.first_nonfinite is not None:
-            self.events.finding(report.first_nonfinite,
-                                report.diagnosis[0] if report.diagnosis else None,
-                                notable=not self.events.summary_follows)
+        return self._publish()
 
     def run_log(self) -> dict[str, Any]:
         """What this run has seen, as plain data: the first non-finite finding, alarms, actions,
@@ -509,30 +398,14 @@ class Guard(StepPath):
         """Everything needed to resume watching where this guard left off, the run log
         included (`run_log()`: history and failing step for a diagnosis after the resume)."""
         self._flush()
-        log = self.run_log()
-        return {
-            "step": self.step,
-            "detectors": [d.state_dict() for d in self.detectors],
-            **self.log.state_dict(),
-            "recovery": self.recovery.state_dict(),
-            "grad_baseline": {str(i): v for i, v in self._grad_baseline.items()},
-            "log": {"history": log["history"][-64:], "failing": log["failing"]},
-        }
+        return guard_state.gather(self, self.detectors, self.run_log())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned (e.g. when resuming from a checkpoint).
 
         The rollback snapshot is not part of the state (it is a full copy of the model): after
         a resume, the last good state is the state the guard was created with."""
-        if len(state["detectors"]) != len(self.detectors):
-            raise ValueError("state_dict comes from a guard with a different set of detectors")
-        self.step = int(state["step"])
-        for d, s in zip(self.detectors, state["detectors"], strict=True):
-            d.load_state_dict(s)
-        self.log.load_state_dict(state)
-        if "recovery" in state:
-            self.recovery.load_state_dict(state["recovery"])
-        self._grad_baseline = {int(i): float(v) for i, v in state.get("grad_baseline", {}).items()}
+        guard_state.restore(self, self.detectors, state)
 
     # ------------------------------------------------------------------ recording
 
@@ -545,18 +418,24 @@ class Guard(StepPath):
         agreement): report.json `alarms`, run.db at once, an `alarm` event."""
         self.log.add_alarm(alarm)
 
-    def _build_report(self) -> Report:
-        ended, message = getattr(self, "_ended", ("ok", None))
-        return run_report(
-            self.log, self.run_log(), optimizer=self.optimizer, steps=self.step, ended=ended,
-            message=message, last=self._last_stats,
-            recovery=recovery_summary(self.log, self._losses, self.recovery.cost()),
-            folder=self.folder, lead_window=self.config.detect.lead_window,
-            run={"folder": str(self.folder) if self.folder else None,
-                 "policy": self.config.policy, "model": type(self.model).__name__,
-                 "optimizer": type(self.optimizer).__name__, "version": __version__,
-                 "closed": self._closed, "entry": self.run_entry},
+    def _publish(self, close_store: bool = False) -> Report:
+        """Diagnose and build the report from the run log, write report.json (then close the
+        run store, at close: the report reads run.db first) and announce a failed run's
+        finding. Returns the report, kept in `report`."""
+        report = run_report(
+            self.log, self.run_log(), optimizer=self.optimizer, model=self.model,
+            policy=self.config.policy, entry=self.run_entry, closed=self._closed,
+            steps=self.step, ended=self._ended, last=self._last_stats, losses=self._losses,
+            recovery_cost=self.recovery.cost(), folder=self.folder,
+            lead_window=self.config.detect.lead_window,
             error=self.error, listener_errors=self.events.errors)
+        if self.folder is not None:
+            report.write(self.folder)
+        if close_store:
+            self.store.close()
+        self.report = report
+        announce_finding(self.events, report)
+        return report
 
     # The store a new guard records to; `integrations.replay.record_nothing` swaps it.
     _open_store = staticmethod(open_store)

@@ -195,6 +195,33 @@ class LockstepExit:
         self.owed: str | None = None
         self._handle: Any = None
 
+    @classmethod
+    def after_stand_down(cls, exc: BaseException, optimizer: torch.optim.Optimizer,
+                         device: torch.device, *, hooked: bool, observe: bool,
+                         cross_rank: bool, in_hook: str | None,
+                         agreed: bool) -> LockstepExit | None:
+        """What a guard that just stood down on `exc` (`Guard.stand_down`) owes the other
+        ranks: None when they agree nothing with it, else its exit, paid at once or owed.
+
+        Args:
+            observe: the guard's policy is `observe`: it agrees only for the cross-rank
+                re-run (`cross_rank`), once a step, before the update.
+            in_hook: the step hook it stood down in (`pre` / `post`), None outside one.
+            agreed: that hook had already taken part in its agreement.
+        """
+        if not ((not observe or cross_rank) and active()
+                and not isinstance(exc, PeerStoodDown)):
+            return None
+        # The other ranks agree every decision with this one: take part in the next
+        # agreement, saying so, and every rank stands down in it (nobody waits). Under
+        # `observe` (agreeing for the cross-rank re-run) there is one, before the update.
+        exit_ = cls(optimizer, device, hooked)
+        if in_hook is not None and not agreed and not (observe and in_hook == "post"):
+            exit_.pay_now()  # the others are in this hook's agreement now
+        else:
+            exit_.owe("post" if in_hook == "pre" and not observe else "pre")
+        return exit_
+
     def pay_now(self) -> None:
         """Take part in the agreement the other ranks are in right now."""
         self.owed = None

@@ -11,7 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from nanguard._version import __version__
+from nanguard.record.events import Events
 from nanguard.record.report import Report, build_report
 from nanguard.record.runlog import RunLog
 from nanguard.record.spike_run import measure_run
@@ -33,23 +36,26 @@ def recovery_summary(log: RunLog, losses: LossWatch,
 
 
 def run_report(log: RunLog, plain_log: Mapping[str, Any], *, optimizer: torch.optim.Optimizer,
-               steps: int, ended: str, message: str | None, last: StepStats | None,
-               recovery: dict[str, Any] | None, folder: Path | None, lead_window: int,
-               run: Mapping[str, Any], error: dict[str, Any] | None,
+               model: nn.Module, policy: str, entry: str, closed: bool, steps: int,
+               ended: tuple[str, str | None], last: StepStats | None, losses: LossWatch,
+               recovery_cost: Mapping[str, Any] | None, folder: Path | None,
+               lead_window: int, error: dict[str, Any] | None,
                listener_errors: list[Any]) -> Report:
     """The report of the run `log` records (`plain_log`: its plain data, `Guard.run_log()`).
 
     Args:
-        ended / message: how the training ended, and its one-line error.
+        policy / entry / closed: report.json `run` fields (`entry`: `api` or `run`; `closed`:
+            the guard closed, else a report of a run still going).
+        ended: how the training ended, and its one-line error.
         last: the last recorded step (None: none was).
-        recovery: `recovery_summary`'s dict, or None.
-        run: report.json `run` fields known to the caller (folder, policy, model, ...); how
-            it ended, recovery, internal and listener errors are added here.
+        losses / recovery_cost: for `recovery_summary`.
         error: nanguard's own error, when it stood down.
     """
     from nanguard.explain import diagnose
     from nanguard.explain.context import evidence_from_run
 
+    how, message = ended
+    recovery = recovery_summary(log, losses, recovery_cost)
     causes = diagnose(evidence_from_run(plain_log, optimizer))
     found = log.finding_dict()
     return build_report(
@@ -64,15 +70,25 @@ def run_report(log: RunLog, plain_log: Mapping[str, Any], *, optimizer: torch.op
         # Ended non-finite: the last recorded step still holds a NaN/Inf somewhere; or it
         # died of an error after a non-finite value appeared (BCE's range check, ...).
         failed=bool(last and last.nonfinite_signals())
-        or (found is not None and ended == "error")
+        or (found is not None and how == "error")
         or (found is not None and last is None)
         or (recovery is not None and recovery["back"] is False),
         lead_window=lead_window,
-        ended=ended,
+        ended=how,
         degraded=error is not None,
-        run={**run,
-             "ended": {"how": ended, "error": message},
+        run={"folder": str(folder) if folder else None, "policy": policy,
+             "model": type(model).__name__, "optimizer": type(optimizer).__name__,
+             "version": __version__, "closed": closed, "entry": entry,
+             "ended": {"how": how, "error": message},
              **({"recovery": recovery} if recovery else {}),
              **({"internal_error": error} if error else {}),
              **({"listener_errors": listener_errors} if listener_errors else {})},
     )
+
+
+def announce_finding(events: Events, report: Report) -> None:
+    """The `finding` event of a failed run, with its top cause (at close, after a refine).
+    Not `notable` when the closing summary prints the finding anyway."""
+    if report.status == "failed" and report.first_nonfinite is not None:
+        events.finding(report.first_nonfinite, report.diagnosis[0] if report.diagnosis else None,
+                       notable=not events.summary_follows)

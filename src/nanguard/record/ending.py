@@ -65,6 +65,16 @@ def seen() -> tuple[str, str | None]:
     return _saw or ("ok", None)
 
 
+def settle(ended: str | None, error: str | None) -> tuple[str, str | None]:
+    """How a closing run ended: `ended` and `error` as given to `Guard.close`, or when `ended`
+    is None, as far as the hooks saw. Raises ValueError on an ending not in `ENDINGS`."""
+    if ended is None:
+        ended, error = seen()
+    if ended not in ENDINGS:
+        raise ValueError(f"unknown ending {ended!r}; use one of: {', '.join(ENDINGS)}")
+    return ended, error
+
+
 def acquire() -> None:
     """A Guard opened: make sure the hooks are installed."""
     global _users, _previous_hook, _previous_term

@@ -178,6 +178,27 @@ class Events:
         (self.step_listeners if steps else self.close_listeners if close
          else self.listeners).append(listener)
 
+    def subscribe(self, listener: Listener, only: str | None = None) -> None:
+        """`Guard.add_listener`: subscribe `listener` to every later event but `step` and
+        `close` ones, or with `only` to the events of that one type (`step` and `close` ones
+        included). Raises ValueError, naming what to pass, on a listener that is not callable
+        or an unknown type."""
+        if not callable(listener):
+            raise ValueError(f"a listener must be callable, got {type(listener).__name__}")
+        if only not in (None, *EVENT_TYPES):
+            raise ValueError(f"unknown event type {only!r}; use one of {', '.join(EVENT_TYPES)}")
+        if only in (None, "step", "close"):
+            self.add(listener, steps=only == "step", close=only == "close")
+            return
+
+        def typed(event: Event) -> None:
+            if event.type == only:
+                listener(event)
+
+        # A listener that raises is named in report.json by this name: the user's, not ours.
+        typed.__qualname__ = getattr(listener, "__qualname__", type(listener).__name__)
+        self.add(typed)
+
     def step(self, step: int, signals: dict[str, float]) -> None:
         """A step was recorded: its signals (NaN and Inf as they are) to the step listeners."""
         self._emit(Event(type="step", step=step, kind="step", notable=False, data=signals),

@@ -1,0 +1,56 @@
+"""A Guard's state across a resume: what `Guard.state_dict` returns and `load_state_dict` restores.
+
+Plain data (numbers, strings, lists, dicts), saved with the user's checkpoint by hand or by the
+framework adapters. Its keys, in order, and the part each comes from:
+
+- `step`: optimizer steps the guard completed (the step path's counter);
+- `detectors`: each detector's own state, in `detect.default_detectors` order;
+- `alarms`, `actions`, `first_nonfinite`, `spikes`: the run log's records (`RunLog.state_dict`);
+- `recovery`: recovery's counters and settings in force (`Recovery.state_dict`); the rollback
+  snapshot is not in it (a full copy of the model): after a resume the last good state is the
+  one the guard was created with;
+- `grad_baseline`: each parameter's typical healthy grad norm (what a spike is measured against);
+- `log`: the last steps and the failing step of `Guard.run_log()`, so that a resumed guard
+  diagnoses with the history from before the resume.
+
+Older states may lack `recovery`, `grad_baseline`, `spikes` and `log`; they load with those
+parts left as the new guard has them (`grad_baseline` empty).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from nanguard.detect.detectors import Detector
+from nanguard.record.runlog import HISTORY
+from nanguard.step_path import StepPath
+
+
+def gather(guard: StepPath, detectors: list[Detector],
+           plain_log: Mapping[str, Any]) -> dict[str, Any]:
+    """The state of `guard` (see the module docstring); `plain_log`: its `run_log()`, read
+    after every pending step was flushed (the caller's job: flushing may raise an alarm)."""
+    return {
+        "step": guard.step,
+        "detectors": [d.state_dict() for d in detectors],
+        **guard.log.state_dict(),
+        "recovery": guard.recovery.state_dict(),
+        "grad_baseline": {str(i): v for i, v in guard._grad_baseline.items()},
+        "log": {"history": plain_log["history"][-HISTORY:], "failing": plain_log["failing"]},
+    }
+
+
+def restore(guard: StepPath, detectors: list[Detector], state: Mapping[str, Any]) -> None:
+    """Put `state` (what `gather` returned) back into `guard`. Raises ValueError, before
+    anything changed, when it comes from a guard with a different set of detectors."""
+    if len(state["detectors"]) != len(detectors):
+        raise ValueError("state_dict comes from a guard with a different set of detectors")
+    guard.step = int(state["step"])
+    for d, s in zip(detectors, state["detectors"], strict=True):
+        d.load_state_dict(s)
+    guard.log.load_state_dict(state)
+    if "recovery" in state:
+        guard.recovery.load_state_dict(state["recovery"])
+    guard._grad_baseline = {int(i): float(v)
+                            for i, v in state.get("grad_baseline", {}).items()}
