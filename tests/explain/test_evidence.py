@@ -18,6 +18,7 @@ from nanguard.config import GuardConfig, RecordConfig
 from nanguard.explain import Evidence, diagnose
 from nanguard.explain import rules as R
 from nanguard.explain.context import evidence_from_log
+from nanguard.explain.rules.optimizer import _lr_factor
 from nanguard.pinpoint import find_origin
 
 
@@ -385,7 +386,7 @@ def test_lr_fix_is_derived_from_the_measured_growth() -> None:
     assert "lr=100 -> lr=0.01" in cause.fix  # growth 2e3 per step: 1e4x smaller
     assert "0.97 -> 2e+03" in cause.evidence
     assert "clip_grad_norm_(model.parameters(), 2.91)" in cause.fix  # 3x the healthy 0.97
-    assert R._lr_factor(2.0) == 10.0 and R._lr_factor(150.0) == 1000.0
+    assert _lr_factor(2.0) == 10.0 and _lr_factor(150.0) == 1000.0
 
 
 def test_lr_fix_after_a_healthy_stretch_follows_the_spike() -> None:

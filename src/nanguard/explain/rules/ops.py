@@ -1,0 +1,274 @@
+"""Rules for an op that made a non-finite value at a bad point of its domain: a log of values
+<= 0, a saturated probability before a loss's log, a division by zero (or a mean over
+nothing), the infinite derivative of sqrt / a norm at 0, a fully masked softmax row, an exp
+overflow, and an overflow of a reduced-precision dtype float32 would hold.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from nanguard.explain.evidence import Cause, Evidence
+from nanguard.explain.rules.common import (
+    _LOW_PRECISION,
+    _NORM_LAYERS,
+    _SINGULAR_OPS,
+    _finfo,
+    _node,
+    _num,
+    _overflow_scale,
+    _singular_input,
+    _singular_node,
+    _where,
+)
+
+_LOG_OPS = ("aten.log", "aten.log2", "aten.log10", "aten.log1p", "aten.xlogy")
+
+_SOFTMAX_OPS = (
+    "aten._softmax",
+    "aten.softmax",
+    "aten._log_softmax",
+    "aten.log_softmax",
+    "aten._safe_softmax",
+)
+
+
+def _any_input(ev: Evidence, key: str) -> bool:
+    return any(i.get(key) for i in ev.inputs)
+
+
+def log_of_nonpositive(ev: Evidence) -> Cause | None:
+    """Needs: origin op a log (not in backward) and its input range holding zeros or negative
+    values. Ruled out: input ranges with neither. Without input ranges it fires lower, saying
+    so."""
+    if not ev.op.startswith(_LOG_OPS) or ev.phase == "backward":
+        return None
+    zero = _any_input(ev, "has_zero")
+    neg = _any_input(ev, "has_negative")
+    if ev.inputs and not (zero or neg):
+        return None
+    what = "zeros" if zero else "negative values" if neg else "values <= 0"
+    missing = "" if ev.inputs else " (presumably: its input ranges were not recorded)"
+    return Cause(
+        cause="log_of_nonpositive",
+        confidence=0.9 if (zero or neg) else 0.6,
+        evidence=f"{_where(ev)} received {what}{missing}",
+        fix="`torch.log(p.clamp_min(1e-12))`, or stay in log space "
+        "(`F.logsigmoid`, `F.log_softmax`, `F.binary_cross_entropy_with_logits`)",
+    )
+
+
+def _probability(ev: Evidence) -> bool:
+    """Every input of the op lies within [0, 1] and one of them touches 0: a probability that
+    rounded to exactly 0 (or 1, before `1 - p`)."""
+    return bool(ev.inputs) and _any_input(ev, "has_zero") and all(
+        _num(i.get("min"), -1.0) >= 0.0 and _num(i.get("max"), 2.0) <= 1.0 for i in ev.inputs
+    )
+
+
+def saturated_loss(ev: Evidence) -> Cause | None:
+    """Needs: origin op binary_cross_entropy (not with logits), or a log in the loss phase
+    (raw-tensor code without modules counts as loss) whose input is a probability that
+    saturated to 0 (all inputs within [0, 1], a zero among them). Ruled out: a log in the
+    model's forward (log_of_nonpositive), a log input outside [0, 1]. A `saturation` warning
+    before the failure (the sampled probe saw probabilities a log consumes creep to within
+    rounding of 0 / 1) confirms it where the input range was not recorded."""
+    warned = [a for a in ev.alarms if a.get("kind") == "saturation"]
+    if "binary_cross_entropy" in ev.op and "with_logits" not in ev.op:
+        conf = 0.9
+        what = "a probability saturated at 0 or 1 before the loss took its log"
+    elif ev.op.startswith(_LOG_OPS) and ev.phase == "loss":
+        if _probability(ev):
+            # Ranks above the generic log_of_nonpositive: a sigmoid / softmax saturated.
+            conf = 0.92
+            what = ("its input is a probability (within [0, 1]) that rounded to exactly 0: "
+                    "a sigmoid / softmax saturated before the log")
+        elif not ev.inputs and warned:
+            conf = 0.9
+            what = "a log in the loss, after the saturation probe's warning"
+        elif not ev.inputs:
+            conf = 0.6
+            what = ("a log in the loss; its input range was not recorded, so a saturated "
+                    "probability is only presumed")
+        else:
+            return None
+    else:
+        return None
+    if warned:
+        what += (f"; the saturation probe warned from step {warned[0]['step']}: "
+                 f"{warned[0]['message'].split(';')[0]}")
+    return Cause(
+        cause="saturated_loss",
+        confidence=conf,
+        evidence=f"{_where(ev)}: {what}",
+        fix="`F.binary_cross_entropy(torch.sigmoid(z), y)` -> "
+        "`F.binary_cross_entropy_with_logits(z, y)`; `softmax` then `log` -> `log_softmax`; "
+        "hand-written `-(y*log(h) + (1-y)*log(1-h))` with `h = sigmoid(z)` -> "
+        "`F.binary_cross_entropy_with_logits(z, y)` (or `F.logsigmoid(z)`, `F.logsigmoid(-z)`)",
+    )
+
+
+def _empty_input(ev: Evidence) -> dict[str, Any] | None:
+    """The origin op's first input with no elements (a dimension of size 0), when its output
+    is NaN: a reduction over nothing (a mean, a loss averaged over an empty selection)."""
+    out = (ev.first_nonfinite or {}).get("output") or {}
+    if not out.get("nan"):
+        return None
+    return next((i for i in ev.inputs
+                 if isinstance(i.get("shape"), list) and 0 in i["shape"]), None)
+
+
+def _empty_reduction(ev: Evidence, empty: dict[str, Any]) -> Cause:
+    shape = empty.get("shape")
+    rows = " (0 rows)" if shape and shape[0] == 0 else ""
+    return Cause(
+        cause="division_by_zero",
+        confidence=0.85,
+        evidence=f"{_where(ev)} reduced an empty tensor: input shape {shape}{rows}; the mean "
+        "over no elements is 0 / 0 (an empty selection or split of the batch)",
+        fix="skip the term when the selection is empty (`if mask.any(): ...`), or average "
+        "over a count that cannot be 0: `(per_item * mask).sum() / mask.sum().clamp_min(1)`; "
+        "for an empty split, check its size before training on it",
+    )
+
+
+def division_by_zero(ev: Evidence) -> Cause | None:
+    """Needs: origin op a division (not in the optimizer, not inside a singular node's
+    backward) whose denominator holds zeros or values within rounding of 0; or any op that
+    made a NaN out of an input with no elements (a mean or a loss over an empty selection:
+    0 / 0). Ruled out: a denominator range away from 0 (a huge numerator overflowed instead),
+    an empty input with a finite or Inf output. Without input ranges it fires lower (not in
+    backward: singular_gradient), saying so."""
+    if ev.phase != "optimizer" and (empty := _empty_input(ev)) is not None:
+        return _empty_reduction(ev, empty)
+    if not ev.op.startswith(("aten.div", "aten.reciprocal", "aten._foreach_div")):
+        return None
+    if ev.phase == "optimizer" or _singular_node(ev):
+        return None  # optimizer_state_nonfinite / singular_gradient explain it better
+    at, phrase = _singular_input(ev)
+    if at == "no" or (at == "missing" and ev.phase == "backward"):
+        return None
+    conf = {"zero": 0.85, "tiny": 0.8}.get(at, 0.5)
+    return Cause(
+        cause="division_by_zero",
+        confidence=conf,
+        evidence=f"{_where(ev)} divided by zero: {phrase}",
+        fix="add an eps to the denominator: `x / (std + 1e-5)` or `x / d.clamp_min(1e-12)`",
+    )
+
+
+def singular_gradient(ev: Evidence) -> Cause | None:
+    """Needs: phase backward, the op inside the gradient of sqrt / rsqrt / pow(x, p<1) / a norm
+    (its autograd node, forward op or op; or a division in backward), AND its input at the
+    singular point: the denominator / base holding 0 or a value within rounding of 0.
+    Ruled out: input ranges away from 0 (huge finite inputs overflowing: optimizer_divergence),
+    normalization layers (LayerNorm & co. have an eps). Without input ranges it fires at low
+    confidence and says the ranges are missing."""
+    if ev.phase != "backward":
+        return None
+    fwd = str((ev.first_nonfinite or {}).get("forward_op") or "")
+    node = _singular_node(ev)
+    if not (node or ev.op.startswith(_SINGULAR_OPS) or fwd.startswith(_SINGULAR_OPS)
+            or ev.op.startswith(("aten.div", "aten.reciprocal"))):
+        return None
+    if any(layer in _node(ev) for layer in _NORM_LAYERS):
+        return None
+    at, phrase = _singular_input(ev)
+    if at == "no":
+        return None
+    if at == "missing":
+        conf = 0.4 if node else 0.3
+        phrase = f"not confirmed: {phrase}, so an input at 0 is not shown"
+    else:
+        conf = 0.9 if node else 0.8
+    return Cause(
+        cause="singular_gradient",
+        confidence=conf,
+        evidence=f"{_where(ev)}{' in ' + _node(ev) if _node(ev) else ''}: the forward was "
+        f"finite, its gradient is not — sqrt / norm / pow(x, p<1) at exactly 0 have an "
+        f"infinite derivative; {phrase}",
+        fix="`torch.sqrt(x + 1e-12)`; for a norm, `torch.sqrt((v * v).sum(-1) + 1e-12)` or "
+        "`F.normalize(v, eps=1e-12)`; in a custom backward, `grad / d.clamp_min(1e-12)`",
+    )
+
+
+def masked_softmax(ev: Evidence) -> Cause | None:
+    """Needs: origin op a softmax whose input holds -inf (a masked row).
+
+    Ruled out: finite inputs (a softmax of finite values is finite). Without input ranges it
+    fires lower."""
+    if not ev.op.startswith(_SOFTMAX_OPS):
+        return None
+    masked = any(_num(i.get("min"), 0.0) == -math.inf for i in ev.inputs)
+    if ev.inputs and not masked:
+        return None
+    return Cause(
+        cause="masked_softmax",
+        confidence=0.9 if masked else 0.6,
+        evidence=f"{_where(ev)}: a row whose every entry is masked to -inf gives 0/0 = NaN"
+        + ("" if masked else " (presumed: the input ranges were not recorded)"),
+        fix="keep at least one unmasked position per row (e.g. let padding attend to itself), "
+        "or fill with `torch.finfo(dtype).min` instead of -inf and zero the output rows",
+    )
+
+
+def exp_overflow(ev: Evidence) -> Cause | None:
+    """Needs: origin op exp with an input above log(dtype max) (~88.7 in float32, ~11.1 in
+    float16). Ruled out: inputs all below it. Without input ranges it fires lower."""
+    if not ev.op.startswith(("aten.exp", "aten.expm1")):
+        return None
+    limit = math.log(_finfo((ev.inputs[0].get("dtype") if ev.inputs else None) or ev.dtype).max)
+    top = max((_num(i.get("max"), -math.inf) for i in ev.inputs), default=None)
+    if top is not None and top < limit:
+        return None
+    seen = f"its largest input {top:.4g} > {limit:.3g}" if top is not None else (
+        "presumed: the input ranges were not recorded")
+    nxt = str(((ev.first_nonfinite or {}).get("propagated_by") or {}).get("op") or "")
+    if nxt.startswith(_SOFTPLUS_NEXT):
+        # `log(1 + exp(z))` / `1 + exp(z)`: a softplus or a sigmoid written by hand; no max
+        # to subtract (a softmax fix would not apply).
+        what = f"; its result went on into {nxt} (`log(1 + exp(z))` or `1 + exp(z)` by hand)"
+        fix = ("use the stable built-ins: `torch.log(1 + torch.exp(z))` -> "
+               "`F.softplus(z)`; `1 / (1 + torch.exp(-z))` -> `torch.sigmoid(z)`; a logistic "
+               "loss `log(1 + exp(-y * z))` -> `F.softplus(-y * z)` (or "
+               "`F.binary_cross_entropy_with_logits`)")
+    else:
+        what = ""
+        fix = ("subtract the max first: `torch.softmax(x, dim)` / `torch.logsumexp`, or "
+               "`(x - x.amax(dim, keepdim=True)).exp()`")
+    return Cause(
+        cause="exp_overflow",
+        confidence=0.9 if top is not None else 0.6,
+        evidence=f"{_where(ev)}: exp overflows above {limit:.3g} ({seen}){what}",
+        fix=fix,
+    )
+
+
+_SOFTPLUS_NEXT = ("aten.add", "aten.rsub", "aten.log1p", "aten.log", "aten.reciprocal")
+"""Ops an exp's result flows into in a hand-written softplus / sigmoid (1 + e, log1p(e))."""
+
+
+def low_precision_overflow(ev: Evidence) -> Cause | None:
+    """Needs: a reduced-precision dtype and an overflow from finite inputs in forward/loss,
+    with input magnitudes float32 would hold. Ruled out: inputs so large they would overflow
+    float32 too (exploding_init / optimizer_divergence); a dtype with float32's range
+    (bfloat16 rounds coarsely but overflows only where float32 would). Without ranges it
+    fires lower."""
+    if ev.dtype not in _LOW_PRECISION or ev.phase not in ("forward", "loss"):
+        return None
+    largest = _finfo(ev.dtype).max
+    if largest > 1e38:  # bfloat16: float32's 8-bit exponent (3.39e38 against 3.40e38)
+        return None
+    top = ev.magnitude
+    if top is not None and top >= _overflow_scale("float32"):
+        return None
+    return Cause(
+        cause="low_precision_overflow",
+        confidence=0.8 if top is not None else 0.6,
+        evidence=f"{_where(ev)} overflowed {ev.dtype} (its largest value: {largest:.6g})"
+        + (f"; its inputs reach {top:.3g}, fine in float32" if top is not None
+           else "; the input ranges were not recorded"),
+        fix="use bfloat16 instead of float16, keep this op in float32 "
+        "(`with torch.autocast(..., enabled=False): ...x.float()`), or use a GradScaler",
+    )
