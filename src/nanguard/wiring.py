@@ -78,7 +78,7 @@ def watch_stage(guard: StepPath) -> list[Detector]:
     guard.params, guard.param_names, guard._param_order = [], [], []
     guard.buffer_names, buffers = watched_buffers(model)
     guard.probe = StepProbe(guard.params, guard.optimizer, buffers)
-    guard._sync_params()  # fills the three lists above, in the probe too
+    guard._sync_params()  # the three lists from the optimizer's groups (the probe's too)
     guard.act_probe = (ActivationProbe(model, attention=cfg.watch.attention)
                        if cfg.watch.activations else None)
     guard.batch_probe = BatchProbe()
