@@ -398,6 +398,11 @@ def test_an_update_that_replaced_the_weights_is_ranked_above_the_op_it_overflowe
     for ev in (_big_update_ev(0.12, at=0), _big_update_ev(1.0, at=0),
                _big_update_ev(0.98, at=0, fails=30)):
         assert [c.cause for c in diagnose(ev)][:1] == ["exp_overflow"]
+    # After an init far too large (huge activations at step 0) the first update is huge too:
+    # the init's evidence, not the LR's.
+    huge_init = _big_update_ev(0.98, at=0)
+    huge_init.history[0]["act_max"] = 1e7
+    assert R.optimizer_divergence(huge_init) is None
 
 
 class _VAE(nn.Module):

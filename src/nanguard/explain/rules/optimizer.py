@@ -27,6 +27,7 @@ from nanguard.explain.rules.common import (
     _singular_node,
     _where,
 )
+from nanguard.explain.rules.dynamics import _early_magnitude
 from nanguard.explain.rules.faults import _weigh_verdict
 
 
@@ -175,8 +176,10 @@ def _big_update(ev: Evidence) -> dict[str, Any] | None:
     """The first measured update at most `BIG_UPDATE_WINDOW` steps before the failing step
     that moved the weights by at least `BIG_UPDATE` of their norm: {step, ratio}, else None.
     A ratio of exactly 1 says the weights were all zero before it (a zero-initialised model's
-    first update), not that the update was large: it does not count."""
-    if ev.step is None:
+    first update), not that the update was large: it does not count. Nor does one after an
+    init far too large (the preflight flagged layers, or huge magnitudes in steps 0-2): huge
+    weights make huge gradients and the first updates follow (exploding_init's evidence)."""
+    if ev.step is None or _preflight_init(ev)[0] or _early_magnitude(ev)[0]:
         return None
     for h in sorted(ev.history, key=lambda h: h.get("step", 0)):
         s = h.get("step", 0)
