@@ -117,6 +117,7 @@ def test_summary_line_and_html_shading(spiky: tuple[Path, list[float]], tmp_path
     page = write_html([str(out)], tmp_path / "r.html").read_text()
     assert '"spike_episode"' in page and "spike at step " in page
     assert 'class=\\"spikes\\"' in page  # the header, inside the page's JSON payload
+    assert 'class=\\"heal\\"' in page and "remedy: policy=" in page  # the heal line too
 
 
 def test_healthy_run_has_measures_and_an_old_report_gets_them(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ what drove the spikes.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from typing import Any, Protocol
 
@@ -71,6 +72,7 @@ class Healer:
         # (step, weight norm) every 10 steps over the last 640: the decay's recent work
         self._pnorm: deque[tuple[int, float]] = deque(maxlen=64)
         self._records: list[Record] = []  # this step's actions, returned by `before_update`
+        self.seconds = 0.0  # wall time spent acting (clipping, cutting): what it cost
 
     # -- per step
 
@@ -112,6 +114,7 @@ class Healer:
         return None
 
     def _clip(self, stats: StepStats, norm: float, limit: float) -> float:
+        started = time.perf_counter()  # only on a precursor step: a quiet step pays nothing
         step, cfg = stats.step, self.config
         grads = [p.grad for g in self.link.optimizer.param_groups for p in g["params"]
                  if p.grad is not None]
@@ -130,6 +133,7 @@ class Healer:
             f"(no step lost)"))
         if len(self.precursors) >= cfg.correct_after and len(self.cuts) < cfg.max_cuts:
             self._correct(step)
+        self.seconds += time.perf_counter() - started
         return limit
 
     def _update(self, x: float) -> None:
@@ -191,13 +195,14 @@ class Healer:
         """`run.recovery.heal`: what the policy did and why."""
         return {"precursors": self.total, "updates_clipped": self.total, "steps_lost": 0,
                 "cuts": list(self.cuts), "lr_factor": self.lr_factor,
-                "weight_decay_factor": self.wd_factor, "cause": self.cause}
+                "weight_decay_factor": self.wd_factor, "cause": self.cause,
+                "seconds": round(self.seconds, 6)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"mean": self.mean, "var": self.var, "count": self.count,
                 "lr_factor": self.lr_factor, "wd_factor": self.wd_factor, "total": self.total,
                 "precursors": list(self.precursors), "cuts": list(self.cuts),
-                "cause": self.cause}
+                "cause": self.cause, "seconds": self.seconds}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.mean, self.var, self.count = (float(state["mean"]), float(state["var"]),
@@ -207,3 +212,4 @@ class Healer:
         self.precursors = deque(int(s) for s in state["precursors"])
         self.cuts = list(state["cuts"])
         self.cause = state["cause"]
+        self.seconds = float(state.get("seconds", 0.0))  # absent in states saved before it

@@ -30,7 +30,7 @@ from nanguard.record.store import DB_NAME
 from nanguard.show import plots
 from nanguard.show.markers import episode_spans
 from nanguard.show.series import RunSeries, bucket_width, load_series, step_range
-from nanguard.show.summary import report_spike_line
+from nanguard.show.summary import heal_line, report_spike_line
 
 LINE_BUCKETS = 1000
 """At most this many buckets per line series."""
@@ -206,6 +206,9 @@ def header_html(src: Source) -> str:
     spikes = report_spike_line(rep)
     if spikes:
         out.append(f'<p class="spikes">{e(spikes)}</p>')
+    heal = heal_line(rep)  # what heal did, what it cost and why; or the remedy to try
+    if heal:
+        out.append(f'<p class="heal">{e(heal)}</p>')
     if rep.diagnosis:
         out.append('<ol class="diagnosis">')
         for cause in rep.diagnosis:
