@@ -208,8 +208,13 @@ def heal_line(report: Report) -> str | None:
         # earlier ones; say where the cuts began and how far they went in all.
         overall = (f" (LR cuts from lr {lrs[0]:.3g}: x{factor:.3g} of the scheduler's in all)"
                    if len(lrs) > 1 else "")
-        cost = (f", {heal.get('steps_lost', 0)} step(s) lost, "
-                f"{float(heal['seconds']) * 1e3:.3g} ms acting" if "seconds" in heal else "")
+        # Steps lost: heal's clips lose none; a non-finite step it skipped is one.
+        skipped = int((report.run.get("recovery") or {}).get("updates_skipped") or 0)
+        lost = int(heal.get("steps_lost") or 0) + skipped
+        cost = (f", {lost} step(s) lost" + (f" ({skipped} non-finite update(s) skipped)"
+                                            if skipped else ""))
+        if heal.get("seconds") and (heal.get("updates_clipped") or cuts):
+            cost += f", {float(heal['seconds']) * 1e3:.3g} ms acting"
         return (f"heal: {heal.get('updates_clipped', 0)} spike precursor(s) clipped, "
                 f"{len(cuts)} cut(s){cost}"
                 + (f"; what drove the spikes: {heal['cause']}" if heal.get("cause") else "")
