@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from nanguard.integrations import resume
-from nanguard.integrations.discovery import Discovery, Watched
+from nanguard.integrations.discovery import Discovery
 from nanguard.integrations.replay import record_nothing
 from nanguard.integrations.resume import ResumePoints
+from nanguard.integrations.watched import Watched
 from nanguard.watch import rng
 
 __all__ = ["go_on", "rerun_step", "seen_nonfinite"]

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanguard.integrations.discovery import Discovery, Watched
+from nanguard.integrations.discovery import Discovery
+from nanguard.integrations.watched import Watched
 from nanguard.record.report import Report
 
 __all__ = ["OK_STATUSES", "ScriptOutcome", "exit_code", "print_outcome", "print_run_summary",

@@ -19,9 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nanguard.integrations.discovery import Discovery, Watched
+from nanguard.integrations.discovery import Discovery
 from nanguard.integrations.merge import finding_key, merge_reports
 from nanguard.integrations.run_output import ScriptOutcome
+from nanguard.integrations.watched import Watched
 from nanguard.pinpoint.recorded import NotReplayable
 from nanguard.record.report import REPORT_NAME, Report
 
