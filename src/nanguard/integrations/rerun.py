@@ -34,6 +34,7 @@ __all__ = ["go_on", "rerun_step", "seen_nonfinite"]
 
 
 def seen_nonfinite(disc: Discovery) -> bool:
+    """Whether any guard has seen a non-finite value (no resume point is taken after it)."""
     return any(w.guard is not None and w.guard.first_nonfinite is not None
                for w in disc.watched)
 

@@ -58,10 +58,13 @@ class ScriptOutcome:
 
 
 def say(line: str, prefix: str = "") -> None:
+    """Print one line of the runner's own to stderr (`nanguard run: ...`)."""
     print(f"nanguard run: {prefix}{line}", file=sys.stderr)
 
 
 def print_run_summary(report: Report, disc: Discovery, target: Watched | None) -> None:
+    """The closing summary (show/summary.py) with the failing part's history, or each
+    part's when several optimizers were watched."""
     from nanguard.show.summary import print_summary
 
     history = target.guard.history if target is not None and target.guard is not None else []

@@ -39,6 +39,8 @@ def world() -> tuple[int, int]:
 
 
 def default_out(world_size: int) -> Path:
+    """The run folder when none was given: `nanguard_runs/<time>`, or under torchrun one
+    folder all ranks agree on without talking."""
     base = Path("nanguard_runs")
     if world_size > 1:
         # Every rank must pick the same folder without talking: the launcher's run id (or its
@@ -87,6 +89,7 @@ def late_finding(disc: Discovery, outcome: ScriptOutcome, rank: int
 
 
 def set_finding(w: Watched, finding: dict[str, Any]) -> Report:
+    """Make `finding` the finding of `w`'s (closed) guard and diagnose it again."""
     guard = w.guard
     assert guard is not None
     return guard.refine(finding)
@@ -134,16 +137,20 @@ def settle_in_process(w: Watched) -> None:
 
 
 def failing_step(w: Watched) -> int:
+    """The step of `w`'s first non-finite value (it must have one)."""
     assert w.guard is not None and w.guard.first_nonfinite is not None
     return int(w.guard.first_nonfinite["step"])
 
 
 def found_in_process(w: Watched) -> bool:
+    """The guard's in-process replay named the origin (`settle_in_process` kept it)."""
     return bool(w.in_process and w.in_process.get("found") and w.guard is not None
                 and w.guard.first_nonfinite is not None)
 
 
 def first_failure(watched: list[Watched], reports: dict[int, Report]) -> Watched | None:
+    """The part whose first non-finite value came first (as merged reports order them),
+    or None."""
     found = [
         (finding_key(r.first_nonfinite, i), w)
         for i, w in enumerate(watched)

@@ -199,6 +199,7 @@ def _raised_in_nanguard(exc: BaseException, script: Path) -> bool:
 
 
 def torch_file() -> str:
+    """Where torch is installed (frames under it are neither the script's nor nanguard's)."""
     import torch
 
     return torch.__file__
