@@ -43,7 +43,7 @@ def test_an_error_after_the_script_keeps_the_failed_finding(
     script.write_text(SCRIPT)
     out = tmp_path / "run"
     # The re-run that pinpoints the origin is the epilogue's biggest part: it breaks.
-    monkeypatch.setattr(runner, "_replay", _broken)
+    monkeypatch.setattr(runner, "rerun_step", _broken)
     rc = run(RunOptions(script=str(script), args=["--poison"], out=str(out), policy=policy,
                         summary=False))
     assert rc == 1
@@ -62,7 +62,7 @@ def test_an_error_after_a_healthy_script_is_degraded_not_healthy(
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     out = tmp_path / "run"
-    monkeypatch.setattr(runner, "_write", _broken)
+    monkeypatch.setattr(runner, "write_folder", _broken)
     rc = run(RunOptions(script=str(script), out=str(out), summary=False))
     rep = report(out)
     # The guard watched every step, but its record was not laid out: not `healthy`.

@@ -2,7 +2,7 @@
 
     python -m nanguard.integrations.replay --step N --rng FILE --result FILE -- SCRIPT [ARGS]
 
-Runs in its own process (started by `runner._replay`, which bounds it in time): restores the
+Runs in its own process (started by `rerun.rerun_step`, which bounds it in time): restores the
 RNG states the first run started from, runs the script as `__main__` under
 `pinpoint.armed(N)` (N counts the steps of all optimizers together) and stops it as soon as
 step N is over. Any `Guard` the script builds itself records nothing here (the first run

@@ -94,8 +94,8 @@ class _Child:
 
 
 CHILD: _Child | None = None
-"""Set in a point's child once it goes on with the script (`runner` then ends it with
-`child_done` wherever the script stops)."""
+"""Set in a point's child once it goes on with the script (`run_script` then ends it
+with `child_done` wherever the script stops)."""
 
 
 class ResumePoints:
@@ -105,7 +105,7 @@ class ResumePoints:
         every: seconds between points (<= 0: none are taken).
         failed: whether the run has seen a non-finite value (no point is taken after it).
         go: called in the child with its "go" message, before the script runs on: lets go of
-            the parent's hooks and arms the checker (`runner` provides it).
+            the parent's hooks and arms the checker (`rerun.go_on`).
     """
 
     def __init__(self, every: float, *, failed: Callable[[], bool],
