@@ -49,8 +49,10 @@ def write_step(store: NullStore, stats: StepStats, n_params: int, per_parameter:
                      dict(zip(stats.state_norms, map(dict.copy, stats.state_norms.values()),
                               strict=True)))
     batch = None
-    if stats.sample_hashes:  # the writer computes the batch's fingerprint
-        batch = (None, list(stats.sample_hashes), list(stats.nonfinite_samples))
+    hashes = stats.raw_hashes()  # still-raw sums: the writer thread combines them
+    if hashes:  # the writer computes the batch's fingerprint
+        batch = (None, hashes if isinstance(hashes, tuple) else list(hashes),
+                 list(stats.nonfinite_samples))
     store.write_step(row, per_param=per_param,
                      activations=stats.activations.copy() if stats.activations else None,
                      batch=batch,

@@ -30,6 +30,8 @@ from itertools import chain
 from operator import itemgetter
 from typing import Any
 
+from nanguard.watch.fingerprint import combine_sums
+
 STEP_ROW = ("step", "time", "loss", "grad_norm", "param_norm", "update_ratio", "momentum_norm",
             "act_max", "lr", "nonfinite", "skipped", "amp_scale", "act_limit",
             "second_moment_norm", "attn_logit_max")
@@ -166,6 +168,8 @@ def encode(items: list[tuple[Any, ...]]) -> dict[str, list[tuple[Any, ...]]]:
                 out["activations"].extend((step, m, enc(v)) for m, v in acts.items())
             if batch is not None:
                 fp, samples, bad = batch
+                if type(samples) is tuple:  # a CPU step's per-tensor sums, combined here
+                    samples = combine_sums(samples)
                 text = _json_list(samples)
                 out["batches"].append((step, fp or _hash(text), text, _json_list(bad)))
             out["alarms"].extend(_alarm(x) for x in alarms)
