@@ -229,11 +229,14 @@ class StepPath:
 
     def _make_lane(self) -> QuietLane | None:
         """The quiet lane, where this guard's configuration lets a step take it (see
-        `watch.lane`: `observe`, no clipping, no cross-rank agreement, no activation watch,
-        a read every step, local parameters); per step `_pre` checks the rest."""
+        `watch.lane`: no clipping, no cross-rank agreement, no activation watch, a read every
+        step, local parameters, no `skip` the device could decide); per step `_pre` checks
+        the rest."""
         cfg = self.config
-        if (cfg.policy != "observe" or cfg.clip is not None or self._cross_rank
-                or self.act_probe is not None or cfg.watch.read_every != 1 or not self.params
+        if (cfg.clip is not None or self._cross_rank or self.act_probe is not None
+                or cfg.watch.read_every != 1 or not self.params
+                or (cfg.policy == "skip" and set(cfg.acting_on) == {"nonfinite"}
+                    and device_skip.supports(self.optimizer))
                 or (_DTENSOR is not None and any(isinstance(p, _DTENSOR) for p in self.params))):
             return None
         return QuietLane(self.steps, cfg.watch.update_ratio_every)
@@ -250,10 +253,13 @@ class StepPath:
                 and (self.replay is None or self.log.finding is not None)
                 and self.params[0].device.type == "cpu"
                 and (lane.every == 0 or self.step % lane.every)):
-            # The quiet lane (`watch.lane`): nothing to read or decide before the update.
-            self._current = lane.begin(self.step, _lr(optimizer), self._loss, self._step_rng)
+            # The quiet lane (`watch.lane`): under `observe` nothing to read before the update.
+            cur = self._current = lane.begin(self.step, _lr(optimizer), self._loss,
+                                             self._step_rng)
             self._loss = None
             self._watch_calls = 0
+            if cfg.policy != "observe":
+                self._before_update(lane.read_pre(cur), cur, False)
             return
         loaded: list[str] = []
         flags: torch.Tensor | None = None
@@ -289,10 +295,18 @@ class StepPath:
             return
         # Acting policies decide before the update, and a replay needs the parameters as they
         # were before it: read the pre-step statistics now.
-        stats = self.steps.read_pre(self._current)
-        alarms = self._detect(stats, "pre", self._current.rng)
+        self._before_update(self.steps.read_pre(self._current), self._current, replaying)
+
+    def _before_update(self, stats: StepStats, cur: Pending | LaneStep, replaying: bool
+                       ) -> None:
+        """The pre-update part of a step read before its update (`stats`, of `cur`): detect,
+        pinpoint with a replay, decide and act (acting policies), recovery's own step."""
+        cfg = self.config
+        optimizer = self.optimizer
+        alarms = self._detect(stats, "pre", cur.rng)
         if replaying and self.log.finding is not None:
-            self._pinpoint(stats, self._current)
+            assert isinstance(cur, Pending)  # the lane takes no step with a replay armed
+            self._pinpoint(stats, cur)
         elif replaying and stats.amp_skipped:
             self._check_scaler_skip(stats)
         if cfg.policy != "observe" or self._cross_rank:
@@ -337,10 +351,8 @@ class StepPath:
         self.recovery.after_update()  # the scheduler's LR back before anything reads it
         if cur.device_skip:
             device_skip.disarm(self.optimizer)
-        if self._stashed_grads is not None:  # `skip`: give the user their gradients back
-            for p, g in zip(self.params, self._stashed_grads, strict=True):
-                p.grad = g
-            self._stashed_grads = None
+        if self._stashed_grads is not None:
+            self._give_back_grads()
         copying = self.steps.end(cur)
         self.step += 1
         self._pending.append(cur)
@@ -368,17 +380,35 @@ class StepPath:
             self._step_rng = rng.capture_step()
 
     def _lane_post(self, cur: LaneStep) -> None:
-        """`_post` for a step in the quiet lane (`watch.lane`): read right after the update,
-        both phases' detectors at once (nothing acts under `observe`), recorded, as `_post`
-        and `_flush` do for such a step."""
+        """`_post` for a step in the quiet lane (`watch.lane`), as `_post` and `_flush` do it
+        for such a step: read right after the update; under `observe` both phases' detectors
+        at once, else the post-update ones, the policy's post-update decision and recovery's
+        snapshot; recorded."""
         assert self._lane is not None
         self._current = None
         self.recovery.after_update()
+        if self._stashed_grads is not None:
+            self._give_back_grads()
+        acted = cur.stats is not None  # read before the update (an acting policy)
         stats = self._lane.read(cur)
         self.step += 1
-        self._detect(stats, "both", cur.rng)
-        self._record(stats, cur)
+        if not acted:
+            self._detect(stats, "both", cur.rng)
+            self._record(stats, cur)
+        else:
+            alarms = self._detect(stats, "post", cur.rng)
+            self._record(stats, cur)  # before acting: `raise` and a rollback give-up stop
+            if self._decide(stats, alarms, post=True):
+                self._act(stats, alarms, post=True)
+            self.recovery.maybe_snapshot(stats)
         self._next_rng()
+
+    def _give_back_grads(self) -> None:
+        """`skip` took the gradients away for the update: give the user them back."""
+        assert self._stashed_grads is not None
+        for p, g in zip(self.params, self._stashed_grads, strict=True):
+            p.grad = g
+        self._stashed_grads = None
 
     def _flush(self, pending: list[Pending] | None = None, live_last: bool = True) -> None:
         """Read `pending` steps (default: every pending step) at once, then detect and record

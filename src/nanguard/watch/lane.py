@@ -37,11 +37,10 @@ __all__ = ["LaneStep", "QuietLane"]
 class LaneStep:
     """One step between the lane's two hooks: device values kept as the probes made them.
 
-    `stats`, `device_skip` and `found_inf` mirror `watch.step.Pending`'s (always None / False
-    here) for code that inspects the step in progress."""
+    `device_skip` and `found_inf` mirror `watch.step.Pending`'s (always False here) for code
+    that inspects the step in progress."""
 
-    __slots__ = ("step", "lr", "loss", "grads", "idx", "batch", "rng")
-    stats: StepStats | None
+    __slots__ = ("step", "lr", "loss", "grads", "idx", "batch", "rng", "stats")
     device_skip: bool
     found_inf: bool
 
@@ -56,9 +55,11 @@ class LaneStep:
         self.batch = batch
         self.rng = rng
         """RNG states at the start of the step (kept by reference; serialized only on alarm)."""
+        self.stats: StepStats | None = None
+        """The pre-update statistics once read (acting policies read them before the
+        update: `QuietLane.read_pre`)."""
 
 
-LaneStep.stats = None  # class-level: never set on a lane step
 LaneStep.device_skip = False
 LaneStep.found_inf = False
 
@@ -85,38 +86,65 @@ class QuietLane:
         grads, idx = self.probe.pre_step(snapshot_update=False)
         return LaneStep(step, lr, loss, grads, idx, self.batch_probe.take(), step_rng)
 
+    def read_pre(self, cur: LaneStep) -> StepStats:
+        """Runs in the step pre-hook of an acting policy (it decides before the update): one
+        host read of the step's pre-update values and their statistics (kept as `cur.stats`),
+        as `StepWatch.read_pre` gives them."""
+        parts = self._pre_parts(cur)
+        stats = cur.stats = self._decode_pre(cur, self.steps.read(parts))
+        return stats
+
     def read(self, cur: LaneStep) -> StepStats:
-        """Runs in the step post-hook: the post-update norms, then ONE host read of the step
-        (`StepWatch.read`) and its statistics, as `StepWatch.read_steps` decodes a step read
-        right after its update (`live`: the gradients and parameters are still those
-        measured)."""
+        """Runs in the step post-hook: the post-update norms, then ONE host read (`StepWatch
+        .read`) of the step, or of its post-update part when `read_pre` read the rest, and its
+        statistics, as `StepWatch.read_steps` decodes a step read right after its update
+        (`live`: the gradients and parameters are still those measured)."""
         probe = self.probe
         post, layout = probe.post_norms()
+        post_parts = [post] if isinstance(post, torch.Tensor) else list(post)
+        stats = cur.stats
+        if stats is not None:  # an acting policy's step: the pre-update part is read
+            values = self.steps.read(post_parts)
+            probe.decode_post({"post": values}, layout, stats)
+        else:
+            pre = self._pre_parts(cur)
+            values = self.steps.read(post_parts + pre)  # the post norms first: known count
+            n = len(layout.tensors)
+            stats = self._decode_pre(cur, values[n:])
+            stats.param_norms, stats.state_norms, stats.buffer_norms = layout.decode(
+                values[:n])
+        probe.resolve_post_overflow(stats)  # an extra read only on an inf norm
+        return stats
+
+    @staticmethod
+    def _pre_parts(cur: LaneStep) -> list[torch.Tensor]:
+        """The pre-update values to read: loss, gradient norms, the batch's vectors."""
         parts: list[torch.Tensor] = [] if cur.loss is None else [cur.loss]
         grads = cur.grads
         if grads is not None:
             parts += [grads] if isinstance(grads, torch.Tensor) else grads
-        parts += [post] if isinstance(post, torch.Tensor) else post
         taken = cur.batch
         if taken.micro is not None:
             parts += taken.vectors(True)
-        values = self.steps.read(parts)
+        return parts
+
+    def _decode_pre(self, cur: LaneStep, values: list[float]) -> StepStats:
+        """`StepWatch.decode_pre` for the lane's step (no activations, loaded-state flags,
+        scale or device skip in the lane), in its order."""
+        probe = self.probe
         stats = StepStats(step=cur.step, lr=cur.lr)
-        # The decoders' order is `StepWatch.decode_pre`'s, then `read_steps`' post part.
         a = 0
         if cur.loss is not None:
             stats.loss, a = values[0], 1
         b = a + len(cur.idx)
         probe.decode_pre(values[a:b], cur.idx, stats)
-        c = b + len(layout.tensors)
+        taken = cur.batch
         if taken.micro is not None:
-            BatchProbe.decode_taken({"batch": values[c:]}, taken, stats)
+            BatchProbe.decode_taken({"batch": values[b:]}, taken, stats)
         bp = self.batch_probe
         if bp.dropped is not None:
             stats.dropped_samples, bp.dropped = bp.dropped, None
         if stats.nonfinite_grads and any(
                 math.isinf(stats.grad_norms[i]) for i in stats.nonfinite_grads):
             probe.resolve_overflow(stats)  # rare: an extra read only here
-        stats.param_norms, stats.state_norms, stats.buffer_norms = layout.decode(values[b:c])
-        probe.resolve_post_overflow(stats)  # an extra read only on an inf norm
         return stats
