@@ -104,7 +104,13 @@ class Taken:
         packet). `cpu`: they are read on the CPU, where small micro-batches' per-tensor sums
         travel uncombined. Only with a batch (`micro` set)."""
         assert self.micro is not None
-        rows = [r for m in self.micro for r in m.rows]
+        if len(self.micro) == 1:  # the common step: no comprehension calls
+            m = self.micro[0]
+            if self.hashes is None and cpu:
+                return [*(m.sums or ()), *m.rows]
+            rows = m.rows
+        else:
+            rows = [r for m in self.micro for r in m.rows]
         if self.hashes is None and cpu:
             return [f for m in self.micro for f in m.sums or ()] + rows
         if self.hashes is None:  # a float64 packet holds 52-bit integers exactly, not int64
@@ -145,7 +151,16 @@ class BatchProbe:
     def observe(self, batch: Any, accumulate: bool = True) -> None:
         """Fingerprint `batch` on the device. With `accumulate`, batches observed since the last
         `collect` are micro-batches of one step and are all kept; without, only the last."""
-        tensors = [t for t in batch_tensors(batch) if t.dim() > 0]
+        # The tensors with a batch dimension, those of the first one's size (a loop: no
+        # comprehension calls on every step).
+        tensors: list[torch.Tensor] = []
+        size = -1
+        for t in batch_tensors(batch):
+            if t.dim() > 0:
+                if size < 0:
+                    size = t.shape[0]
+                if t.shape[0] == size:
+                    tensors.append(t)
         if not accumulate and self.batches:
             self.skipped, self.batches = self.batches, []
             if self._parts and self.dropped is None:
@@ -157,8 +172,6 @@ class BatchProbe:
             del self._parts[:1]
         if not tensors:
             return
-        size = tensors[0].shape[0]
-        tensors = [t for t in tensors if t.shape[0] == size]
         device = tensors[0].device
         sums: list[torch.Tensor] = []
         checked: list[tuple[int, torch.Tensor]] = []
