@@ -50,8 +50,15 @@ from typing import Any
 from nanguard.record import files
 from nanguard.record.compact import Compactor, step_count
 from nanguard.record.process import identity
-from nanguard.record.writer import STEP_ROW, PerParam, StoreError, Writer, enc, from_rows
-from nanguard.watch.fingerprint import RawHashes
+from nanguard.record.writer import (
+    STEP_ROW,
+    PerParam,
+    RawHashes,
+    StoreError,
+    Writer,
+    enc,
+    from_rows,
+)
 
 __all__ = ["DB_NAME", "SCHEMA", "STEP_ROW", "NullStore", "RunStore", "StoreError",
            "add_missing_columns", "dec", "enc", "open_run", "step_columns", "step_count"]

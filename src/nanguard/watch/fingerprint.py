@@ -16,8 +16,6 @@ with a product and a sum.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 _MASK = (1 << 52) - 1
@@ -79,29 +77,3 @@ def sample_fingerprints(tensor: torch.Tensor) -> torch.Tensor:
     """
     return (sample_sums(tensor) & _MASK).to(torch.float64)
 
-
-RawHashes = tuple[list[Any], int, tuple[int, ...]]
-"""A step's fingerprints not yet combined: (each micro-batch's per-tensor `sample_sums`, read
-as Python ints, micro-batch by micro-batch and tensor by tensor; tensors per sample; samples
-of each micro-batch). Extra values after the sums (the row sums of the NaN check) are ignored."""
-
-
-def combine_sums(raw: RawHashes) -> list[int]:
-    """The masked per-sample fingerprints of `raw`: what `BatchProbe`'s device combination
-    (h * 1000003 + f in wrapping int64, then the 52-bit mask) computes, in Python integers.
-    Exact: int64 wrapping is arithmetic modulo 2**64, and 2**52 divides it, so the low 52 bits
-    of the unbounded result (`&` on a negative int keeps two's complement bits) are the same.
-    Pure Python, no torch: the run store's writer thread calls it for quiet steps
-    (`StepStats.sample_hashes` on the training thread when something reads them)."""
-    values, n, sizes = raw
-    out: list[int] = []
-    pos = 0
-    for size in sizes:
-        h = values[pos : pos + size]
-        pos += size
-        for _ in range(n - 1):
-            f = values[pos : pos + size]
-            pos += size
-            h = [a * 1000003 + b for a, b in zip(h, f, strict=True)]
-        out += [v & _MASK for v in h]
-    return out

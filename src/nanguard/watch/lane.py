@@ -1,22 +1,23 @@
-"""The quiet lane: the common step under `observe` on the CPU, measured and read without packets.
+"""The quiet lane: the common CPU step, measured and read without packets.
 
-Under `observe` on the CPU nothing reads a step before its update and the host read comes
-right after it, so the step's values need no named slots, no pending-step bookkeeping and no
+On the CPU the host read of a step needs no named slots, no pending-step bookkeeping and no
 assembly: `QuietLane.begin` (optimizer step pre-hook) keeps the loss, the gradient norms and
 the batch's vectors as the probes made them; `QuietLane.read` (post-hook) adds the post-update
-norms, reads everything on the host (`item()` of each 0-dim value, `tolist()` of each vector:
-what a CPU packet's read does, value for value) and decodes it into the same `StepStats` the
-packet path gives (the same decoders, in the same order; an overflowing norm is resolved with
-its extra read, as there). The detectors, the quiet gate and the record then take the step as
-they take any other.
+norms, reads everything with ONE host read (`StepWatch.read`: `item()` of each 0-dim value,
+`tolist()` of each vector, what a CPU packet's read does, value for value) and decodes it into
+the same `StepStats` the packet path gives (the same decoders, in the same order; an
+overflowing norm is resolved with its extra read, as there). An acting policy decides before
+the update: `QuietLane.read_pre` reads the pre-update part there, and `read` the post-update
+part after it (two reads, as the packet path makes). The detectors, the quiet gate, the policy
+and the record then take the step as they take any other: the lane decides nothing.
 
-What the lane leaves to the packet path (`StepWatch`), decided per step by the guard
-(`StepPath._lane_takes`): acting policies, clipping, a replay still armed, a GradScaler,
-activation watching, `read_every` > 1, a parameter off the CPU (a GPU step's packet is copied
-without a stall and read a step late), a step that samples the update norm, the first step
-and the first after a `load_state_dict` (loaded-state flags), and the cross-rank agreement.
-`tests/test_quiet_lane.py` checks that the lane and the packet path give identical statistics,
-alarms, report.json and run.db.
+What the lane leaves to the packet path (`StepWatch`), decided once (`StepPath._make_lane`)
+and per step (`StepPath._pre`): clipping, a replay still armed, a GradScaler, activation
+watching, `read_every` > 1, the cross-rank agreement, a `skip` a fused optimizer decides on the
+device, a parameter off the CPU (a GPU step's packet is copied without a stall and read a step
+late), a step that samples the update norm, the first step and the first after a
+`load_state_dict` (loaded-state flags). `tests/test_quiet_lane.py` checks that the lane and the
+packet path leave identical statistics, alarms, actions, report.json and run.db.
 """
 
 from __future__ import annotations

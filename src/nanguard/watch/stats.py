@@ -23,7 +23,7 @@ from typing import Any, overload
 import torch
 from torch import nn
 
-from nanguard.watch.fingerprint import RawHashes, combine_sums
+from nanguard.record.writer import RawHashes, combine_sums
 from nanguard.watch.layout import FIRST_MOMENT_KEYS, SECOND_MOMENT_KEYS, PostLayout
 from nanguard.watch.norms import NormPlan, Norms, _is_dtensor, _values, local, norm_values
 from nanguard.watch.packet import Packet
