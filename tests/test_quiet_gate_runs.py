@@ -29,6 +29,9 @@ _VOLATILE_META = {"process", "started", "start", "time"}
 def _leftovers(out: Path) -> tuple[Any, dict[str, list[Any]]]:
     report = json.loads((out / "report.json").read_text())
     report["run"].pop("folder", None)
+    heal = (report["run"].get("recovery") or {}).get("heal")
+    if isinstance(heal, dict):  # wall time spent healing, where reported: differs every run
+        heal.pop("seconds", None)
     db = sqlite3.connect(out / "run.db")
     tables: dict[str, list[Any]] = {}
     names = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
