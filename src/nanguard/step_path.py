@@ -47,6 +47,7 @@ from nanguard.recover.verdict import LossWatch
 from nanguard.watch import loads, rng
 from nanguard.watch.activations import ActivationProbe
 from nanguard.watch.batch import BatchProbe
+from nanguard.watch.lane import LaneStep, QuietLane
 from nanguard.watch.norms import _DTENSOR
 from nanguard.watch.stats import StepProbe, StepStats
 from nanguard.watch.step import Pending, StepWatch
@@ -76,7 +77,7 @@ class StepPath:
     _by_phase: dict[str, list[Detector]]
     _rerun_every: int
     _gate: QuietGate
-    _current: Pending | None
+    _current: Pending | LaneStep | None
     _pending: list[Pending]
     _stashed_grads: list[torch.Tensor | None] | None
     _step_rng: dict[str, Any]
@@ -92,6 +93,10 @@ class StepPath:
     _agreed: bool
     _rerun_rank: int | None
     _cross_rank: bool
+    _lane: QuietLane | None = None
+    """The quiet lane (`watch.lane`), or None where this guard never takes it; built at the
+    first step (`_lane_known`)."""
+    _lane_known: bool = False
 
     def stand_down(self, exc: BaseException, where: str) -> None:
         raise NotImplementedError  # the Guard's
@@ -206,11 +211,15 @@ class StepPath:
 
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Runs inside `optimizer.step()`, right after the update. Fails open like `_pre_hook`."""
-        if self._current is None:  # stood down in the pre-hook of this very step
+        cur = self._current
+        if cur is None:  # stood down in the pre-hook of this very step
             return
         self._in_hook, self._agreed = "post", False
         try:
-            self._post()
+            if type(cur) is LaneStep:
+                self._lane_post(cur)
+            else:
+                self._post()
         except NanguardError:
             raise
         except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
@@ -218,10 +227,40 @@ class StepPath:
         finally:
             self._in_hook = None
 
+    def _make_lane(self) -> QuietLane | None:
+        """The quiet lane, where this guard's configuration lets a step take it (see
+        `watch.lane`: no clipping, no cross-rank agreement, no activation watch, a read every
+        step, local parameters, no `skip` the device could decide); per step `_pre` checks
+        the rest."""
+        cfg = self.config
+        if (cfg.clip is not None or self._cross_rank or self.act_probe is not None
+                or cfg.watch.read_every != 1 or not self.params
+                or (cfg.policy == "skip" and set(cfg.acting_on) == {"nonfinite"}
+                    and device_skip.supports(self.optimizer))
+                or (_DTENSOR is not None and any(isinstance(p, _DTENSOR) for p in self.params))):
+            return None
+        return QuietLane(self.steps, cfg.watch.update_ratio_every)
+
     def _pre(self, optimizer: torch.optim.Optimizer) -> None:
         cfg = self.config
         if self._sync_params():
             self._write_params()
+        if not self._lane_known:
+            self._lane, self._lane_known = self._make_lane(), True
+        lane = self._lane
+        if (lane is not None and not self._check_loaded and not self._pending
+                and self.recovery.amp is None
+                and (self.replay is None or self.log.finding is not None)
+                and self.params[0].device.type == "cpu"
+                and (lane.every == 0 or self.step % lane.every)):
+            # The quiet lane (`watch.lane`): under `observe` nothing to read before the update.
+            cur = self._current = lane.begin(self.step, _lr(optimizer), self._loss,
+                                             self._step_rng)
+            self._loss = None
+            self._watch_calls = 0
+            if cfg.policy != "observe":
+                self._before_update(lane.read_pre(cur), cur, False)
+            return
         loaded: list[str] = []
         flags: torch.Tensor | None = None
         if self._check_loaded:
@@ -256,10 +295,18 @@ class StepPath:
             return
         # Acting policies decide before the update, and a replay needs the parameters as they
         # were before it: read the pre-step statistics now.
-        stats = self.steps.read_pre(self._current)
-        alarms = self._detect(stats, "pre", self._current.rng)
+        self._before_update(self.steps.read_pre(self._current), self._current, replaying)
+
+    def _before_update(self, stats: StepStats, cur: Pending | LaneStep, replaying: bool
+                       ) -> None:
+        """The pre-update part of a step read before its update (`stats`, of `cur`): detect,
+        pinpoint with a replay, decide and act (acting policies), recovery's own step."""
+        cfg = self.config
+        optimizer = self.optimizer
+        alarms = self._detect(stats, "pre", cur.rng)
         if replaying and self.log.finding is not None:
-            self._pinpoint(stats, self._current)
+            assert isinstance(cur, Pending)  # the lane takes no step with a replay armed
+            self._pinpoint(stats, cur)
         elif replaying and stats.amp_skipped:
             self._check_scaler_skip(stats)
         if cfg.policy != "observe" or self._cross_rank:
@@ -299,15 +346,13 @@ class StepPath:
 
     def _post(self) -> None:
         cur = self._current
-        assert cur is not None, "post-step hook without a pre-step hook"
+        assert isinstance(cur, Pending), "post-step hook without a pre-step hook"
         self._current = None
         self.recovery.after_update()  # the scheduler's LR back before anything reads it
         if cur.device_skip:
             device_skip.disarm(self.optimizer)
-        if self._stashed_grads is not None:  # `skip`: give the user their gradients back
-            for p, g in zip(self.params, self._stashed_grads, strict=True):
-                p.grad = g
-            self._stashed_grads = None
+        if self._stashed_grads is not None:
+            self._give_back_grads()
         copying = self.steps.end(cur)
         self.step += 1
         self._pending.append(cur)
@@ -324,11 +369,46 @@ class StepPath:
             self.recovery.maybe_snapshot(cur.stats)
         if self.act_probe:  # activations on sampled steps only
             self.act_probe.enabled = self.step % self.config.watch.activations_every == 0
+        self._next_rng()
+
+    def _next_rng(self) -> None:
+        """The RNG state at the start of the next step (kept for a replay of it)."""
         if self.step % self.config.record.rng_every == 0:  # kept: every generator
             self._step_rng = rng.capture()
             self.store.write_rng(self.step, rng.dumps(self._step_rng))
         else:  # every step: torch's generators, what a replay of the step draws from
             self._step_rng = rng.capture_step()
+
+    def _lane_post(self, cur: LaneStep) -> None:
+        """`_post` for a step in the quiet lane (`watch.lane`), as `_post` and `_flush` do it
+        for such a step: read right after the update; under `observe` both phases' detectors
+        at once, else the post-update ones, the policy's post-update decision and recovery's
+        snapshot; recorded."""
+        assert self._lane is not None
+        self._current = None
+        self.recovery.after_update()
+        if self._stashed_grads is not None:
+            self._give_back_grads()
+        acted = cur.stats is not None  # read before the update (an acting policy)
+        stats = self._lane.read(cur)
+        self.step += 1
+        if not acted:
+            self._detect(stats, "both", cur.rng)
+            self._record(stats, cur)
+        else:
+            alarms = self._detect(stats, "post", cur.rng)
+            self._record(stats, cur)  # before acting: `raise` and a rollback give-up stop
+            if self._decide(stats, alarms, post=True):
+                self._act(stats, alarms, post=True)
+            self.recovery.maybe_snapshot(stats)
+        self._next_rng()
+
+    def _give_back_grads(self) -> None:
+        """`skip` took the gradients away for the update: give the user them back."""
+        assert self._stashed_grads is not None
+        for p, g in zip(self.params, self._stashed_grads, strict=True):
+            p.grad = g
+        self._stashed_grads = None
 
     def _flush(self, pending: list[Pending] | None = None, live_last: bool = True) -> None:
         """Read `pending` steps (default: every pending step) at once, then detect and record
@@ -536,7 +616,7 @@ class StepPath:
                       message=f"a sampled re-run of step {stats.step} differs from the step "
                       f"itself: {found.get('why')}")]
 
-    def _record(self, stats: StepStats, p: Pending) -> None:
+    def _record(self, stats: StepStats, p: Pending | LaneStep) -> None:
         self._last_stats = stats
         log = self.log
         finding = log.finding

@@ -52,7 +52,8 @@ def test_internal_error_stands_down_and_training_is_untouched(tmp_path: Path) ->
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     guard = nanguard.Guard(model, opt, out=tmp_path / "run", policy="skip")
     calls = {"n": 0}
-    original = guard.probe.post_step
+    # The post-update norms: measured on every step, in the quiet lane and the packet path.
+    original = guard.probe._post_norms
 
     def broken(*args: object, **kwargs: object) -> object:
         calls["n"] += 1
@@ -60,7 +61,7 @@ def test_internal_error_stands_down_and_training_is_untouched(tmp_path: Path) ->
             raise RuntimeError("bug inside nanguard")
         return original(*args, **kwargs)
 
-    guard.probe.post_step = broken  # type: ignore[method-assign]
+    guard.probe._post_norms = broken  # type: ignore[method-assign]
     _train(model, opt, guard, 6)
     report = guard.close()
 

@@ -175,3 +175,54 @@ def test_fingerprint_is_the_modular_weighted_sum() -> None:
             want = (bits * w).sum(dim=1)  # int64 wrapping, the definition's modulus
         assert torch.equal(got.to(torch.int64), want), t.dtype
         assert _weights(bits.shape[1], t.device, got.dtype).dtype == got.dtype
+
+
+def test_run_db_fingerprints_combined_on_the_writer_thread(tmp_path: Any) -> None:
+    """A CPU step's fingerprints are left as per-tensor sums on the training thread and
+    combined by the run store's writer: run.db's `batches` rows (quiet steps queued, a NaN-row
+    step written at once, two micro-batches in one step) hold what the per-tensor definition
+    gives, and a step's `sample_hashes` read on the training thread agrees."""
+    import json
+
+    from torch import nn
+
+    from nanguard import Guard
+    from nanguard.record.store import open_run
+
+    torch.manual_seed(0)
+    model = nn.Linear(5 * 3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = Guard(model, opt, out=tmp_path)
+    g = torch.Generator().manual_seed(2)
+    steps: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    for k in range(6):
+        x, y = torch.randn(12, 5, 3, generator=g), torch.randn(12, 1, generator=g)
+        if k == 5:
+            x[4, 0, 1] = math.nan  # a NaN row: this step is committed at once
+        micro = [(x, y)] if k != 4 else [(x[:7], y[:7]), (x[7:], y[7:])]
+        steps.append(micro)
+        opt.zero_grad()
+        for i, (bx, by) in enumerate(micro):
+            loss = nn.functional.mse_loss(model(bx.flatten(1)), by)
+            if i == 0:
+                guard.watch(loss=loss, batch=(bx, by))
+            else:
+                guard.watch_micro_batch((bx, by))
+            loss.backward()
+        opt.step()
+    quiet = guard.history[-2]  # step 4, its two micro-batches
+    assert quiet.step == 4 and isinstance(quiet.raw_hashes(), tuple)  # not combined here
+    want4 = [int(v) for b in steps[4] for v in _reference(b)[:len(b[0])].tolist()]
+    guard.close()
+    db = open_run(tmp_path)
+    try:
+        rows = db.execute("SELECT step, samples, nonfinite_samples FROM batches ORDER BY step"
+                          ).fetchall()
+    finally:
+        db.close()
+    assert [r[0] for r in rows] == list(range(6))
+    for (_, samples, bad), micro in zip(rows, steps, strict=True):
+        want = [int(v) for b in micro for v in _reference(b)[:len(b[0])].tolist()]
+        assert json.loads(samples) == want
+        assert json.loads(bad) == ([4] if micro is steps[5] else [])
+    assert quiet.sample_hashes == want4  # combined when read

@@ -130,7 +130,8 @@ class QuietGate:
                 plan[0] = (lx, 10 ** med if n else None, n)
         if not post:
             return plan
-        values = {"grad_norm": float(g), "act_max": stats.act_max,
+        acts = stats.activations  # `act_max`, inline (no call on a step without activations)
+        values = {"grad_norm": float(g), "act_max": max(acts.values()) if acts else None,
                   "momentum_norm": stats.momentum_norm}
         ca, fc = self._cascade, self._forecast
         growth = ca.config.cascade_growth

@@ -33,8 +33,11 @@ def write_step(store: NullStore, stats: StepStats, n_params: int, per_parameter:
     """Record the step row, per-parameter stats, activations, batch fingerprints and alarms."""
     row = {
         "step": stats.step, "loss": stats.loss, "grad_norm": stats.grad_norm,
-        "param_norm": stats.param_norm, "update_ratio": stats.update_ratio,
-        "momentum_norm": stats.momentum_norm, "act_max": stats.act_max, "lr": stats.lr,
+        # `update_ratio` and `act_max` asked only when measured (no call on most steps).
+        "param_norm": stats.param_norm,
+        "update_ratio": stats.update_ratio if stats.update_norm is not None else None,
+        "momentum_norm": stats.momentum_norm,
+        "act_max": stats.act_max if stats.activations else None, "lr": stats.lr,
         # Sealed by the detectors (a copy of the kept list, no call); else scanned.
         "nonfinite": list(stats._signals) if stats._signals is not None
         else stats.nonfinite_signals(), "skipped": stats.skipped,
@@ -49,8 +52,10 @@ def write_step(store: NullStore, stats: StepStats, n_params: int, per_parameter:
                      dict(zip(stats.state_norms, map(dict.copy, stats.state_norms.values()),
                               strict=True)))
     batch = None
-    if stats.sample_hashes:  # the writer computes the batch's fingerprint
-        batch = (None, list(stats.sample_hashes), list(stats.nonfinite_samples))
+    hashes = stats.raw_hashes()  # still-raw sums: the writer thread combines them
+    if hashes:  # the writer computes the batch's fingerprint
+        batch = (None, hashes if isinstance(hashes, tuple) else list(hashes),
+                 list(stats.nonfinite_samples))
     store.write_step(row, per_param=per_param,
                      activations=stats.activations.copy() if stats.activations else None,
                      batch=batch,

@@ -50,7 +50,15 @@ from typing import Any
 from nanguard.record import files
 from nanguard.record.compact import Compactor, step_count
 from nanguard.record.process import identity
-from nanguard.record.writer import STEP_ROW, PerParam, StoreError, Writer, enc, from_rows
+from nanguard.record.writer import (
+    STEP_ROW,
+    PerParam,
+    RawHashes,
+    StoreError,
+    Writer,
+    enc,
+    from_rows,
+)
 
 __all__ = ["DB_NAME", "SCHEMA", "STEP_ROW", "NullStore", "RunStore", "StoreError",
            "add_missing_columns", "dec", "enc", "open_run", "step_columns", "step_count"]
@@ -153,7 +161,7 @@ class NullStore:
         params: Sequence[tuple[int, float | None, float | None, dict[str, float]]] = (),
         per_param: PerParam | None = None,
         activations: dict[str, float] | None = None,
-        batch: tuple[str | None, list[int], list[int]] | None = None,
+        batch: tuple[str | None, list[int] | RawHashes, list[int]] | None = None,
         alarms: Sequence[dict[str, Any]] = (),
     ) -> None: ...
     def write_alarm(self, alarm: dict[str, Any]) -> None: ...
@@ -247,7 +255,7 @@ class RunStore(NullStore):
         params: Sequence[tuple[int, float | None, float | None, dict[str, float]]] = (),
         per_param: PerParam | None = None,
         activations: dict[str, float] | None = None,
-        batch: tuple[str | None, list[int], list[int]] | None = None,
+        batch: tuple[str | None, list[int] | RawHashes, list[int]] | None = None,
         alarms: Sequence[dict[str, Any]] = (),
     ) -> None:
         """Record one step; its row, per-parameter values, activations, batch and alarms are
@@ -264,8 +272,9 @@ class RunStore(NullStore):
                 per parameter.
             per_param: (n, grad norms, param norms, {state key: norms}), by parameter index.
             activations: module name -> activation abs-max.
-            batch: (fingerprint or None to compute it, per-sample fingerprints, indices of the
-                non-finite samples).
+            batch: (fingerprint or None to compute it, per-sample fingerprints (or the
+                per-tensor sums they are combined from, `fingerprint.RawHashes`: the writer
+                thread combines them), indices of the non-finite samples).
             alarms: the step's alarms (`Alarm.to_dict()`).
         """
         item = ("step", row, time.time(), per_param if per_param is not None or not params

@@ -67,6 +67,37 @@ def enc(x: float | None) -> float | str | None:
     return x
 
 
+_MASK = (1 << 52) - 1
+
+RawHashes = tuple[list[Any], int, tuple[int, ...]]
+"""A step's fingerprints not yet combined: (each micro-batch's per-tensor sample sums
+(`watch.fingerprint.sample_sums`), read as Python ints, micro-batch by micro-batch and tensor
+by tensor; tensors per sample; samples of each micro-batch). Extra values after the sums (the
+row sums of the NaN check) are ignored."""
+
+
+def combine_sums(raw: RawHashes) -> list[int]:
+    """The masked per-sample fingerprints of `raw`: what `BatchProbe`'s device combination
+    (h * 1000003 + f in wrapping int64, then the 52-bit mask) computes, in Python integers.
+    Exact: int64 wrapping is arithmetic modulo 2**64, and 2**52 divides it, so the low 52 bits
+    of the unbounded result (`&` on a negative int keeps two's complement bits) are the same.
+    Pure Python, no torch (here, in the torch-free record package): the run store's writer
+    thread calls it for quiet steps (`StepStats.sample_hashes` on the training thread when
+    something reads them). The definition it reproduces: `watch.fingerprint`, `watch.batch`."""
+    values, n, sizes = raw
+    out: list[int] = []
+    pos = 0
+    for size in sizes:
+        h = values[pos : pos + size]
+        pos += size
+        for _ in range(n - 1):
+            f = values[pos : pos + size]
+            pos += size
+            h = [a * 1000003 + b for a, b in zip(h, f, strict=True)]
+        out += [v & _MASK for v in h]
+    return out
+
+
 def batch_hash(samples: list[int]) -> str:
     """Fingerprint of a whole batch from its per-sample fingerprints."""
     return _hash(repr(samples))
@@ -166,6 +197,8 @@ def encode(items: list[tuple[Any, ...]]) -> dict[str, list[tuple[Any, ...]]]:
                 out["activations"].extend((step, m, enc(v)) for m, v in acts.items())
             if batch is not None:
                 fp, samples, bad = batch
+                if type(samples) is tuple:  # a CPU step's per-tensor sums, combined here
+                    samples = combine_sums(samples)
                 text = _json_list(samples)
                 out["batches"].append((step, fp or _hash(text), text, _json_list(bad)))
             out["alarms"].extend(_alarm(x) for x in alarms)

@@ -96,17 +96,28 @@ class Taken:
         order. A CPU packet of small micro-batches carries each tensor's sums instead of the
         fingerprints (micro-batch by micro-batch), read exactly as integers and combined by
         `decode_taken`: three fewer tensor ops a step than combining them here."""
-        if self.micro is None:
-            return
-        rows = [r for m in self.micro for r in m.rows]
-        if self.hashes is None and packet.device.type == "cpu":
-            packet.add_vectors("batch", [f for m in self.micro for f in m.sums or ()] + rows)
-            return
+        if self.micro is not None:
+            packet.add_vectors("batch", self.vectors(packet.device.type == "cpu"))
+
+    def vectors(self, cpu: bool) -> list[torch.Tensor]:
+        """The slot's vectors, in order (`add_to`; the quiet lane reads them without a
+        packet). `cpu`: they are read on the CPU, where small micro-batches' per-tensor sums
+        travel uncombined. Only with a batch (`micro` set)."""
+        assert self.micro is not None
+        if len(self.micro) == 1:  # the common step: no comprehension calls
+            m = self.micro[0]
+            if self.hashes is None and cpu:
+                return [*(m.sums or ()), *m.rows]
+            rows = m.rows
+        else:
+            rows = [r for m in self.micro for r in m.rows]
+        if self.hashes is None and cpu:
+            return [f for m in self.micro for f in m.sums or ()] + rows
         if self.hashes is None:  # a float64 packet holds 52-bit integers exactly, not int64
             h = torch.cat([m.device_hashes() for m in self.micro]) if len(self.micro) > 1 \
                 else self.micro[0].device_hashes()
             self.hashes = torch.bitwise_and(h, _mask(h.device))
-        packet.add_vectors("batch", [self.hashes, *rows])
+        return [self.hashes, *rows]
 
 
 class BatchProbe:
@@ -140,7 +151,16 @@ class BatchProbe:
     def observe(self, batch: Any, accumulate: bool = True) -> None:
         """Fingerprint `batch` on the device. With `accumulate`, batches observed since the last
         `collect` are micro-batches of one step and are all kept; without, only the last."""
-        tensors = [t for t in batch_tensors(batch) if t.dim() > 0]
+        # The tensors with a batch dimension, those of the first one's size (a loop: no
+        # comprehension calls on every step).
+        tensors: list[torch.Tensor] = []
+        size = -1
+        for t in batch_tensors(batch):
+            if t.dim() > 0:
+                if size < 0:
+                    size = t.shape[0]
+                if t.shape[0] == size:
+                    tensors.append(t)
         if not accumulate and self.batches:
             self.skipped, self.batches = self.batches, []
             if self._parts and self.dropped is None:
@@ -152,8 +172,6 @@ class BatchProbe:
             del self._parts[:1]
         if not tensors:
             return
-        size = tensors[0].shape[0]
-        tensors = [t for t in tensors if t.shape[0] == size]
         device = tensors[0].device
         sums: list[torch.Tensor] = []
         checked: list[tuple[int, torch.Tensor]] = []
@@ -228,8 +246,12 @@ class BatchProbe:
             return
         values = slots["batch"]
         size = taken.size
-        if taken.hashes is None:  # each tensor's sums, exact integers: combine them here
-            stats.sample_hashes = _host_hashes(values, taken.micro)
+        if taken.hashes is None:  # each tensor's sums, exact integers: combined when read
+            # (on the writer thread for a quiet step: `StepStats.defer_hashes`). Sizes only:
+            # the queued row must not hold the batch's tensors.
+            micro = taken.micro
+            sizes = (micro[0].size,) if len(micro) == 1 else tuple(m.size for m in micro)
+            stats.defer_hashes((values, taken.n, sizes))
             start = size * taken.n
         else:
             stats.sample_hashes = list(map(int, values[:size]))
@@ -284,25 +306,6 @@ def _combined(sums: list[torch.Tensor]) -> torch.Tensor:
     for f in sums[1:]:
         h = torch.add(f, h, alpha=1000003)  # h is int64: f is promoted
     return h
-
-
-def _host_hashes(values: list[Any], micro: list[_Micro]) -> list[int]:
-    """The masked fingerprints of micro-batches whose per-tensor sums were read uncombined
-    (`Taken.add_to`): what `_combined` and the mask compute, in Python integers. Exact: int64
-    wrapping is arithmetic modulo 2**64, and 2**52 divides it, so the low 52 bits of the
-    unbounded result (`&` on a negative int keeps two's complement bits) are the same.
-    `values` holds Python ints there: a CPU packet reads integer tensors exactly."""
-    out: list[int] = []
-    pos = 0
-    for m in micro:
-        h = values[pos : pos + m.size]
-        pos += m.size
-        for _ in range(m.n - 1):
-            f = values[pos : pos + m.size]
-            pos += m.size
-            h = [a * 1000003 + b for a, b in zip(h, f, strict=True)]
-        out += [v & _MASK for v in h]
-    return out
 
 
 def _exact_flags(parts: list[_Micro]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -76,3 +76,4 @@ def sample_fingerprints(tensor: torch.Tensor) -> torch.Tensor:
         A float64 device tensor of shape [batch] holding integers below 2**52.
     """
     return (sample_sums(tensor) & _MASK).to(torch.float64)
+

@@ -178,7 +178,7 @@ def _assemble(packets: Sequence[Packet]) -> torch.Tensor:
     return torch.cat(parts, out=out)
 
 
-def host_values(t: torch.Tensor | list[torch.Tensor]) -> list[float]:
+def host_values(t: torch.Tensor | Sequence[torch.Tensor]) -> list[float]:
     """A read's values as one Python list: a tensor's `tolist()`; for a list of CPU tensors
     (`_cpu_parts`), each 0-dim value's `item()` and each vector's `tolist()`, one after the
     other (integer tensors give exact Python ints)."""

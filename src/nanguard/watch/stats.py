@@ -18,11 +18,12 @@ import math
 import operator
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
 
+from nanguard.record.writer import RawHashes, combine_sums
 from nanguard.watch.layout import FIRST_MOMENT_KEYS, SECOND_MOMENT_KEYS, PostLayout
 from nanguard.watch.norms import NormPlan, Norms, _is_dtensor, _values, local, norm_values
 from nanguard.watch.packet import Packet
@@ -34,6 +35,30 @@ def _any_nonfinite(norms: dict[int, float], key: str, overflowed: set[tuple[str,
     if math.isfinite(sum(norms.values())):
         return False
     return any(not math.isfinite(v) for i, v in norms.items() if (key, i) not in overflowed)
+
+
+class _Hashes:
+    """`StepStats.sample_hashes`: a list of fingerprints, or, on a CPU step whose per-tensor
+    sums the host combines, those sums kept as they were read (`StepStats.defer_hashes`) and
+    combined the first time the list is read. A quiet step's are never read on the training
+    thread: the run store's writer combines them (`record.writer`)."""
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> tuple[int, ...]: ...
+    @overload
+    def __get__(self, obj: StepStats, owner: type | None = None) -> list[int]: ...
+
+    def __get__(self, obj: StepStats | None, owner: type | None = None
+                ) -> list[int] | tuple[int, ...]:
+        if obj is None:
+            return ()  # the dataclass's default (an immutable one)
+        v = obj.__dict__["_hashes"]
+        if type(v) is tuple:
+            v = obj.__dict__["_hashes"] = combine_sums(v)
+        return v
+
+    def __set__(self, obj: StepStats, value: list[int] | tuple[int, ...]) -> None:
+        obj.__dict__["_hashes"] = list(value)
 
 
 @dataclass(kw_only=True)
@@ -61,8 +86,9 @@ class StepStats:
     attn_logit_max: float | None = None
     """Largest |attention logit| of the step's forward (sampled with the activations; None
     where the model has no attention or it was not measured: `watch.attention`)."""
-    sample_hashes: list[int] = field(default_factory=list)
-    """52-bit fingerprints of each sample of the batch handed to the guard."""
+    sample_hashes: _Hashes = _Hashes()
+    """52-bit fingerprints of each sample of the batch handed to the guard (a list of ints;
+    combined when first read after `defer_hashes`)."""
     nonfinite_samples: list[int] = field(default_factory=list)
     """Indices of the samples of the batch that hold a NaN or Inf."""
     dropped_samples: list[int] = field(default_factory=list)
@@ -96,6 +122,15 @@ class StepStats:
     _derived: dict[str, float | None] = field(default_factory=dict, repr=False, compare=False)
     """The global norms computed since the last `seal()` (each asked for by several
     detectors, the policy and the record)."""
+
+    def defer_hashes(self, raw: RawHashes) -> None:
+        """Keep the batch's per-tensor sums as read; `sample_hashes` combines them when read."""
+        self.__dict__["_hashes"] = raw
+
+    def raw_hashes(self) -> RawHashes | list[int]:
+        """The fingerprints as they are kept: still-raw sums (`defer_hashes`), or the list."""
+        v: RawHashes | list[int] = self.__dict__["_hashes"]
+        return v
 
     def seal(self) -> list[str]:
         """Compute `nonfinite_signals()` once and keep it, and the global norms once asked,
@@ -318,7 +353,14 @@ class StepProbe:
         with torch.no_grad():
             return self._post_step(packet, second_moments)
 
-    def _post_step(self, packet: Packet, second_moments: bool) -> PostLayout:
+    def post_norms(self, second_moments: bool = True) -> tuple[Norms, PostLayout]:
+        """`post_step` without a packet, for a step with no update norm (the quiet lane,
+        `watch.lane`): the device norms of the post-update pass and the layout to decode
+        them with."""
+        with torch.no_grad():
+            return self._post_norms(second_moments)
+
+    def _post_norms(self, second_moments: bool) -> tuple[Norms, PostLayout]:
         lay = self._layout
         state_of = self.optimizer.state
         if lay is None or not lay.fits(self.params, state_of, self.buffers, second_moments):
@@ -329,6 +371,10 @@ class StepProbe:
                                             plan=False)
             norms = lay.norms()
             assert norms is not None
+        return norms, lay
+
+    def _post_step(self, packet: Packet, second_moments: bool) -> PostLayout:
+        norms, lay = self._post_norms(second_moments)
         packet.add("post", norms)
         if self._with_update:
             assert self._update_buf is not None
