@@ -19,14 +19,11 @@ from typing import Any
 
 from nanguard.integrations.discovery import Discovery
 from nanguard.integrations.watched import Watched
-from nanguard.record.report import Report
+from nanguard.record.report import OK_STATUSES, Report
 
+# OK_STATUSES (record.report's: the statuses a CI gate passes) is re-exported for runner.py.
 __all__ = ["OK_STATUSES", "ScriptOutcome", "exit_code", "print_outcome", "print_run_summary",
            "say"]
-
-
-OK_STATUSES = ("healthy", "warned", "recovered")
-"""Statuses for which `nanguard run` exits 0 (when the script itself did)."""
 
 
 @dataclass
