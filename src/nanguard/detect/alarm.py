@@ -20,6 +20,7 @@ ALARM_KINDS = (
     # (nanguard.watch.replicas, every DetectConfig.replica_every steps: recorded, never acted on)
     "checkpoint_mismatch",  # a loaded checkpoint differs from the manifest of its save
     "rerun_mismatch",  # a sampled quiet step re-ran differently (`DetectConfig.rerun_every`)
+    "eval_nonfinite",  # a metric an evaluation pass logged is NaN/Inf (detect.eval_metrics)
     # (nanguard.watch.loads, under `nanguard run`: recorded, never acted on)
 )
 

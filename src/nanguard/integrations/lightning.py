@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanguard.detect.eval_metrics import eval_alarms
 from nanguard.errors import NanguardError
 from nanguard.guard import Guard
 from nanguard.integrations import manifests
@@ -130,6 +131,8 @@ class NanguardCallback(Callback):
         self._alarms = 0  # alarms since the signals were last logged
         self.stopped: str | None = None
         """Why nanguard stopped training (the `raise` policy), None while it has not."""
+        self._before_eval: dict[str, Any] = {}  # callback_metrics as validation began
+        self._eval_seen: set[str] = set()  # metrics already said non-finite
 
     @property
     def guard(self) -> Guard | None:
@@ -286,6 +289,25 @@ class NanguardCallback(Callback):
         self._signals, self._alarms = {}, 0
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False, logger=True,
                            rank_zero_only=True, batch_size=1)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Runs before a validation loop: which metric objects exist already (a metric
+        validation logs is a new object at its end)."""
+        self._before_eval = dict(trainer.callback_metrics)
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Runs when a validation loop ends (not the sanity check): each metric it logged that
+        is NaN/Inf becomes an `eval_nonfinite` alarm of the first guard, once per metric
+        (`detect.eval_metrics`); training is untouched."""
+        guard = self.guard
+        if trainer.sanity_checking or guard is None or guard.closed:
+            return
+        metrics = trainer.callback_metrics
+        fresh = [k for k, v in metrics.items() if self._before_eval.get(k) is not v]
+        for alarm in eval_alarms(metrics, guard.step, self._eval_seen, keys=fresh):
+            guard.record_alarm(alarm)
 
     # ------------------------------------------------------------------ the end
 

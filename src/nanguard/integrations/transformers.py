@@ -62,6 +62,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from nanguard.detect.eval_metrics import eval_alarms
 from nanguard.errors import NanguardError
 from nanguard.guard import Guard
 from nanguard.integrations import manifests
@@ -103,6 +104,7 @@ class NanguardCallback(TrainerCallback):
         self.manifests = manifests
         self.options = options
         self.guard: Guard | None = None
+        self._eval_seen: set[str] = set()  # evaluation metrics already said non-finite
         self.report: Report | None = None
         self.loss_from_trainer = False
         """Set by `NanguardTrainerMixin`: the loss comes from `compute_loss`, not the model."""
@@ -216,6 +218,16 @@ class NanguardCallback(TrainerCallback):
         logs.update(extra)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(extra)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any,
+                    metrics: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        """Runs when `Trainer.evaluate` has its metrics: each NaN/Inf one (`eval_loss`, ...)
+        becomes an `eval_nonfinite` alarm, once per metric (`detect.eval_metrics`); training
+        is untouched."""
+        if not metrics or self.guard is None or self.guard.closed:
+            return
+        for alarm in eval_alarms(metrics, self.guard.step, self._eval_seen):
+            self.guard.record_alarm(alarm)
 
     # ------------------------------------------------------------------ checkpoints
 

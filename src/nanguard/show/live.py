@@ -46,6 +46,7 @@ MEANING = {
     "saturation": "a probability a log reads is about to round to 0 or 1",
     "replica_divergence": "silent corruption: ranks that should hold the same weights do not",
     "checkpoint_mismatch": "silent corruption: the state trained from is not what was saved",
+    "eval_nonfinite": "in evaluation, not training: loggers often drop NaN points silently",
     "rerun_mismatch": "silent corruption or a non-deterministic kernel: the same step computed "
                       "twice gave two results",
 }
