@@ -57,9 +57,10 @@ def format_event(event: Event) -> str:
     if event.type == "alarm":
         meaning = MEANING.get(event.kind)
         if event.kind == "nonfinite" and event.signal == "activation" \
-                and event.message.startswith("non-finite value in activation"):
-            # Alone: the step's loss, gradients and parameters are finite (they would be
-            # named in the same line), so it has not reached an update: no "from here on".
+                and event.message == event.data.get("message"):
+            # Its own text, not the step's summary of several non-finite signals
+            # (`Events.alarms`): the loss, gradients and parameters are finite, so it has not
+            # reached an update: no "from here on".
             meaning = ("seen in a forward of this step whose loss and gradients are finite: "
                        "no update used it; the finding follows")
         return (f"step {event.step} {event.kind}: {event.message}"

@@ -129,7 +129,7 @@ def _where(ev: Evidence) -> str:
     return f"{f.get('op') or 'an op'}{at} ({f.get('phase') or '?'} phase, step {f.get('step')})"
 
 
-def _rollback(ev: Evidence) -> str:
+def _recovery_clause(ev: Evidence) -> str:
     """The fix's last clause: how this user turns on nanguard's own recovery, or, when a
     recovery policy already acted in this run, that it did (not a second proposal)."""
     done = sorted({str(a.get("action")) for a in ev.actions} & set(_RECOVERY))

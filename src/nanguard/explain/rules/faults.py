@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from nanguard.explain.evidence import Cause, Evidence
-from nanguard.explain.rules.common import _rollback
+from nanguard.explain.rules.common import _recovery_clause
 
 
 def replica_divergence(ev: Evidence) -> Cause | None:
@@ -119,13 +119,13 @@ def nondeterministic(ev: Evidence) -> Cause | None:
                        "race)")
             fix = ("test the device (memory errors: ECC counters, a memory test; move the job "
                    "off it if a re-run there differs again); resume from the last checkpoint "
-                   f"before the step (`nanguard audit CKPT` verifies it); {_rollback(ev)}")
+                   f"before the step (`nanguard audit CKPT` verifies it); {_recovery_clause(ev)}")
         else:
             suspect = ("deterministic algorithms were off: a non-deterministic kernel (atomic "
                        "adds, autotuning) is the first suspect, a device fault the second")
             fix = ("rerun with `torch.use_deterministic_algorithms(True)`: a re-run that still "
                    "differs points at the device (memory errors: ECC counters, a memory test); "
-                   f"resume from the last good checkpoint; {_rollback(ev)}")
+                   f"resume from the last good checkpoint; {_recovery_clause(ev)}")
         return Cause(cause="nondeterministic", confidence=0.9,
                      evidence=f"{_rerun_text(r)}: {suspect}", fix=fix)
     if ev.reproduced is not False or (r is not None and r["verdict"] == "persistent"):

@@ -22,7 +22,7 @@ from nanguard.explain.rules.common import (
     _ordinary_before,
     _overflow_scale,
     _preflight_init,
-    _rollback,
+    _recovery_clause,
     _singular_input,
     _singular_node,
     _where,
@@ -327,7 +327,7 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
             "step after step: " + "; ".join(why),
             fix=f"lower the weight decay (weight_decay={wd:g} -> weight_decay={target:.3g}: "
             f"lr * weight_decay = {ev.lr * target:.3g}, far below 1; your {lr} is ordinary "
-            f"and stays); {_rollback(ev)}",
+            f"and stays); {_recovery_clause(ev)}",
         ))
     sched = ""
     if ev.lr is not None:
@@ -353,5 +353,5 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
         + ("replaced the weights in one update: " if big and not (warn or jump)
            else "amplified the error step after step: ") + "; ".join(why)
         + ("" if strong else " (no alarm or loss history shows the growth)"),
-        fix=f"{fixes[0]}; {fixes[1]}; add a warm-up; {_rollback(ev)}",
+        fix=f"{fixes[0]}; {fixes[1]}; add a warm-up; {_recovery_clause(ev)}",
     ))
