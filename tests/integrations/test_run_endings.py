@@ -355,3 +355,56 @@ def test_gan_merged_summary_shows_source_and_every_part(tmp_path: Path) -> None:
     assert "optimizer-0 (" in r.stderr and "optimizer-1 (" in r.stderr  # a table per part
     merged = json.loads((out / "report.json").read_text())
     assert merged["first_nonfinite"]["reproduced"] is True
+
+
+MASKED_CLIP = """
+import sys
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+torch.manual_seed(0)
+keep = torch.ones(64, 6, dtype=torch.bool)
+keep[3] = False  # sample 3 is all padding: every score of its row is masked to -inf
+dl = DataLoader(TensorDataset(torch.randn(64, 6, 4), keep, torch.randn(64, 1)), batch_size=8,
+                num_workers=2)
+score = torch.nn.Linear(4, 1)
+head = torch.nn.Linear(4, 1)
+model = torch.nn.ModuleList([score, head])
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+for x, k, y in dl:
+    if "--exit" in sys.argv:
+        raise SystemExit("no labels configured")
+    s = score(x).squeeze(-1).masked_fill(~k, float("-inf"))
+    pooled = (s.softmax(-1).unsqueeze(-1) * x).sum(1)
+    loss = (head(pooled) - y).pow(2).nanmean()  # the script's own NaN-tolerant loss
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    opt.step()
+"""
+
+
+def test_clip_error_after_a_nan_is_the_scripts_not_nanguards(tmp_path: Path) -> None:
+    """`clip_grad_norm_(error_if_nonfinite=True)` raising through nanguard run's wrapper of it
+    is the script's numerical failure (it was called "a nanguard bug", the run `unwatched`);
+    a DataLoader's worker processes are not "training inside worker processes"."""
+    script = tmp_path / "masked.py"
+    script.write_text(MASKED_CLIP)
+    out = tmp_path / "run"
+    r = nanguard_run(out, script)
+    assert r.returncode == 1
+    assert "nanguard bug" not in r.stderr and "error_if_nonfinite" in r.stderr
+    rep = report(out)
+    first = rep["first_nonfinite"]
+    assert rep["status"] == "failed" and rep["run"]["script"]["outcome"] == "error"
+    # The softmax is the script's own code between two modules: the loss phase, no module
+    # (not `Linear`, whose output held the NaN at the end), the script's line.
+    assert (first["step"], first["phase"], first["samples"]) == (0, "loss", [3])
+    line = MASKED_CLIP.splitlines().index(
+        "    pooled = (s.softmax(-1).unsqueeze(-1) * x).sum(1)")
+    assert (first["op"], first["module"], first["source"]) == (
+        "aten._softmax", None, f"masked.py:{line + 1}")
+    assert rep["diagnosis"][0]["cause"] == "masked_softmax"
+    early = tmp_path / "early"
+    r = nanguard_run(early, script, "--exit")
+    assert r.returncode == 1 and report(early)["status"] == "unwatched"
+    assert "worker process" not in r.stderr, r.stderr

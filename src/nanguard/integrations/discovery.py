@@ -213,7 +213,11 @@ class Discovery:
 
         def counted_start(proc: Any) -> None:
             d = me()
-            if d is not None and not forked():
+            # A DataLoader's workers load batches, they do not train: not counted (the
+            # "training inside worker processes" note would be wrong about them).
+            target = getattr(getattr(proc, "_target", None), "__module__", "") or ""
+            if (d is not None and not forked()
+                    and not target.startswith("torch.utils.data")):
                 d.processes_started += 1
             start(proc)
 

@@ -173,6 +173,10 @@ def refine(w: Watched, origin: dict[str, Any]) -> Report:
         if origin.get("samples") and origin["samples"] != first["samples"]:
             keep["origin_rows"] = origin["samples"]
     first.update({k: v for k, v in origin.items() if v is not None and v != []})
+    if origin.get("op") is not None:
+        # The op's own module, None outside every module (the script's loss code): not the
+        # module whose output held the value at the end (`Discovery.nonfinite_evidence`).
+        first["module"] = origin.get("module")
     first.update(keep)
     return guard.refine(first)
 

@@ -167,8 +167,10 @@ def _nanguard_error(exc: BaseException) -> NanguardError | None:
     return None
 
 
-_PASS_THROUGH = ("backward", "wrapper")
-"""nanguard's wrappers around torch functions the script calls: an error in them is torch's."""
+_PASS_THROUGH = ("backward", "wrapper", "clip_grad_norm_", "counted_start")
+"""nanguard's wrappers around torch functions the script calls (`Tensor.backward`, the loss
+functions, `torch.load`, `clip_grad_norm_`, `Process.start`): an error in them is torch's, or
+the script's (`clip_grad_norm_(..., error_if_nonfinite=True)` raising on a NaN gradient)."""
 
 
 def _raised_in_nanguard(exc: BaseException, script: Path) -> bool:
