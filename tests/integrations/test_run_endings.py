@@ -408,3 +408,51 @@ def test_clip_error_after_a_nan_is_the_scripts_not_nanguards(tmp_path: Path) -> 
     r = nanguard_run(early, script, "--exit")
     assert r.returncode == 1 and report(early)["status"] == "unwatched"
     assert "worker process" not in r.stderr, r.stderr
+
+
+WGAN_GP = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+D = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))
+nn.init.constant_(D[0].bias, -20.0)  # every critic unit dead: d critic / d input is exactly 0
+og = torch.optim.Adam(G.parameters(), lr=1e-4)
+od = torch.optim.Adam(D.parameters(), lr=1e-4)
+for it in range(2):
+    for _ in range(3):  # three critic steps per generator step
+        x, fake = torch.randn(16, 2), G(torch.randn(16, 4)).detach()
+        a = torch.rand(16, 1)
+        inter = (a * x + (1 - a) * fake).requires_grad_(True)
+        g, = torch.autograd.grad(D(inter).sum(), inter, create_graph=True)
+        gp = ((g.pow(2).sum(1).sqrt() - 1) ** 2).mean()
+        ld = D(fake).mean() - D(x).mean() + 10 * gp
+        od.zero_grad()
+        ld.backward()
+        od.step()
+    lg = -D(G(torch.randn(16, 4))).mean()
+    og.zero_grad()
+    lg.backward()
+    og.step()
+"""
+
+
+def test_two_optimizers_first_failure_in_script_order(tmp_path: Path) -> None:
+    """A critic stepped 3 times per generator step: its step 0 (the script's first step) made
+    the NaN, in the backward of a hand-written gradient penalty (sqrt at 0); the generator's
+    own step 0 (the script's 4th) only met the critic's NaN weights. Each optimizer counts its
+    own steps: ordering by them put the generator first and blamed its init."""
+    script = tmp_path / "wgan.py"
+    script.write_text(WGAN_GP)
+    out = tmp_path / "run"
+    rc = run(RunOptions(script=str(script), out=str(out), summary=False))
+    assert rc == 1
+    rep = report(out)
+    first = rep["first_nonfinite"]
+    assert (first["part"], first["step"], first["global_step"], first["phase"]) == (
+        "optimizer-0", 0, 0, "backward")
+    line = WGAN_GP.splitlines().index("        gp = ((g.pow(2).sum(1).sqrt() - 1) ** 2).mean()")
+    assert first["source"].endswith(f"wgan.py:{line + 1}")
+    assert rep["diagnosis"][0]["cause"] == "singular_gradient"
+    gen = report(out / "optimizer-1")["first_nonfinite"]
+    assert (gen["step"], gen["global_step"]) == (0, 3)

@@ -28,11 +28,17 @@ SEVERITY = ("failed", "died", "degraded", "crashed", "interrupted", "unwatched",
 
 
 def finding_key(first: dict[str, Any], order: int = 0) -> tuple[int, int, int, int]:
-    """Sort key of a `first_nonfinite` entry: step, phase, rank (then the part's order)."""
+    """Sort key of a `first_nonfinite` entry: step, phase, rank (then the part's order). The
+    step is `global_step` where the entry has one (the script's own count over all of its
+    optimizers, `nanguard run`): each optimizer counts its own steps, so a critic's step 0
+    and a generator's step 0 are not the same moment."""
     phase = first.get("phase")
     p = PHASE_ORDER.index(phase) if phase in PHASE_ORDER else len(PHASE_ORDER)
     rank = first.get("rank")
-    return (int(first.get("step") or 0), p, int(rank) if isinstance(rank, int) else 0, order)
+    step = first.get("global_step")
+    if not isinstance(step, int):
+        step = first.get("step")
+    return (int(step or 0), p, int(rank) if isinstance(rank, int) else 0, order)
 
 
 def merge_reports(parts: Sequence[tuple[str, Report]], run: dict[str, Any] | None = None) -> Report:

@@ -152,11 +152,19 @@ def first_failure(watched: list[Watched], reports: dict[int, Report]) -> Watched
     """The part whose first non-finite value came first (as merged reports order them),
     or None."""
     found = [
-        (finding_key(r.first_nonfinite, i), w)
+        (finding_key(_with_global_step(w, r.first_nonfinite), i), w)
         for i, w in enumerate(watched)
         if (r := reports.get(w.index)) is not None and r.first_nonfinite
     ]
     return min(found, key=lambda f: f[0])[1] if found else None
+
+
+def _with_global_step(w: Watched, first: dict[str, Any]) -> dict[str, Any]:
+    """`first` with `global_step` (the script's step count over all optimizers when the part's
+    step began) where it is known: what orders the parts' findings in time."""
+    step = first.get("step")
+    at = w.global_step(step) if isinstance(step, int) else None
+    return first if at is None else {**first, "global_step": at}
 
 
 def refine(w: Watched, origin: dict[str, Any]) -> Report:
@@ -203,9 +211,12 @@ def write_folder(
         report.run["folder"] = str(folder)
     elif reports:
         for w in watched:
-            if w.index in reports:
-                reports[w.index].run["folder"] = str(w.folder)
-                reports[w.index].write(w.folder)
+            r = reports.get(w.index)
+            if r is not None:
+                r.run["folder"] = str(w.folder)
+                if r.first_nonfinite:  # what orders the parts' findings in time
+                    r.first_nonfinite = _with_global_step(w, r.first_nonfinite)
+                r.write(w.folder)
         parts = [(w.name, reports[w.index]) for w in watched if w.index in reports]
         report = merge_reports(parts, {"folder": str(folder)})
     elif internal_error is not None:
