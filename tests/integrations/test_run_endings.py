@@ -456,3 +456,45 @@ def test_two_optimizers_first_failure_in_script_order(tmp_path: Path) -> None:
     assert rep["diagnosis"][0]["cause"] == "singular_gradient"
     gen = report(out / "optimizer-1")["first_nonfinite"]
     assert (gen["step"], gen["global_step"]) == (0, 3)
+
+
+NEW_OPTIMIZER_EACH_EPOCH = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+X = torch.randn(64, 8)
+Y = X.sum(1, keepdim=True)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+for epoch in range(4):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2 * 0.8 ** epoch)  # a new one each epoch
+    for i in range(0, 64, 16):
+        loss = nn.functional.mse_loss(model(X[i:i + 16]), Y[i:i + 16])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+critic = nn.Linear(8, 1)  # another model's optimizer: its own part, not in the chain
+copt = torch.optim.SGD(critic.parameters(), lr=0.1)
+for i in range(3):
+    critic(X).pow(2).mean().backward()
+    copt.step()
+"""
+
+
+def test_optimizers_rebuilt_each_epoch_are_one_chain(tmp_path: Path) -> None:
+    """A script that builds a new optimizer every epoch over the same parameters: the merged
+    headline counts the chain's steps (16, not one part's 4), the record names the chain, the
+    summary says what it costs (fresh detectors each epoch) and how to keep one run, and
+    prints one table for it; another model's optimizer stays a part of its own."""
+    script = tmp_path / "epochs.py"
+    script.write_text(NEW_OPTIMIZER_EACH_EPOCH)
+    out = tmp_path / "run"
+    r = nanguard_run(out, script)
+    assert r.returncode == 0, r.stderr
+    rep = report(out)
+    assert rep["status"] == "healthy" and rep["steps"] == 16
+    assert rep["run"]["optimizer_chains"] == [[f"optimizer-{i}" for i in range(4)]]
+    assert "healthy after 16 steps" in r.stderr
+    assert ("optimizer-0 .. optimizer-3: 4 optimizers over the same parameters, one after "
+            "the other (16 steps in all, ~4 each)") in r.stderr
+    assert "optimizer-3 (" in r.stderr and "optimizer-4 (" in r.stderr  # tables shown
+    assert "optimizer-0 (" not in r.stderr and "optimizer-2 (" not in r.stderr

@@ -67,7 +67,13 @@ def print_run_summary(report: Report, disc: Discovery, target: Watched | None) -
     history = target.guard.history if target is not None and target.guard is not None else []
     parts: dict[str, Any] = {}
     if len(disc.watched) > 1:
-        parts = {w.name: w.guard.history for w in disc.watched if w.guard is not None}
+        # Of optimizers built one after the other over the same parameters (a chain), the
+        # last one's table and the failing one's: the others are the same training's
+        # earlier steps.
+        earlier = {name for chain in report.run.get("optimizer_chains") or []
+                   for name in chain[:-1]}
+        parts = {w.name: w.guard.history for w in disc.watched
+                 if w.guard is not None and (w is target or w.name not in earlier)}
     elif not history and len(disc.watched) == 1 and disc.watched[0].guard is not None:
         history = disc.watched[0].guard.history
     sys.stdout.flush()

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nanguard.config import GuardConfig
+from nanguard.integrations.chains import chain_note, chains
 from nanguard.integrations.discovery import Discovery
 from nanguard.integrations.merge import finding_key, merge_reports
 from nanguard.integrations.run_output import ScriptOutcome
@@ -219,6 +221,7 @@ def write_folder(
                 r.write(w.folder)
         parts = [(w.name, reports[w.index]) for w in watched if w.index in reports]
         report = merge_reports(parts, {"folder": str(folder)})
+        _note_chains(report, watched)
     elif internal_error is not None:
         report = Report(status="degraded",
                         run={"folder": str(folder), "internal_error": internal_error,
@@ -245,6 +248,23 @@ def write_folder(
         report.run["rank"] = rank
     report.write(folder)
     return report
+
+
+def _note_chains(report: Report, watched: list[Watched]) -> None:
+    """Optimizers built one after the other over the same parameters (`chains`): the merged
+    report counts their steps together, names the chain (`run.optimizer_chains`) and the
+    summary says what it cost (a note on the chain's last part)."""
+    found = chains(watched)
+    if not found:
+        return
+    for chain in found:
+        guard = chain[0].guard
+        warmup = (guard.config if guard is not None else GuardConfig()).detect.warmup_steps
+        note = chain_note(chain, warmup)
+        last = chain[-1]
+        last.note = f"{last.note}; {note}" if last.note else note
+        report.steps = max(report.steps, sum(len(w.starts) for w in chain))
+    report.run["optimizer_chains"] = [[w.name for w in chain] for chain in found]
 
 
 def _why_undetermined(report: Report, replay: dict[str, Any]) -> None:

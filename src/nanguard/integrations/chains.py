@@ -1,0 +1,57 @@
+"""Optimizers built one after the other over the same parameters: one training, several parts.
+
+Some scripts build a new optimizer every epoch (`opt = Adam(model.parameters(), lr=lr * 0.8 **
+epoch)`) or at each stage of a schedule. `nanguard run` gives every optimizer its own guard
+(its hooks, detectors and record live with it), so such a script ends with one part per
+optimizer: twelve tables of eight steps, a headline that counts one part's steps, and
+detectors that each began afresh (the spike detector has no statistics before
+`DetectConfig.warmup_steps` steps of history). `chains` finds these runs of parts so that the
+record says so plainly, counts their steps together and shows the last part's table only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nanguard.integrations.watched import Watched
+
+__all__ = ["chain_note", "chains"]
+
+
+def _params(w: Watched) -> frozenset[int]:
+    groups: Any = getattr(w.optimizer, "param_groups", None) or []
+    return frozenset(id(p) for g in groups for p in g.get("params", []))
+
+
+def chains(watched: list[Watched]) -> list[list[Watched]]:
+    """Runs of at least two parts, in the order they trained, where each part's optimizer
+    holds exactly the parameters of the one before it and took its first step after that
+    one's last (never two at a time: a GAN's two optimizers are two models, not a chain)."""
+    parts = sorted((w for w in watched if w.starts), key=lambda w: w.starts[0])
+    out: list[list[Watched]] = []
+    run: list[Watched] = []
+    for w in parts:
+        prev = run[-1] if run else None
+        if (prev is not None and _params(w) == _params(prev) and _params(w)
+                and w.starts[0] > prev.starts[-1]):
+            run.append(w)
+            continue
+        if len(run) > 1:
+            out.append(run)
+        run = [w]
+    if len(run) > 1:
+        out.append(run)
+    return out
+
+
+def chain_note(chain: list[Watched], warmup: int) -> str:
+    """The one line the summary prints for a chain (and `run.notes` keeps)."""
+    steps = [len(w.starts) for w in chain]
+    short = sum(1 for n in steps if n < warmup)
+    fresh = (f"; {short} of them stepped fewer than the {warmup} steps the spike detector "
+             "needs before it judges a jump" if short else "")
+    return (f"{chain[0].name} .. {chain[-1].name}: {len(chain)} optimizers over the same "
+            f"parameters, one after the other ({sum(steps)} steps in all, "
+            f"~{round(sum(steps) / len(chain))} each): each part began with fresh detectors"
+            f"{fresh}. To watch it as one run, build the optimizer once and change its LR in "
+            "place (`for g in opt.param_groups: g['lr'] = lr`) or use an LR scheduler")
