@@ -205,6 +205,23 @@ def test_a_batch_the_guard_saw_hold_the_value_is_data_whichever_op_read_it() -> 
     assert R.data_nonfinite(loaded) is None
 
 
+def test_a_model_input_computed_in_the_step_is_not_data() -> None:
+    """`x = (x - x.mean(0)) / x.std(0)` on a constant column: the model input the guard
+    checked holds NaN, but the checker saw the division make it from finite inputs, one a
+    zero: the loaded batch never held it (data_nonfinite would say "repair those rows at load
+    time", and `nanguard scan` would find nothing)."""
+    inputs = [{"index": 0, "min": -1.0, "max": 1.0, "has_zero": False, "nonfinite": False},
+              {"index": 1, "min": 0.0, "max": 2.0, "has_zero": True, "nonfinite": False}]
+    ev = Evidence(first_nonfinite={"step": 5, "phase": "forward", "op": "aten.div",
+                                   "kind": "op", "samples": [0, 1], "inputs": inputs},
+                  bad_tensors=[0], n_batch_tensors=2)
+    assert R.data_nonfinite(ev) is None
+    assert diagnose(ev)[0].cause == "division_by_zero"
+    # The same op READING a non-finite input: the batch held it, whichever op read it first.
+    ev.first_nonfinite["inputs"] = [{**inputs[0], "nonfinite": True}, inputs[1]]
+    assert diagnose(ev)[0].cause == "data_nonfinite"
+
+
 def test_checkpoint_nonfinite_needs_a_load() -> None:
     """No `torch.load` / `load_state_dict` anywhere in a `nanguard run` script: never a
     checkpoint, in any of its forms; unknown (a Guard created after a load): still one."""

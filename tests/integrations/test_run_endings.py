@@ -1,7 +1,10 @@
 """`nanguard run` on the step boundaries and endings real scripts have: hand-written updates
 (no optimizer), LBFGS closures in float64, a script error that follows a NaN (BCE's range
-check, `torch.multinomial`), a NaN before any update, Hogwild workers, SIGTERM, gradient
-accumulation with a real optimizer (never watched twice), and the merged summary of a GAN."""
+check, `torch.multinomial`, `clip_grad_norm_(error_if_nonfinite=True)`), a NaN before any
+update, Hogwild workers and DataLoader workers, SIGTERM, gradient accumulation with a real
+optimizer (never watched twice), the merged summary of a GAN, several optimizers' findings in
+the script's step order (a WGAN-GP), an optimizer rebuilt every epoch, and a model input
+computed in the step (not bad data)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from _run import EXAMPLES, env, nanguard_run, report
 
 from nanguard.integrations.runner import RunOptions, run
@@ -498,3 +502,43 @@ def test_optimizers_rebuilt_each_epoch_are_one_chain(tmp_path: Path) -> None:
             "the other (16 steps in all, ~4 each)") in r.stderr
     assert "optimizer-3 (" in r.stderr and "optimizer-4 (" in r.stderr  # tables shown
     assert "optimizer-0 (" not in r.stderr and "optimizer-2 (" not in r.stderr
+
+
+STANDARDISED_IN_STEP = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+X = torch.randn(320, 6)
+X[192:256, 2] = 1.0  # batch 3: feature 2 stuck at one value (its std is 0)
+Y = X[:, :1].clone()
+model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+for step in range(5):
+    x, y = X[step * 64:(step + 1) * 64], Y[step * 64:(step + 1) * 64]
+    x = (x - x.mean(0)) / x.std(0)  # per-batch standardisation
+    loss = nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_a_model_input_computed_in_the_step_is_not_called_bad_data(tmp_path: Path) -> None:
+    """The data holds no NaN (checked below); the script's own standardisation divides by a
+    zero std at step 3. The model input holds NaN, but it was made in the step: the cause is
+    the division at that line, not "repair those rows at load time"."""
+    ns: dict[str, object] = {}
+    exec(STANDARDISED_IN_STEP.split("model =")[0], ns)  # the data, as the script builds it
+    assert bool(torch.isfinite(ns["X"]).all())  # type: ignore[call-overload]
+    script = tmp_path / "std.py"
+    script.write_text(STANDARDISED_IN_STEP)
+    out = tmp_path / "run"
+    rc = run(RunOptions(script=str(script), out=str(out), summary=False))
+    assert rc == 1
+    rep = report(out)
+    first = rep["first_nonfinite"]
+    line = STANDARDISED_IN_STEP.splitlines().index(
+        "    x = (x - x.mean(0)) / x.std(0)  # per-batch standardisation")
+    assert (first["step"], first["op"]) == (3, "aten.div")
+    assert first["source"].endswith(f"std.py:{line + 1}")
+    assert rep["diagnosis"][0]["cause"] == "division_by_zero", rep["diagnosis"]

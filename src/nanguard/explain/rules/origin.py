@@ -151,7 +151,20 @@ def _batch_held(ev: Evidence) -> bool:
     origin was put, the guard's own check of the batch found non-finite batch tensors."""
     if ev.phase == "data":
         return _batch_evidence(ev)
-    return bool(ev.bad_tensors) and not (ev.first_nonfinite or {}).get("tensors")
+    return (bool(ev.bad_tensors) and not (ev.first_nonfinite or {}).get("tensors")
+            and not _made_in_step(ev))
+
+
+def _made_in_step(ev: Evidence) -> bool:
+    """The checker saw the origin op make the value from finite inputs (`kind` op, every
+    recorded input finite): the model's input was computed in the step, after the batch was
+    loaded (`x = (x - x.mean(0)) / x.std(0)` on a constant column), so the batch the guard
+    checked held the op's output, not the loaded data. A batch that held the value itself
+    reaches its first op as a non-finite input."""
+    first = ev.first_nonfinite or {}
+    inputs = first.get("inputs") or []
+    return (first.get("kind") == "op" and bool(inputs)
+            and not any(i.get("nonfinite") for i in inputs))
 
 
 def _first_reader(ev: Evidence) -> str:
