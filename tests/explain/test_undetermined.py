@@ -22,14 +22,19 @@ def _failed(first: dict[str, object] | None, **kw: object) -> list[dict[str, obj
     return report.diagnosis
 
 
-@pytest.mark.parametrize("entry", ["run", "api"])
+@pytest.mark.parametrize("entry", ["run", "api", "lightning", "transformers"])
 def test_no_op_level_origin_says_how_to_get_one(entry: str) -> None:
     diagnosis = _failed(NO_OP, run={"entry": entry})
     assert [d["cause"] for d in diagnosis] == ["undetermined"]
     d = diagnosis[0]
     assert "no op-level origin" in d["evidence"] and "loss, grad" in d["evidence"]
-    knob = "nanguard run --policy raise" if entry == "run" else "replay="
+    knob = {"run": "nanguard run --policy raise", "api": "replay=` (your forward and loss for "
+            "a batch) to `Guard(...)`", "lightning": "training_step(batch, 0)` ; one",
+            "transformers": "to `NanguardCallback(...)`"}[entry].replace("` ; ", "`; ")
     assert knob in d["fix"], d
+    if entry != "run":
+        # `nanguard replay` refuses a folder that does not record how to start the script.
+        assert "nanguard replay" not in d["fix"] and "under `nanguard run`" in d["fix"], d
 
 
 def test_an_op_no_rule_explains_names_it_with_its_inputs() -> None:
@@ -39,6 +44,7 @@ def test_an_op_no_rule_explains_names_it_with_its_inputs() -> None:
     assert "[-0.5, 0.5]" in d["evidence"] and "nanguard replay RUN --step 4" in d["fix"]
     no_ranges = {k: v for k, v in ODD_OP.items() if k != "inputs"}
     assert "input ranges were not recorded" in _failed(no_ranges)[0]["evidence"]
+    assert "nanguard replay" not in _failed(ODD_OP, run={"entry": "api"})[0]["fix"]
 
 
 def test_stopped_before_anything_went_nonfinite() -> None:

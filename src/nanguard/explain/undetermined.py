@@ -4,9 +4,9 @@ A failed run never ends with an empty diagnosis. When no cause of the vocabulary
 given, this entry says so, names the evidence that was missing (no non-finite value was seen
 before the run was stopped; an origin from the watched signals only, without the op; an op
 whose inputs no rule explains, or whose input ranges were not recorded) and how to get it, in
-the user's entry point's terms (`nanguard run` flags for zero-code users, `Guard(...)` options
-and `nanguard replay` for API users). It works from report data alone, so a report rebuilt from
-a run store (a killed process) gets one too.
+the user's entry point's terms (`nanguard run` flags for zero-code users, the `Guard(...)` or
+callback options for API and framework users). It works from report data alone, so a report
+rebuilt from a run store (a killed process) gets one too.
 """
 
 from __future__ import annotations
@@ -16,6 +16,17 @@ from typing import Any
 from nanguard.explain.evidence import Cause
 
 CAUSE = "undetermined"
+
+_REPLAY_OPTION = {
+    "api": "pass `replay=` (your forward and loss for a batch) to `Guard(...)`",
+    "lightning": "pass `replay=` (e.g. `lambda batch: module.training_step(batch, 0)`; one "
+                 "optimizer) to `NanguardCallback(...)`",
+    "transformers": "pass `replay=` (a function of a batch returning its loss) to "
+                    "`NanguardCallback(...)`",
+}
+"""How a run of each entry point gets a re-run of the failing step under the op checker.
+`nanguard replay RUN` is not among them: it re-runs only what `nanguard run` and `nanguard
+demo` recorded (an API run's folder does not say how to start the script)."""
 CONFIDENCE = 0.0
 """It claims nothing: ranked after every cause."""
 
@@ -33,8 +44,9 @@ def undetermined(first_nonfinite: dict[str, Any] | None, *, alarms: list[dict[st
     """
     run = entry == "run"
     rerun = ("rerun with `nanguard run --policy raise <your script> ...`" if run
-             else "pass `replay=` (your forward and loss for a batch) to `Guard(...)`, or run "
-                  "`nanguard replay RUN --step N`")
+             else _REPLAY_OPTION.get(entry, _REPLAY_OPTION["api"])
+             + ", or run the script under `nanguard run` (it re-runs the failing step under "
+               "the op checker by itself)")
     if first_nonfinite is None:
         stop = next((a for a in actions if a.get("action") in ("raise", "give_up")), None)
         kinds = sorted({str(a.get("kind")) for a in alarms if a.get("kind") != "nonfinite"})
@@ -66,8 +78,9 @@ def undetermined(first_nonfinite: dict[str, Any] | None, *, alarms: list[dict[st
         ranges = "; ".join(_range(i) for i in inputs[:3])
         missing = (f"its inputs ({ranges}) match no rule of the cause vocabulary (no zero or "
                    "negative at a singular point, no huge magnitude, no mask)")
-        fix = ("look at that line with these input ranges; `nanguard replay RUN --step "
-               f"{step}` re-runs the step and prints the origin again")
+        fix = "look at that line with these input ranges" + (
+            f"; `nanguard replay RUN --step {step}` re-runs the step and prints the origin "
+            "again" if run else "")
     else:
         missing = "its input ranges were not recorded, so no rule could test its inputs"
         fix = f"to record them, {rerun}"
