@@ -542,3 +542,42 @@ def test_a_model_input_computed_in_the_step_is_not_called_bad_data(tmp_path: Pat
     assert (first["step"], first["op"]) == (3, "aten.div")
     assert first["source"].endswith(f"std.py:{line + 1}")
     assert rep["diagnosis"][0]["cause"] == "division_by_zero", rep["diagnosis"]
+
+
+OS_EXIT = """
+import os
+import sys
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+torch.manual_seed(0)
+X = torch.randn(96, 4)
+if "--poison" in sys.argv:
+    X[70, 1] = float("nan")  # batch 2 (rows 64..95), sample 6
+dl = DataLoader(TensorDataset(X), batch_size=32, num_workers=2)  # workers end by os._exit
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for (x,) in dl:
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print("training done", flush=True)
+os._exit(3 if "--poison" in sys.argv else 0)  # skip the interpreter's teardown
+"""
+
+
+def test_os_exit_at_the_end_still_writes_the_report(tmp_path: Path) -> None:
+    """A script that ends by `os._exit` (to skip the interpreter's teardown) used to leave no
+    report.json, no summary and exit 0 after a NaN: its main thread's `os._exit` now unwinds
+    the script, the record is written, and `nanguard run` exits the same hard way with the
+    script's code; the DataLoader workers' own `os._exit` is theirs."""
+    script = tmp_path / "hard.py"
+    script.write_text(OS_EXIT)
+    bad = tmp_path / "bad"
+    r = nanguard_run(bad, script, "--poison")
+    assert "training done" in r.stdout and r.returncode == 3, r.stderr
+    rep = report(bad)
+    assert rep["status"] == "failed" and rep["steps"] == 3
+    assert (rep["first_nonfinite"]["step"], rep["first_nonfinite"]["samples"]) == (2, [6])
+    assert rep["run"]["script"]["os_exit"] is True
+    assert "nanguard: failed after 3 steps" in r.stderr

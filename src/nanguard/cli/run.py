@@ -115,4 +115,5 @@ def run(args: argparse.Namespace) -> int:
         replay_budget=args.replay_budget, fork_every=args.fork_every, merge_wait=args.merge_wait,
         preflight=args.preflight, preflight_only=args.preflight_only,
         activations_every=args.activations_every, rerun_every=args.rerun_every,
+        exit_hard=True,
     ))

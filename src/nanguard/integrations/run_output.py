@@ -39,9 +39,15 @@ class ScriptOutcome:
     evidence: dict[str, Any] | None = None
     """A non-finite value the script held when it ended that no guarded step recorded (see
     `Discovery.nonfinite_evidence`)."""
+    hard_exit: bool = False
+    """The script ended with `os._exit(code)` (its main thread): nanguard's epilogue ran
+    first, and the `nanguard run` command then exits the same hard way."""
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"outcome": self.kind, "exit_code": self.code, "message": self.message}
+        out: dict[str, Any] = {"outcome": self.kind, "exit_code": self.code,
+                               "message": self.message}
+        if self.hard_exit:
+            out["os_exit"] = True
         if self.evidence:
             out["nonfinite_before_end"] = self.evidence["signals"]
         return out

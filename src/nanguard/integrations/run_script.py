@@ -5,9 +5,11 @@
 SIGTERM handler (`Terminated`, a `KeyboardInterrupt`: the script unwinds as on Ctrl-C), runs
 the script with `runpy.run_path`, and in `finally`, whichever way the script stopped, removes
 every hook and restores the handler, `sys.argv` and `sys.path`. It returns a `ScriptOutcome`:
-`ok`, the script's own exit code or error, `stopped` by the `raise` policy, `internal` (an
-error raised in nanguard's own code, told apart by the traceback's innermost frame outside
-torch), `interrupted`, or `preflight` (`--preflight-only` stopped it). While what the script
+`ok`, the script's own exit code (`sys.exit`, or `os._exit` in its main thread: `HardExit`
+unwinds the script so that the record is written) or error, `stopped` by the `raise`
+policy, `internal` (an error raised in nanguard's own code, told apart by the traceback's
+innermost frame outside torch), `interrupted`, or `preflight` (`--preflight-only` stopped
+it). While what the script
 held is still alive (its globals; on an error, its traceback's frames) it also looks for a
 non-finite value that no guarded step recorded (`ScriptOutcome.evidence`).
 """
@@ -15,13 +17,16 @@ non-finite value that no guarded step recorded (`ScriptOutcome.evidence`).
 from __future__ import annotations
 
 import contextlib
+import os
 import runpy
 import signal
 import sys
+import threading
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 from nanguard.audit.preflight_live import PreflightStop
 from nanguard.errors import NanguardError
@@ -29,12 +34,24 @@ from nanguard.integrations import resume
 from nanguard.integrations.discovery import Discovery
 from nanguard.integrations.run_output import ScriptOutcome, say
 
-__all__ = ["Terminated", "run_script", "torch_file"]
+__all__ = ["HardExit", "Terminated", "run_script", "torch_file"]
 
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM while the script runs: unwinds it like Ctrl-C (its own `except
     KeyboardInterrupt` and `finally` blocks run), then the run is written `interrupted`."""
+
+
+class HardExit(BaseException):
+    """`os._exit(code)` called by the script's main thread (to skip the interpreter's
+    teardown): it unwinds the script instead, so that the record is closed, the report
+    written and the summary printed; `nanguard run` then exits with `code` by `os._exit`
+    itself. Forked children (DataLoader workers, multiprocessing) and other threads exit as
+    they asked, untouched."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
 
 
 def run_script(script: Path, args: list[str], disc: Discovery) -> ScriptOutcome:
@@ -45,6 +62,7 @@ def run_script(script: Path, args: list[str], disc: Discovery) -> ScriptOutcome:
     saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
     outcome = ScriptOutcome()
     previous_term = _install_sigterm()
+    real_exit = _install_hard_exit()
     try:
         sys.argv = [str(script), *args]
         script_dir = str(script.resolve().parent)
@@ -60,8 +78,10 @@ def run_script(script: Path, args: list[str], disc: Discovery) -> ScriptOutcome:
         del script_globals
     except PreflightStop:
         outcome = ScriptOutcome("preflight", 0, "stopped after the preflight (--preflight-only)")
-    except SystemExit as exc:
-        outcome = _system_exit(exc)
+    except (SystemExit, HardExit) as exc:
+        hard = isinstance(exc, HardExit)
+        outcome = _system_exit(SystemExit(exc.code) if hard else exc)  # type: ignore[arg-type]
+        outcome.hard_exit = hard
         _end_steps(disc)
         if outcome.kind != "ok":
             outcome.evidence = _evidence(disc, on_error=True)
@@ -89,6 +109,7 @@ def run_script(script: Path, args: list[str], disc: Discovery) -> ScriptOutcome:
         # A resume point's child ends here, whichever way the script stopped in it.
         resume.child_done(outcome.message if outcome.kind != "ok" else None)
         disc.remove()
+        os._exit = real_exit  # type: ignore[assignment]
         _restore_sigterm(previous_term)
         sys.argv = saved_argv
         if saved_path0 is not None:
@@ -108,6 +129,21 @@ def _install_sigterm() -> tuple[bool, Any]:
         return True, signal.signal(signal.SIGTERM, on_sigterm)
     except ValueError:  # not the main thread
         return False, None
+
+
+def _install_hard_exit() -> Callable[[int], NoReturn]:
+    """`os._exit` raises `HardExit` in this process's main thread while the script runs.
+    Returns the real one (restored afterwards, and what `nanguard run` exits by)."""
+    real_exit = os._exit
+    pid = os.getpid()
+
+    def hard_exit(code: int) -> NoReturn:
+        if os.getpid() == pid and threading.current_thread() is threading.main_thread():
+            raise HardExit(code)
+        real_exit(code)
+
+    os._exit = hard_exit  # type: ignore[assignment]
+    return real_exit
 
 
 def _restore_sigterm(previous: tuple[bool, Any]) -> None:

@@ -57,6 +57,7 @@ order in which the parts run (`run`), the `--preflight-only` ending and the fail
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -123,6 +124,10 @@ class RunOptions:
     """Run the preflight at the script's first optimizer step, then train on."""
     preflight_only: bool = False
     """Run the preflight, then stop (exit 1 on an error-level finding, 2 if it could not run)."""
+    exit_hard: bool = False
+    """When the script ended by `os._exit` (to skip the interpreter's teardown), end this
+    process the same way once the record is written and the summary printed (the `nanguard
+    run` command sets it; an in-process caller gets the exit code back)."""
 
 
 def run(opts: RunOptions) -> int:
@@ -164,10 +169,15 @@ def run(opts: RunOptions) -> int:
         return _preflight_only(disc, outcome, live, folder)
 
     try:
-        return _finish(opts, script, out, folder, disc, outcome, points, live, initial_rng)
+        code = _finish(opts, script, out, folder, disc, outcome, points, live, initial_rng)
     except Exception as exc:  # noqa: BLE001 - fail open: the run still ends with a report
         points.close()
-        return _finish_failed(folder, disc, outcome, exc, summary=opts.summary)
+        code = _finish_failed(folder, disc, outcome, exc, summary=opts.summary)
+    if opts.exit_hard and outcome.hard_exit:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # what the script asked for: no interpreter teardown
+    return code
 
 
 def _finish(opts: RunOptions, script: Path, out: Path, folder: Path, disc: Discovery,
