@@ -59,7 +59,7 @@ def make_run(folder: Path, steps: int, layers: int, param_every: int) -> float:
             (s, 0.0, val(s, 2.0 * math.exp(-s / steps)), val(s, 1.0), val(s, 50.0),
              val(s, 1e-3) if s % 10 == 0 else None, val(s, 0.5), val(s, 10.0),
              3e-4 * min(1.0, s / 2000 + 1e-3), "[]" if s < bad else '["loss"]', 0,
-             2.0 ** (16 - (s * 7) // steps), 65504.0, val(s, 1e-5), val(s, 8.0))
+             2.0 ** (16 - (s * 7) // steps), 65504.0, val(s, 1e-5), val(s, 8.0), None)
             for s in range(a, min(steps, a + chunk))])
     state = json.dumps({"exp_avg": 0.01, "exp_avg_sq": 1e-5})
     state_bad = json.dumps({"exp_avg": "nan", "exp_avg_sq": "nan"})

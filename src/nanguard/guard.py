@@ -223,6 +223,22 @@ class Guard(StepPath):
         except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
             self.stand_down(exc, "watch")
 
+    def note_clip_norm(self, total_norm: torch.Tensor | float) -> None:
+        """Give the guard the total gradient norm your own clipping measured before it clipped
+        (what `torch.nn.utils.clip_grad_norm_` returns), for the step in progress: call it
+        after clipping, before `optimizer.step()`. The guard measures the gradients at the
+        step, after your clipping; the spike measures score the grad norm before it, as OLMo
+        does (run.db `steps.clip_norm`). A tensor stays on its device until the step's read
+        (no host sync). `nanguard run` and the Lightning callback call this themselves."""
+        if self.error is not None:
+            return
+        try:
+            t = (total_norm.detach() if isinstance(total_norm, torch.Tensor)
+                 else torch.tensor(float(total_norm)))
+            self._clip_norm = t.reshape(())
+        except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+            self.stand_down(exc, "note_clip_norm")
+
     def couple(self, *others: Guard) -> None:
         """Under `rollback`: roll back together with `others`, guards of other models trained
         on each other's outputs (a GAN's generator and discriminator). Guards of the same model

@@ -82,6 +82,11 @@ class StepPath:
     _stashed_grads: list[torch.Tensor | None] | None
     _step_rng: dict[str, Any]
     _loss: torch.Tensor | None
+    _clip_norm: torch.Tensor | None = None
+    """The script's clip norm for the coming step (`Guard.note_clip_norm`)."""
+    _clips: dict[int, torch.Tensor] = {}
+    """Clip norms by the step they were given for, until that step is recorded (read a step
+    late on a GPU); replaced by an instance dict at the first one."""
     _last_stats: StepStats | None
     _grad_baseline: dict[int, float]
     _losses: LossWatch
@@ -243,6 +248,10 @@ class StepPath:
 
     def _pre(self, optimizer: torch.optim.Optimizer) -> None:
         cfg = self.config
+        if self._clip_norm is not None:  # the script's own clipping measured it
+            if not self._clips:
+                self._clips = {}
+            self._clips[self.step], self._clip_norm = self._clip_norm, None
         if self._sync_params():
             self._write_params()
         if not self._lane_known:
@@ -631,7 +640,8 @@ class StepPath:
         # Keep the steps up to the first non-finite value: what led into it is the story.
         if finding is None or stats.step <= finding.step + 1:
             log.history.append(stats)
-        write_step(self.store, stats, len(self.params), self.config.watch.per_parameter)
+        write_step(self.store, stats, len(self.params), self.config.watch.per_parameter,
+                   clip_norm=self._clips.pop(stats.step, None) if self._clips else None)
         events = self.events
         if events.episodes.start is not None:  # an episode is open (a quiet step: nothing)
             events.tick(stats.step, bool(stats.nonfinite_signals()))

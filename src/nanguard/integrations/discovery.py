@@ -149,6 +149,9 @@ class Discovery:
         self._clip: Any = None
         self.script_clip: float | None = None
         """The `max_norm` the script last passed to `clip_grad_norm_` (0: clipping off)."""
+        self.clipped: tuple[frozenset[int], Any] | None = None
+        """The parameters and total norm of the script's last `clip_grad_norm_` call, handed
+        to the guard of the next optimizer step over them (`Guard.note_clip_norm`)."""
         self.watched: list[Watched] = []
         self._by_opt: dict[int, Watched] = {}
         self._roots: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
@@ -231,12 +234,18 @@ class Discovery:
 
         def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
             d = me()
-            if d is not None:
-                d.script_clip = float(max_norm)
-                for w in d.watched:
-                    if w.guard is not None:
-                        w.guard.script_clip = float(max_norm)
-            return clip(parameters, max_norm, *args, **kwargs)
+            if d is None or forked():
+                return clip(parameters, max_norm, *args, **kwargs)
+            d.script_clip = float(max_norm)
+            for w in d.watched:
+                if w.guard is not None:
+                    w.guard.script_clip = float(max_norm)
+            # A list, so that the parameters can be told apart after torch has read them (a
+            # generator is read once).
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            total = clip(params, max_norm, *args, **kwargs)
+            d.clipped = (frozenset(map(id, params)), total)  # for the next optimizer step
+            return total
 
         torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
         self._amp.install()
@@ -484,6 +493,10 @@ class Discovery:
         w.starts.append(self._steps)
         self._steps += 1
         self._in_step = True
+        clipped, self.clipped = self.clipped, None
+        if clipped is not None and w.guard is not None and not w.guard.closed and any(
+                id(p) in clipped[0] for g in optimizer.param_groups for p in g["params"]):
+            w.guard.note_clip_norm(clipped[1])
         closure = _closure_of(args, kwargs)
         w.recipe = self.recorder.boundary(
             w.roots, closure=closure is not None,

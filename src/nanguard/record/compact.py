@@ -40,10 +40,20 @@ from nanguard.record.spikes import SIGNALS as SPIKE_SIGNALS
 from nanguard.record.spikes import SpikeMeter
 
 SIGNALS = ("loss", "grad_norm", "param_norm", "update_ratio", "momentum_norm", "act_max", "lr",
-           "amp_scale", "act_limit", "second_moment_norm", "attn_logit_max")
+           "amp_scale", "act_limit", "second_moment_norm", "attn_logit_max", "clip_norm")
 """`steps` columns summarised per bucket."""
 
 _COLUMNS = ("step", *SIGNALS, "nonfinite", "skipped")
+
+
+def _spike_value(row: Any, signal: str) -> Any:
+    """A compacted row's value of a spike-meter signal: its grad norm is the norm before the
+    script's own clipping where one was recorded (`clip_norm`), as `spike_run` reads it."""
+    if signal == "grad_norm":
+        clipped = row[1 + SIGNALS.index("clip_norm")]
+        if clipped is not None:
+            return clipped
+    return row[1 + SIGNALS.index(signal)]
 
 
 def step_count(db: sqlite3.Connection) -> int:
@@ -112,7 +122,7 @@ class Compactor:
         rows = self.db.execute(f"SELECT {', '.join(_COLUMNS)} FROM steps "
                                "WHERE step BETWEEN ? AND ? ORDER BY step", (a, b)).fetchall()
         if self.meter is not None:  # before any row goes: the spike score needs every step
-            feed(self.meter, [(r[0], *(r[1 + SIGNALS.index(k)] for k in SPIKE_SIGNALS))
+            feed(self.meter, [(r[0], *(_spike_value(r, k) for k in SPIKE_SIGNALS))
                               for r in rows])
         if len(rows) < 2:
             return

@@ -55,7 +55,10 @@ def measure_db(db: sqlite3.Connection) -> dict[str, Any]:
     """The spike measures of the store `db`, read in one transaction (a compaction committed
     by a writer meanwhile is seen entirely or not at all)."""
     have = {str(r[1]) for r in db.execute("PRAGMA table_info(steps)")}
-    cols = ", ".join(c if c in have else "NULL" for c in SIGNALS)
+    # The grad norm before the script's own clipping where one was recorded (`clip_norm`):
+    # OLMo's grad-norm score is of that norm, not of the clipped one the optimizer used.
+    pick = {"grad_norm": "COALESCE(clip_norm, grad_norm)"} if "clip_norm" in have else {}
+    cols = ", ".join(pick.get(c, c) if c in have else "NULL" for c in SIGNALS)
     in_tx = db.in_transaction
     if not in_tx:
         db.execute("BEGIN")

@@ -92,7 +92,9 @@ TEXT = (
     "mean, or open at the end; time in spike = episode steps / steps with a loss; before: "
     "largest value / own rolling mean in the {lookback} steps before the jump, per precursor "
     "(grad norm, update ratio, first and second optimizer moment norms, activation max, "
-    "largest |attention logit|) measured there."
+    "largest |attention logit|) measured there. grad norm: the total norm before the "
+    "script's own clipping where nanguard saw it (clip_grad_norm_'s return), else the norm "
+    "at the optimizer step."
 )
 
 

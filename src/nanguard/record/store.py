@@ -74,7 +74,7 @@ CREATE TABLE IF NOT EXISTS params (id INTEGER PRIMARY KEY, name TEXT, shape TEXT
 CREATE TABLE IF NOT EXISTS steps (
     step INTEGER PRIMARY KEY, time REAL, loss, grad_norm, param_norm, update_ratio,
     momentum_norm, act_max, lr, nonfinite TEXT, skipped INTEGER, amp_scale, act_limit,
-    second_moment_norm, attn_logit_max);
+    second_moment_norm, attn_logit_max, clip_norm);
 CREATE TABLE IF NOT EXISTS param_stats_rows (
     step INTEGER, param_id INTEGER, grad_norm, param_norm, state TEXT,
     PRIMARY KEY (step, param_id));
@@ -106,7 +106,8 @@ SQLite cannot flatten a UNION ALL view under GROUP BY)."""
 
 DB_NAME = files.DB_NAME
 
-_LATER_STEP_COLUMNS = ("amp_scale", "act_limit", "second_moment_norm", "attn_logit_max")
+_LATER_STEP_COLUMNS = ("amp_scale", "act_limit", "second_moment_norm", "attn_logit_max",
+                       "clip_norm")
 """`steps` columns that came later: a store written before them lacks them (`add_missing_columns`
 adds them when it is reopened for writing; readers check `step_columns`)."""
 
