@@ -506,3 +506,23 @@ def test_bfloat16_has_float32s_range_so_no_low_precision_overflow() -> None:
     fp16 = R.low_precision_overflow(Evidence(first_nonfinite=dict(first, op="aten.mm"),
                                              dtype="float16"))
     assert fp16 is not None and "65504" in fp16.evidence
+
+
+def test_a_loss_jump_gone_the_next_step_is_a_batch_not_divergence() -> None:
+    """A healthy run whose loss jumped 1e6x at one step (one batch with labels x1000) and was
+    back the next: it read `optimizer_divergence` 60%, "lower the LR 37x". An error the
+    optimizer feeds back does not vanish in one update: that step's batch made it."""
+    losses = [3.0, 2.9, 2.85, 5.3e6, 2.0, 1.9]
+    history = [{"step": 87 + i, "loss": v, "grad_norm": 1.0, "lr": 1e-3}
+               for i, v in enumerate(losses)]
+    ev = Evidence(history=history, optimizer="AdamW", lr=1e-3, momentum=0.9)
+    causes = diagnose(ev)
+    assert R.optimizer_divergence(ev) is None
+    assert causes and causes[0].cause == "bad_batch", causes
+    assert "step 90" in causes[0].evidence and "back to 2" in causes[0].evidence
+    # The same jump that stays up is the optimizer's (and no batch was blamed).
+    up = [*losses[:4], 4e6, 9e6]
+    ev = Evidence(history=[{**h, "loss": v} for h, v in zip(history, up, strict=True)],
+                  optimizer="AdamW", lr=1e-3, momentum=0.9)
+    assert diagnose(ev)[0].cause == "optimizer_divergence"
+    assert R.bad_batch(ev) is None

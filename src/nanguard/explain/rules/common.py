@@ -150,11 +150,12 @@ def _jump(ev: Evidence) -> dict[str, Any] | None:
     `before`, `after`, `ratio`, and `growth` (the per-step growth of the error it implies: the
     grad norm's ratio, or the square root of a loss ratio)."""
     steps = sorted(ev.steps_until_failure(), key=lambda h: h.get("step", 0))
-    for a, b in zip(steps, steps[1:], strict=False):
+    for i, (a, b) in enumerate(zip(steps, steps[1:], strict=False)):
         found: list[tuple[float, dict[str, Any]]] = []
         for signal, floor in (("grad_norm", 0.0), ("loss", 1e-3)):
             x, y = _num(a.get(signal), math.nan), _num(b.get(signal), math.nan)
-            if math.isfinite(x) and math.isfinite(y) and abs(x) > floor and y / x >= JUMP:
+            if (math.isfinite(x) and math.isfinite(y) and abs(x) > floor and y / x >= JUMP
+                    and not _back_next(steps, i + 1, signal, x)):
                 ratio = y / x
                 growth = ratio if signal == "grad_norm" else math.sqrt(ratio)
                 found.append((growth, {"step": b.get("step"), "from": a.get("step"),
@@ -164,6 +165,32 @@ def _jump(ev: Evidence) -> dict[str, Any] | None:
             best = max(found, key=lambda f: f[0])[1]
             best["others"] = [f[1] for f in found if f[1] is not best]
             return best
+    return None
+
+
+def _back_next(steps: list[dict[str, Any]], k: int, signal: str, before: float) -> bool:
+    """The value jumped at `steps[k]` and was back within 3x of `before` one step later: a
+    batch made it, not the training (an error the optimizer fed back does not vanish in one
+    update). Unknown (no next step recorded, or not the next step): False."""
+    if k + 1 >= len(steps) or steps[k + 1].get("step") != steps[k].get("step", 0) + 1:
+        return False
+    after = _num(steps[k + 1].get(signal), math.nan)
+    return math.isfinite(after) and abs(after) <= 3 * abs(before)
+
+
+def transient_jump(ev: Evidence) -> dict[str, Any] | None:
+    """The first one-step loss jump (>= `JUMP`) back within 3x of its level at the next step,
+    on a run that never went non-finite: `step`, `before`, `after`, `next`."""
+    if ev.first_nonfinite is not None:
+        return None
+    steps = sorted(ev.steps_until_failure(), key=lambda h: h.get("step", 0))
+    for k in range(1, len(steps)):
+        a, b = steps[k - 1], steps[k]
+        x, y = _num(a.get("loss"), math.nan), _num(b.get("loss"), math.nan)
+        if (math.isfinite(x) and math.isfinite(y) and abs(x) > 1e-3 and y / x >= JUMP
+                and b.get("step") == a.get("step", 0) + 1 and _back_next(steps, k, "loss", x)):
+            return {"step": b.get("step"), "before": x, "after": y,
+                    "next": _num(steps[k + 1].get("loss"), math.nan)}
     return None
 
 

@@ -17,6 +17,7 @@ from nanguard.explain.rules.common import (
     _ordinary_before,
     _preflight_init,
     _where,
+    transient_jump,
 )
 from nanguard.explain.rules.faults import _weigh_verdict
 
@@ -158,7 +159,20 @@ def bad_batch(ev: Evidence) -> Cause | None:
         return None
     spikes = [a for a in ev.alarms if a["kind"] == "spike"]
     if not spikes:
-        return None
+        jump = transient_jump(ev)
+        if jump is None:
+            return None
+        return Cause(
+            cause="bad_batch",
+            confidence=0.5,
+            evidence=f"the loss jumped {jump['before']:.3g} -> {jump['after']:.3g} at step "
+            f"{jump['step']} and was back to {jump['next']:.3g} one step later: that step's "
+            "batch made it, not the training (an error the optimizer feeds back does not "
+            "vanish in one update)",
+            fix=f"look up the batch of step {jump['step']} (its sample fingerprints are in "
+            "run.db, table `batches`) and scan the data (`nanguard scan`) for extreme values "
+            "or labels",
+        )
     steps = sorted({a["step"] for a in spikes})
     return _weigh_verdict(ev, Cause(
         cause="bad_batch",
