@@ -1,0 +1,100 @@
+"""`nanguard run` on scripts with several optimizers: their findings ordered by the script's
+own step count (a WGAN-GP whose critic steps 3 times per generator step), and optimizers built
+one after the other over the same parameters (a new one every epoch) as one chain."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from _run import nanguard_run, report
+
+from nanguard.integrations.runner import RunOptions, run
+
+WGAN_GP = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+D = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))
+nn.init.constant_(D[0].bias, -20.0)  # every critic unit dead: d critic / d input is exactly 0
+og = torch.optim.Adam(G.parameters(), lr=1e-4)
+od = torch.optim.Adam(D.parameters(), lr=1e-4)
+for it in range(2):
+    for _ in range(3):  # three critic steps per generator step
+        x, fake = torch.randn(16, 2), G(torch.randn(16, 4)).detach()
+        a = torch.rand(16, 1)
+        inter = (a * x + (1 - a) * fake).requires_grad_(True)
+        g, = torch.autograd.grad(D(inter).sum(), inter, create_graph=True)
+        gp = ((g.pow(2).sum(1).sqrt() - 1) ** 2).mean()
+        ld = D(fake).mean() - D(x).mean() + 10 * gp
+        od.zero_grad()
+        ld.backward()
+        od.step()
+    lg = -D(G(torch.randn(16, 4))).mean()
+    og.zero_grad()
+    lg.backward()
+    og.step()
+"""
+
+
+def test_two_optimizers_first_failure_in_script_order(tmp_path: Path) -> None:
+    """A critic stepped 3 times per generator step: its step 0 (the script's first step) made
+    the NaN, in the backward of a hand-written gradient penalty (sqrt at 0); the generator's
+    own step 0 (the script's 4th) only met the critic's NaN weights. Each optimizer counts its
+    own steps: ordering by them put the generator first and blamed its init."""
+    script = tmp_path / "wgan.py"
+    script.write_text(WGAN_GP)
+    out = tmp_path / "run"
+    rc = run(RunOptions(script=str(script), out=str(out), summary=False))
+    assert rc == 1
+    rep = report(out)
+    first = rep["first_nonfinite"]
+    assert (first["part"], first["step"], first["global_step"], first["phase"]) == (
+        "optimizer-0", 0, 0, "backward")
+    line = WGAN_GP.splitlines().index("        gp = ((g.pow(2).sum(1).sqrt() - 1) ** 2).mean()")
+    assert first["source"].endswith(f"wgan.py:{line + 1}")
+    assert rep["diagnosis"][0]["cause"] == "singular_gradient"
+    gen = report(out / "optimizer-1")["first_nonfinite"]
+    assert (gen["step"], gen["global_step"]) == (0, 3)
+
+
+NEW_OPTIMIZER_EACH_EPOCH = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+X = torch.randn(64, 8)
+Y = X.sum(1, keepdim=True)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+for epoch in range(4):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2 * 0.8 ** epoch)  # a new one each epoch
+    for i in range(0, 64, 16):
+        loss = nn.functional.mse_loss(model(X[i:i + 16]), Y[i:i + 16])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+critic = nn.Linear(8, 1)  # another model's optimizer: its own part, not in the chain
+copt = torch.optim.SGD(critic.parameters(), lr=0.1)
+for i in range(3):
+    critic(X).pow(2).mean().backward()
+    copt.step()
+"""
+
+
+def test_optimizers_rebuilt_each_epoch_are_one_chain(tmp_path: Path) -> None:
+    """A script that builds a new optimizer every epoch over the same parameters: the merged
+    headline counts the chain's steps (16, not one part's 4), the record names the chain, the
+    summary says what it costs (fresh detectors each epoch) and how to keep one run, and
+    prints one table for it; another model's optimizer stays a part of its own."""
+    script = tmp_path / "epochs.py"
+    script.write_text(NEW_OPTIMIZER_EACH_EPOCH)
+    out = tmp_path / "run"
+    r = nanguard_run(out, script)
+    assert r.returncode == 0, r.stderr
+    rep = report(out)
+    assert rep["status"] == "healthy" and rep["steps"] == 16
+    assert rep["run"]["optimizer_chains"] == [[f"optimizer-{i}" for i in range(4)]]
+    assert "healthy after 16 steps" in r.stderr
+    assert ("optimizer-0 .. optimizer-3: 4 optimizers over the same parameters, one after "
+            "the other (16 steps in all, ~4 each)") in r.stderr
+    assert "optimizer-3 (" in r.stderr and "optimizer-4 (" in r.stderr  # tables shown
+    assert "optimizer-0 (" not in r.stderr and "optimizer-2 (" not in r.stderr
