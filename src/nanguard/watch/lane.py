@@ -125,8 +125,8 @@ class QuietLane:
         if grads is not None:
             parts += [grads] if isinstance(grads, torch.Tensor) else grads
         taken = cur.batch
-        if taken.micro is not None:
-            parts += taken.vectors(True)
+        if taken.micro is not None and not taken.host:
+            parts += taken.vectors()
         return parts
 
     def _decode_pre(self, cur: LaneStep, values: list[float]) -> StepStats:
