@@ -57,8 +57,9 @@ class GradBaseline:
                 while j < n and tuple(pending[j]) == keys:
                     j += 1
             if j - i < 2:  # one step, few parameters, or a parameter's first norm
-                base.update({k: v if (prev := base.get(k)) is None else 0.9 * prev + 0.1 * v
-                             for k, v in d.items()})
+                for k, v in d.items():  # a loop: no comprehension call per step
+                    prev = base.get(k)
+                    base[k] = v if prev is None else 0.9 * prev + 0.1 * v
                 i += 1
                 continue
             b = np.array([base[k] for k in keys], dtype=np.float64)

@@ -168,7 +168,10 @@ class BatchProbe:
         # comprehension calls on every step).
         tensors: list[torch.Tensor] = []
         size = -1
-        for t in batch_tensors(batch):
+        # `batch_tensors`, its common (x, y) inline: no call on the quiet step.
+        found = list(batch) if type(batch) is tuple and all(
+            map(isinstance, batch, repeat(torch.Tensor))) else batch_tensors(batch)
+        for t in found:
             if t.dim() > 0:
                 if size < 0:
                     size = t.shape[0]
@@ -267,7 +270,7 @@ class BatchProbe:
         if not taken.size or taken.micro is None:
             return
         if taken.host:
-            _decode_host(taken.micro, taken.n, stats)
+            decode_host(taken, stats)
             return
         values = slots["batch"]
         size = start = taken.size
@@ -352,12 +355,15 @@ def _host_micro(tensors: list[torch.Tensor], size: int) -> _Micro | None:
 _isfinite = math.isfinite
 
 
-def _decode_host(micro: list[_Micro], n: int, stats: StepStats) -> None:
-    """Fill `stats` from micro-batches measured on the host: their per-tensor sums, read and
+def decode_host(taken: Taken, stats: StepStats) -> None:
+    """Fill `stats` from a step's batch measured on the host (`Taken.host`; the quiet lane
+    calls it itself): its micro-batches' per-tensor sums, read and
     combined when first asked for (on the writer thread for a quiet step:
     `StepStats.defer_hashes`; the sums are tensors of their own, and sizes only: the queued row
     must not hold the batch's tensors), and the NaN / Inf rows and tensors found when
     observed."""
+    micro, n = taken.micro, taken.n
+    assert micro is not None
     values: list[torch.Tensor] = []
     bad_rows: set[int] = set()
     bad_tensors: set[int] = set()
