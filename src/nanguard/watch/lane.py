@@ -2,7 +2,8 @@
 
 On the CPU the host read of a step needs no named slots, no pending-step bookkeeping and no
 assembly: `QuietLane.begin` (optimizer step pre-hook) keeps the loss, the gradient norms and
-the batch's vectors as the probes made them; `QuietLane.read` (post-hook) adds the post-update
+the batch's vectors as the probes made them (none for a small CPU batch, measured on the host
+when watched: `watch.batch`); `QuietLane.read` (post-hook) adds the post-update
 norms, reads everything with ONE host read (`StepWatch.read`: `item()` of each 0-dim value,
 `tolist()` of each vector, what a CPU packet's read does, value for value) and decodes it into
 the same `StepStats` the packet path gives (the same decoders, in the same order; an

@@ -379,22 +379,24 @@ class StepProbe:
         """`post_step` without a packet, for a step with no update norm (the quiet lane,
         `watch.lane`): the device norms of the post-update pass and the layout to decode
         them with."""
+        with torch.no_grad():
+            return self._post_norms(second_moments)
+
+    def _post_norms(self, second_moments: bool) -> tuple[Norms, PostLayout]:
         lay = self._layout
         state_of = self.optimizer.state
-        with torch.no_grad():
-            if lay is None or not lay.fits(self.params, state_of, self.buffers, second_moments):
-                lay = self._layout = PostLayout(self.params, state_of, self.buffers,
-                                                second_moments)
+        if lay is None or not lay.fits(self.params, state_of, self.buffers, second_moments):
+            lay = self._layout = PostLayout(self.params, state_of, self.buffers, second_moments)
+        norms = lay.norms()
+        if norms is None:  # the plan no longer fits (a dtype changed): measured without one
+            lay = self._layout = PostLayout(self.params, state_of, self.buffers, second_moments,
+                                            plan=False)
             norms = lay.norms()
-            if norms is None:  # the plan no longer fits (a dtype changed): measured without one
-                lay = self._layout = PostLayout(self.params, state_of, self.buffers,
-                                                second_moments, plan=False)
-                norms = lay.norms()
-                assert norms is not None
+            assert norms is not None
         return norms, lay
 
     def _post_step(self, packet: Packet, second_moments: bool) -> PostLayout:
-        norms, lay = self.post_norms(second_moments)
+        norms, lay = self._post_norms(second_moments)
         packet.add("post", norms)
         if self._with_update:
             assert self._update_buf is not None
