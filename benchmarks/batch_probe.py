@@ -7,10 +7,12 @@ side, interleaved, on the same tensors:
     before   the per-tensor product and int64 sum (a temporary the size of the batch) and a
              float64 row sum: what nanguard did up to issue 12's third pass
     now      `BatchProbe` as it is: one integer matrix-vector product per tensor on the CPU
-             (no temporary) and a float32 row sum (float64 only for float64 data); a small
-             CPU batch's per-tensor sums are combined on the host
+             (no temporary) and a float32 row sum (float64 only for float64 data), read to
+             a host list as the guard's one read does; a small CPU batch (256 samples at
+             most) instead has one total sum per floating-point tensor read at once, and its
+             per-tensor sums are left to the run store's writer thread
 
-each read to a host list, as the guard's one read does, timed
+decoded into the step's statistics as the guard does on the training thread, timed
 against the time of one forward pass of a small model on the same batch (so the cost reads as
 a fraction of a training step). Reported: median ms per batch and the ratio before / now.
 
@@ -41,6 +43,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 from nanguard.watch.batch import BatchProbe
 from nanguard.watch.fingerprint import _INT_VIEW, _weights
 from nanguard.watch.packet import Packet, host_values
+from nanguard.watch.stats import StepStats
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -70,13 +73,16 @@ def before_read(batch: Batch) -> list[float]:
 _PROBE = BatchProbe()
 
 
-def now(batch: Batch) -> list[float]:
-    """The batch's slot of the step's packet, read on the host as the guard reads it."""
+def now(batch: Batch) -> StepStats:
+    """The batch observed, taken, read and decoded as the guard does on the training thread."""
     probe = _PROBE
     probe.observe(batch)
+    taken = probe.take()
     packet = Packet(torch.device("cpu"))
-    probe.take().add_to(packet)
-    return packet.read(host_values)["batch"]
+    taken.add_to(packet)
+    stats = StepStats(step=0)
+    BatchProbe.decode_taken(packet.read(host_values), taken, stats)
+    return stats
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                      if len(shape) == 4 else nn.Linear(shape[1], 64))
         y = torch.randint(0, 10, (shape[0],), generator=g)
         batch = (x, y)
-        assert len(before(batch)) > 0 and len(now(batch)) > 0  # warm-up
+        assert len(before(batch)) > 0 and now(batch).batch_tensors == 2  # warm-up
         times: dict[str, list[float]] = {"forward": [], "before": [], "now": []}
         with torch.no_grad():
             for _ in range(rounds):

@@ -19,8 +19,9 @@ and two that say where the default's cost goes (ablations, not ways to run nangu
                     gradients before the update; parameters and optimizer state after it) and
                     one host read of them: the floor of watching every value every step
     op_floor        no guard: every tensor op the default watch makes on a quiet step (the
-                    norm passes, the loss, the batch's fingerprints and row sums, the RNG
-                    state) and the host read, in a few lines of straight-line Python: what
+                    norm passes, the loss, the batch's fingerprint sums and its total sums
+                    read for finiteness, the RNG state) and the host read, in a few lines of
+                    straight-line Python: what
                     the default costs with its bookkeeping (decoding, detectors, the record,
                     the hooks) taken away
 
@@ -178,7 +179,7 @@ def make_runner(name: str, wl: Workload, out: Path) -> Runner:
         if name == "clip_grad_norm":
             torch.nn.utils.clip_grad_norm_(params, 1.0)
         if name == "op_floor":
-            vectors = _batch_ops(x, y)
+            kept = _batch_ops(x, y)
             torch.get_rng_state()  # the step's RNG state, kept for a replay
         if name in ("norm_floor", "op_floor"):
             pre = torch._foreach_norm([p.grad for p in params], 2, dtype=torch.float32)
@@ -190,30 +191,25 @@ def make_runner(name: str, wl: Workload, out: Path) -> Runner:
         if name == "norm_floor":
             torch.stack([*pre, *post]).tolist()
         if name == "op_floor":
-            # Read as the guard reads on the CPU: each 0-dim value, then each vector.
+            # Read as the guard reads on the CPU: each 0-dim value (the batch's sums are read
+            # by the writer thread, off the step).
             [t.item() for t in (loss.detach(), *pre, *post)]
-            [v.tolist() for v in vectors]
+            del kept
         opt.zero_grad(set_to_none=True)
 
     return Runner(name, step, guard, [], [])
 
 
-_MASK = torch.tensor((1 << 52) - 1)
-
-
-def _batch_ops(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
-    """The device ops `BatchProbe.observe` and `take` make for a batch (x, y): each tensor's
-    fingerprint, combined in int64 and masked once; one row sum per floating-point tensor."""
-    h: torch.Tensor | None = None
-    rows = []
+def _batch_ops(x: torch.Tensor, y: torch.Tensor) -> tuple[list[torch.Tensor], list[float]]:
+    """The tensor ops `BatchProbe.observe` makes on the training thread for a small CPU batch
+    (x, y): each tensor's fingerprint sums (the run store's writer thread reads them, not the
+    step) and one total sum per floating-point tensor, read at once. Returns both."""
+    sums, totals = [], []
     for t in (x, y):
-        f = sample_sums(t)
-        h = f.to(torch.int64) if h is None else torch.add(f, h, alpha=1000003)
+        sums.append(sample_sums(t))
         if t.is_floating_point():
-            rows.append(t.sum(dim=1, dtype=torch.float32) if t.dim() == 2
-                        else t.reshape(t.shape[0], -1).sum(dim=1, dtype=torch.float32))
-    assert h is not None
-    return [torch.bitwise_and(h, _MASK), *rows]
+            totals.append(t.sum(dtype=torch.float32).item())
+    return sums, totals
 
 
 def run(wl: Workload, steps: int, warmup: int, seed: int, out: Path) -> dict[str, Runner]:

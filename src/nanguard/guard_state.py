@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nanguard.detect.detectors import Detector
+from nanguard.pinpoint.baseline import GradBaseline
 from nanguard.record.runlog import HISTORY
 from nanguard.step_path import StepPath
 
@@ -36,7 +37,7 @@ def gather(guard: StepPath, detectors: list[Detector],
         "detectors": [d.state_dict() for d in detectors],
         **guard.log.state_dict(),
         "recovery": guard.recovery.state_dict(),
-        "grad_baseline": {str(i): v for i, v in guard._grad_baseline.items()},
+        "grad_baseline": {str(i): v for i, v in guard._grad_baseline.values().items()},
         "log": {"history": plain_log["history"][-HISTORY:], "failing": plain_log["failing"]},
     }
 
@@ -52,5 +53,5 @@ def restore(guard: StepPath, detectors: list[Detector], state: Mapping[str, Any]
     guard.log.load_state_dict(state)
     if "recovery" in state:
         guard.recovery.load_state_dict(state["recovery"])
-    guard._grad_baseline = {int(i): float(v)
-                            for i, v in state.get("grad_baseline", {}).items()}
+    guard._grad_baseline = GradBaseline({int(i): float(v)
+                                         for i, v in state.get("grad_baseline", {}).items()})

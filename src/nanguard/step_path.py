@@ -32,6 +32,7 @@ from nanguard.errors import NanguardError
 from nanguard.integrations import distributed
 from nanguard.pinpoint import live as pinpoint
 from nanguard.pinpoint import xrank, xrank_log
+from nanguard.pinpoint.baseline import GradBaseline
 from nanguard.pinpoint.rerun import alarms_to_explain
 from nanguard.policy import Policy, device_skip, wants_to_act
 from nanguard.policy.act import device_skip_effects, effects_of
@@ -88,7 +89,7 @@ class StepPath:
     """Clip norms by the step they were given for, until that step is recorded (read a step
     late on a GPU); replaced by an instance dict at the first one."""
     _last_stats: StepStats | None
-    _grad_baseline: dict[int, float]
+    _grad_baseline: GradBaseline
     _losses: LossWatch
     _skips_in_row: int
     _watch_calls: int
@@ -598,7 +599,7 @@ class StepPath:
         found = pinpoint.explain_spike(
             stats, replay=self.replay if before_update else None, model=self.model,
             params=self.params, param_names=self.param_names, batches=self.batch_probe,
-            act_probe=self.act_probe, baseline=self._grad_baseline,
+            act_probe=self.act_probe, baseline=self._grad_baseline.values(),
             step_rng=cur.rng if before_update and cur else None,
             amp=self.recovery.amp is not None)
         if alarm.kind != "spike":  # an overflow the spike detector could not see (step 0)
@@ -633,10 +634,12 @@ class StepPath:
                              troubled=finding is not None or log.recovered_from)
         signals = stats._signals if stats._signals is not None else stats.nonfinite_signals()
         if not stats.alarms and not signals:
-            # Each parameter's typical grad norm on healthy steps: the baseline of a spike.
-            base = self._grad_baseline
-            base.update({i: v if (prev := base.get(i)) is None else 0.9 * prev + 0.1 * v
-                         for i, v in stats.grad_norms.items()})
+            # Each parameter's typical grad norm on healthy steps: the baseline of a spike,
+            # folded in when read (`pinpoint.baseline`).
+            pending = self._grad_baseline.pending
+            pending.append(stats.grad_norms)
+            if len(pending) >= GradBaseline.FOLD_AT:
+                self._grad_baseline.fold()
         # Keep the steps up to the first non-finite value: what led into it is the story.
         if finding is None or stats.step <= finding.step + 1:
             log.history.append(stats)

@@ -28,6 +28,7 @@ from nanguard.config import GuardConfig
 from nanguard.detect import default_detectors
 from nanguard.detect.detectors import Detector
 from nanguard.detect.gate import QuietGate
+from nanguard.pinpoint.baseline import GradBaseline
 from nanguard.record.events import Events, Listener
 from nanguard.record.runlog import RunLog
 from nanguard.record.store import NullStore
@@ -104,7 +105,7 @@ def step_state(guard: StepPath) -> None:
     (decided once here: no call on the quiet path)."""
     guard.step = 0
     guard._last_stats = None
-    guard._grad_baseline = {}  # per-parameter EMA of healthy grad norms
+    guard._grad_baseline = GradBaseline()  # per-parameter EMA of healthy grad norms
     guard._loss = None
     guard._pending = []
     guard._current = None

@@ -226,3 +226,81 @@ def test_run_db_fingerprints_combined_on_the_writer_thread(tmp_path: Any) -> Non
         assert json.loads(samples) == want
         assert json.loads(bad) == ([4] if micro is steps[5] else [])
     assert quiet.sample_hashes == want4  # combined when read
+
+
+def test_host_path_equals_the_definition_over_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small CPU batch is measured on the host (`_host_micro`: sums read later, one total per
+    floating-point tensor); the same batch through the device path (`_HOST_COMBINE_MAX` 0) and
+    the per-tensor definition (`_reference`) give the same fingerprints, NaN rows and tensors:
+    every dtype, 1-D to 4-D, not contiguous, requiring grad, rows whose sums overflow (finite:
+    no NaN row) and a total that overflows while no row sum does."""
+    import nanguard.watch.batch as batch_mod
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 3, 2, 2, generator=g)
+    x[2, 1, 0, 1] = math.nan
+    wide = torch.full((16, 2), 1.5e38)  # each row's sum is finite; the total overflows
+    over = torch.full((16, 4), 3e38)  # every row's sum overflows: finite, no NaN row
+    over[11, 0] = math.inf
+    h = torch.randn(16, 5, generator=g).half()
+    h[4, 0] = math.nan
+    b = torch.randn(16, 6, generator=g).bfloat16()
+    b[9, 5] = -math.inf
+    d = torch.randn(16, 3, generator=g).double()
+    d[0, 2] = math.nan
+    z = torch.randn(16, 2, dtype=torch.complex64, generator=g)
+    z[13, 0] = complex(0, math.nan)
+    ints = torch.randint(-2**40, 2**40, (16, 3), generator=g)
+    cases = [
+        (x, wide, over), (h, b, d), (z, ints), (x.permute(0, 3, 2, 1), h.t().contiguous().t()),
+        (torch.randint(0, 255, (16, 4, 3), dtype=torch.uint8, generator=g),
+         torch.rand(16, 7, generator=g) > 0.5, torch.randint(0, 5, (16,), generator=g)),
+        (torch.randn(16, 4, generator=g, requires_grad=True), x[:, 0, 0, 0]),
+    ]
+    for batch in cases:
+        size = 16
+        ref = _reference(batch)
+        got = {}
+        for host in (True, False):
+            monkeypatch.setattr(batch_mod, "_HOST_COMBINE_MAX", 256 if host else 0)
+            probe = BatchProbe()
+            probe.observe(batch)
+            taken = probe.take()
+            assert taken.host == host
+            packet = Packet(torch.device("cpu"))
+            taken.add_to(packet)
+            stats = StepStats(step=0)
+            BatchProbe.decode_taken(packet.read(host_values), taken, stats)
+            got[host] = stats
+            assert stats.sample_hashes == [int(v) for v in ref[:size].tolist()], batch
+            assert stats.nonfinite_samples == ref[size : 2 * size].nonzero().flatten().tolist()
+            assert stats.nonfinite_tensors == ref[2 * size :].nonzero().flatten().tolist()
+            assert stats.batch_tensors == len(ref) - 2 * size
+        assert isinstance(got[True].raw_hashes(), list)  # read above, on this thread
+    assert _reference(cases[0])[16:32].nonzero().flatten().tolist() == [2, 11]
+
+
+def test_host_and_device_micro_batches_in_one_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradient accumulation whose micro-batches straddle `_HOST_COMBINE_MAX`: the host one is
+    carried as the device one is (`_Micro.to_device`); NaN rows keep their place."""
+    import nanguard.watch.batch as batch_mod
+
+    monkeypatch.setattr(batch_mod, "_HOST_COMBINE_MAX", 8)
+    a = _batches()[0]  # 16 samples, NaN rows 3 and 7: the device path
+    b = (a[0][:5].clone(), a[1][:5])
+    b[0][1, 0, 0] = math.inf  # 5 samples: the host path
+    for micro in ([a, b], [b, a]):
+        probe = BatchProbe()
+        for m in micro:
+            probe.observe(m)
+        taken = probe.take()
+        assert not taken.host and taken.hashes is not None
+        packet = Packet(torch.device("cpu"))
+        taken.add_to(packet)
+        got = StepStats(step=0)
+        BatchProbe.decode_taken(packet.read(host_values), taken, got)
+        want = [int(v) for m in micro for v in _reference(m)[:len(m[0])].tolist()]
+        assert got.sample_hashes == want
+        assert got.nonfinite_samples == ([3, 7, 16 + 1, 16 + 3] if micro[0] is a
+                                         else [1, 3, 5 + 3, 5 + 7])
+        assert got.nonfinite_tensors == [0]

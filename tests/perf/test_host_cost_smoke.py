@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from nanguard import Guard, GuardConfig, RecordConfig
+from nanguard.record.writer import combine_sums
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -41,15 +42,16 @@ def test_host_cost_quick(
 def test_op_floor_computes_what_the_guard_records(
     label_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The floor is honest: its batch ops give the fingerprints the guard records and the row
-    sums the guard reads (a NaN row shows in both)."""
+    """The floor is honest: its batch ops give the fingerprints the guard records (combined as
+    the run store's writer combines them) and the totals the guard reads (a NaN row makes its
+    tensor's total non-finite; the guard finds the row)."""
     mod = _load("host_cost", monkeypatch)
     torch.manual_seed(0)
     x = torch.randn(16, 5)
     x[3, 2] = float("nan")
     y = (torch.randint(0, 3, (16,)) if label_dtype == torch.int64
          else torch.randn(16, 1))
-    hashes, *rows = mod._batch_ops(x, y)
+    sums, totals = mod._batch_ops(x, y)
     model = torch.nn.Linear(5, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = Guard(model, opt, out="", config=GuardConfig(record=RecordConfig(summary=False)))
@@ -58,9 +60,10 @@ def test_op_floor_computes_what_the_guard_records(
     opt.step()
     guard.close()
     stats = guard.history[-1]
-    assert stats.sample_hashes == hashes.tolist()
-    assert len(rows) == (2 if label_dtype == torch.float32 else 1)
-    assert [i for i, v in enumerate(rows[0].tolist()) if v != v] == stats.nonfinite_samples == [3]
+    assert stats.sample_hashes == combine_sums((sums, 2, (16,)))
+    assert len(totals) == (2 if label_dtype == torch.float32 else 1)
+    assert [v != v for v in totals] == [True] + [False] * (len(totals) - 1)
+    assert stats.nonfinite_samples == [3] and stats.nonfinite_tensors == [0]
 
 
 def test_batch_probe_quick(

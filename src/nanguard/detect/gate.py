@@ -110,7 +110,7 @@ class QuietGate:
         """What the quiet step changes, computed without changing anything; None when some
         detector could fire. The plan: [spike, cascade, forecast, divergence, vanishing] parts,
         each None when that detector is not run or changes nothing."""
-        g = stats.grad_norm
+        g, p, momentum = stats.global_norms()
         plan: list[Any] = [None, None, None, None, None]
         if pre:
             sp = self._spike
@@ -132,7 +132,7 @@ class QuietGate:
             return plan
         acts = stats.activations  # `act_max`, inline (no call on a step without activations)
         values = {"grad_norm": float(g), "act_max": max(acts.values()) if acts else None,
-                  "momentum_norm": stats.momentum_norm}
+                  "momentum_norm": momentum}
         ca, fc = self._cascade, self._forecast
         growth = ca.config.cascade_growth
         steps = ca.config.cascade_steps
@@ -198,7 +198,6 @@ class QuietGate:
                 note = med
             plan[3] = (loss, note, len(hist))
         va = self._vanishing
-        p = stats.param_norm
         if not stats.grad_norms or not _isfinite(g) or not _isfinite(p) or p <= 0:
             count = 0
         else:

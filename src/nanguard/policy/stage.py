@@ -48,8 +48,11 @@ def wants_to_act(stats: StepStats, alarms: list[Alarm], acting_on: tuple[str, ..
     parameters or optimizer state, which the update produced); alarms count by kind. A NaN
     batch row whose step the GradScaler already skipped (`data`) leaves nothing to act on.
     """
+    sealed = stats.seal()
+    if not sealed and not alarms:
+        return False  # the quiet step: no comprehension or generator calls
     if "nonfinite" in acting_on:
-        signals = [s for s in stats.seal() if s != "data"]
+        signals = [s for s in sealed if s != "data"]
         if post:
             signals = [s for s in signals if s.startswith(("param", "optimizer"))]
         if signals:

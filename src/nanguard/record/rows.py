@@ -36,12 +36,13 @@ def write_step(store: NullStore, stats: StepStats, n_params: int, per_parameter:
     """Record the step row, per-parameter stats, activations, batch fingerprints and alarms.
     `clip_norm`: the total norm the script's own clipping measured this step (a 0-dim tensor,
     read on the writer thread: no host sync here), or None."""
+    grad_norm, param_norm, momentum_norm = stats.global_norms()
     row = {
-        "step": stats.step, "loss": stats.loss, "grad_norm": stats.grad_norm,
+        "step": stats.step, "loss": stats.loss, "grad_norm": grad_norm,
         # `update_ratio` and `act_max` asked only when measured (no call on most steps).
-        "param_norm": stats.param_norm,
+        "param_norm": param_norm,
         "update_ratio": stats.update_ratio if stats.update_norm is not None else None,
-        "momentum_norm": stats.momentum_norm,
+        "momentum_norm": momentum_norm,
         "act_max": stats.act_max if stats.activations else None, "lr": stats.lr,
         # Sealed by the detectors (a copy of the kept list, no call); else scanned.
         "nonfinite": list(stats._signals) if stats._signals is not None

@@ -77,9 +77,9 @@ _MASK = (1 << 52) - 1
 
 RawHashes = tuple[list[Any], int, tuple[int, ...]]
 """A step's fingerprints not yet combined: (each micro-batch's per-tensor sample sums
-(`watch.fingerprint.sample_sums`), read as Python ints, micro-batch by micro-batch and tensor
-by tensor; tensors per sample; samples of each micro-batch). Extra values after the sums (the
-row sums of the NaN check) are ignored."""
+(`watch.fingerprint.sample_sums`), micro-batch by micro-batch and tensor by tensor, as Python
+ints or as the CPU tensors that hold them, not read yet (each read with its `tolist()`);
+tensors per sample; samples of each micro-batch)."""
 
 
 def combine_sums(raw: RawHashes) -> list[int]:
@@ -91,6 +91,11 @@ def combine_sums(raw: RawHashes) -> list[int]:
     thread calls it for quiet steps (`StepStats.sample_hashes` on the training thread when
     something reads them). The definition it reproduces: `watch.fingerprint`, `watch.batch`."""
     values, n, sizes = raw
+    if values and hasattr(values[0], "tolist"):  # per-tensor sums not read yet: read here
+        read: list[int] = []
+        for v in values:
+            read += v.tolist()
+        values = read
     out: list[int] = []
     pos = 0
     for size in sizes:

@@ -11,6 +11,13 @@ its elements is, so the host reads the NaN rows straight from the sums, as they 
 time: on the quiet step no other op and no other read. A non-finite row sum may also be a sum
 of huge finite values that overflowed: those rows alone are checked element by element
 (`_confirm`, one extra read on such a step), so an overflowing finite sum is never called NaN.
+
+A small CPU batch (`_HOST_COMBINE_MAX` samples at most) is host memory already: nothing of it
+goes into the step's read (`_host_micro`). Its per-tensor fingerprint sums are read, combined
+and encoded by the run store's writer thread (a quiet step's training thread never reads them:
+`StepStats.defer_hashes`), and its finiteness is one total sum per floating-point tensor read
+at `watch` time; only a tensor whose total is not finite (a NaN or Inf, or finite values whose
+sum overflows) is checked row by row, element by element.
 """
 
 from __future__ import annotations
@@ -51,29 +58,45 @@ class _Micro:
     n: int
     """Number of its tensors (those sharing the leading dimension)."""
     hashes: torch.Tensor | None
-    """Unmasked int64 fingerprints (see `sample_sums`), [size]; None when `sums` holds them
-    uncombined (a small CPU batch: combined on the host)."""
+    """Unmasked int64 fingerprints (see `sample_sums`), [size]; None on the host (`host`)."""
     checked: list[tuple[int, torch.Tensor]]
     """(index, detached tensor) of its floating-point / complex tensors, kept by reference
     (for `exact` and `_confirm`)."""
     rows: list[torch.Tensor]
     """One row sum [size] per checked tensor (float32; float64 for float64 data): non-finite on
-    a row holding a NaN / Inf, or on a row of finite values whose sum overflows."""
+    a row holding a NaN / Inf, or on a row of finite values whose sum overflows. Empty on the
+    host (`host`)."""
     sums: list[torch.Tensor] | None = None
-    """Each tensor's `sample_sums` (int32 or int64), when `hashes` is None."""
+    """On the host: each tensor's `sample_sums` (int32 or int64 CPU tensors)."""
+    bad: list[tuple[int, list[int]]] | None = None
+    """On the host: (index, its NaN / Inf rows) of each checked tensor holding one, checked
+    element by element when observed."""
 
     @property
     def device(self) -> torch.device:
-        t = self.hashes if self.hashes is not None else self.sums[0] if self.sums else None
-        assert t is not None, "a micro-batch has fingerprints or sums"
-        return t.device
+        return _CPU if self.hashes is None else self.hashes.device
 
     def device_hashes(self) -> torch.Tensor:
-        """The unmasked int64 fingerprints on the device (`hashes`, or `sums` combined)."""
+        """The unmasked int64 fingerprints as a tensor (`hashes`, or the host's sums combined)."""
         if self.hashes is None:
             assert self.sums is not None
             self.hashes = _combined(self.sums)
         return self.hashes
+
+    def to_device(self) -> None:
+        """A host micro-batch in a step with micro-batches measured on the device (a
+        gradient-accumulation step whose micro-batches straddle `_HOST_COMBINE_MAX`), made
+        what those carry: combined fingerprints, and per checked tensor a row vector that is
+        NaN on its non-finite rows (`decode_taken` confirms them element by element)."""
+        bad = dict(self.bad or ())
+        rows = []
+        for k, _ in self.checked:
+            r = torch.zeros(self.size)
+            if k in bad:
+                r[bad[k]] = math.nan
+            rows.append(r)
+        self.device_hashes()
+        self.rows, self.sums, self.bad = rows, None, None
 
 
 @dataclass
@@ -86,38 +109,28 @@ class Taken:
     n: int = 0
     """Tensors per sample."""
     hashes: torch.Tensor | None = None
-    """Masked int64 fingerprints, [size]; None while each micro-batch's per-tensor sums travel
-    uncombined, for the host to combine (`add_to`)."""
+    """Masked int64 fingerprints, [size]; None when every micro-batch was measured on the
+    host (`host`)."""
     micro: list[_Micro] | None = None
+    host: bool = False
+    """Every micro-batch was measured on the host: nothing to read (`decode_taken`)."""
 
     def add_to(self, packet: Packet) -> None:
         """Add the fingerprints and the row sums to the step's packet as its one slot `batch`
-        (nothing if no batch): the `size` fingerprints, then each micro-batch's row sums in
-        order. A CPU packet of small micro-batches carries each tensor's sums instead of the
-        fingerprints (micro-batch by micro-batch), read exactly as integers and combined by
-        `decode_taken`: three fewer tensor ops a step than combining them here."""
-        if self.micro is not None:
-            packet.add_vectors("batch", self.vectors(packet.device.type == "cpu"))
+        (nothing if no batch, or a batch measured on the host): the `size` fingerprints, then
+        each micro-batch's row sums in order."""
+        if self.micro is not None and not self.host:
+            packet.add_vectors("batch", self.vectors())
 
-    def vectors(self, cpu: bool) -> list[torch.Tensor]:
+    def vectors(self) -> list[torch.Tensor]:
         """The slot's vectors, in order (`add_to`; the quiet lane reads them without a
-        packet). `cpu`: they are read on the CPU, where small micro-batches' per-tensor sums
-        travel uncombined. Only with a batch (`micro` set)."""
-        assert self.micro is not None
-        if len(self.micro) == 1:  # the common step: no comprehension calls
-            m = self.micro[0]
-            if self.hashes is None and cpu:
-                return [*(m.sums or ()), *m.rows]
-            rows = m.rows
-        else:
-            rows = [r for m in self.micro for r in m.rows]
-        if self.hashes is None and cpu:
-            return [f for m in self.micro for f in m.sums or ()] + rows
-        if self.hashes is None:  # a float64 packet holds 52-bit integers exactly, not int64
-            h = torch.cat([m.device_hashes() for m in self.micro]) if len(self.micro) > 1 \
-                else self.micro[0].device_hashes()
-            self.hashes = torch.bitwise_and(h, _mask(h.device))
-        return [self.hashes, *rows]
+        packet): none for a batch measured on the host."""
+        if self.host or self.micro is None:
+            return []
+        assert self.hashes is not None
+        if len(self.micro) == 1:  # the common step: no comprehension call
+            return [self.hashes, *self.micro[0].rows]
+        return [self.hashes, *[r for m in self.micro for r in m.rows]]
 
 
 class BatchProbe:
@@ -155,7 +168,10 @@ class BatchProbe:
         # comprehension calls on every step).
         tensors: list[torch.Tensor] = []
         size = -1
-        for t in batch_tensors(batch):
+        # `batch_tensors`, its common (x, y) inline: no call on the quiet step.
+        found = list(batch) if type(batch) is tuple and all(
+            map(isinstance, batch, repeat(torch.Tensor))) else batch_tensors(batch)
+        for t in found:
             if t.dim() > 0:
                 if size < 0:
                     size = t.shape[0]
@@ -173,6 +189,21 @@ class BatchProbe:
         if not tensors:
             return
         device = tensors[0].device
+        micro = _host_micro(tensors, size) if device.type == "cpu" and \
+            size <= _HOST_COMBINE_MAX else None
+        if micro is None:
+            micro = self._device_micro(tensors, size, device)
+        if accumulate and self._parts and self._parts[-1].n == micro.n:
+            # Another micro-batch of the same step (gradient accumulation, the last one
+            # possibly smaller): the step's samples are the micro-batches one after the other,
+            # so a NaN row of any of them keeps its place (index = offset + row).
+            self._parts.append(micro)
+        else:
+            self._parts = [micro]
+
+    @staticmethod
+    def _device_micro(tensors: list[torch.Tensor], size: int, device: torch.device) -> _Micro:
+        """Fingerprints and row sums of a micro-batch, as device ops (no read)."""
         sums: list[torch.Tensor] = []
         checked: list[tuple[int, torch.Tensor]] = []
         rows: list[torch.Tensor] = []
@@ -194,17 +225,7 @@ class BatchProbe:
             else:
                 continue
             rows.append(r if r.device == device else r.to(device))
-        if device.type == "cpu" and size <= _HOST_COMBINE_MAX:
-            micro = _Micro(size, len(tensors), None, checked, rows, sums)
-        else:
-            micro = _Micro(size, len(tensors), _combined(sums), checked, rows)
-        if accumulate and self._parts and self._parts[-1].n == micro.n:
-            # Another micro-batch of the same step (gradient accumulation, the last one
-            # possibly smaller): the step's samples are the micro-batches one after the other,
-            # so a NaN row of any of them keeps its place (index = offset + row).
-            self._parts.append(micro)
-        else:
-            self._parts = [micro]
+        return _Micro(size, len(tensors), _combined(sums), checked, rows)
 
     def take(self) -> Taken:
         """Take what was observed since the last step, for the step's packet."""
@@ -216,8 +237,11 @@ class BatchProbe:
         for p in parts:
             size += p.size
             host = host and p.hashes is None
-        if host:  # combined on the host (`Taken.add_to`)
-            return Taken(size=size, n=parts[0].n, micro=parts)
+        if host:  # measured on the host: nothing to read (`decode_taken`)
+            return Taken(size=size, n=parts[0].n, micro=parts, host=True)
+        for p in parts:
+            if p.hashes is None:
+                p.to_device()
         device = parts[0].device
         h = parts[0].device_hashes() if len(parts) == 1 else torch.cat(
             [p.device_hashes().to(device) for p in parts])
@@ -240,22 +264,17 @@ class BatchProbe:
 
     @staticmethod
     def decode_taken(slots: dict[str, list[float]], taken: Taken, stats: StepStats) -> None:
-        """Fill `stats` from the host copy of the slot `Taken.add_to` added. The quiet step
-        costs one C-level sum over every row sum: finite, no NaN row."""
+        """Fill `stats` from the host copy of the slot `Taken.add_to` added (nothing of a
+        batch measured on the host: `_decode_host`). The quiet step costs one C-level sum over
+        every row sum: finite, no NaN row."""
         if not taken.size or taken.micro is None:
             return
+        if taken.host:
+            decode_host(taken, stats)
+            return
         values = slots["batch"]
-        size = taken.size
-        if taken.hashes is None:  # each tensor's sums, exact integers: combined when read
-            # (on the writer thread for a quiet step: `StepStats.defer_hashes`). Sizes only:
-            # the queued row must not hold the batch's tensors.
-            micro = taken.micro
-            sizes = (micro[0].size,) if len(micro) == 1 else tuple(m.size for m in micro)
-            stats.defer_hashes((values, taken.n, sizes))
-            start = size * taken.n
-        else:
-            stats.sample_hashes = list(map(int, values[:size]))
-            start = size
+        size = start = taken.size
+        stats.sample_hashes = list(map(int, values[:size]))
         stats.batch_tensors = taken.n
         if math.isfinite(sum(values[start:])):
             return  # the quiet step: every row of every tensor is finite
@@ -292,11 +311,75 @@ class BatchProbe:
 
 
 _HOST_COMBINE_MAX = 256
-"""Largest CPU micro-batch whose per-tensor sums the host combines. Python takes ~0.1 us per
-sample and tensor; the three tensor ops it replaces (int64 conversion, add, mask) take 10-15 us
-warm and 3-4x that in a training step's cold caches: measured in the step (ab_inprocess.py),
-the host wins at 128 samples (7% of the guard's cost on the MLP). numpy on the same memory
-(8 us warm) measured slower than either in the step."""
+"""Largest CPU micro-batch measured on the host (`_host_micro`). Its per-tensor sums are
+combined in Python, on the run store's writer thread (`record.writer.combine_sums`: ~0.1 us
+per sample and tensor); the three tensor ops that would combine them take 10-15 us warm and
+3-4x that in a training step's cold caches: measured in the step (ab_inprocess.py), the host
+wins at 128 samples (7% of the guard's cost on the MLP)."""
+
+_CPU = torch.device("cpu")
+
+
+def _host_micro(tensors: list[torch.Tensor], size: int) -> _Micro | None:
+    """A small CPU micro-batch measured on the host: each tensor's `sample_sums`, and the
+    NaN / Inf rows of each floating-point or complex tensor whose total is not finite, checked
+    element by element. None if a tensor is not on the CPU."""
+    sums: list[torch.Tensor] = []
+    checked: list[tuple[int, torch.Tensor]] = []
+    bad: list[tuple[int, list[int]]] | None = None
+    for k, t in enumerate(tensors):
+        if t.device.type != "cpu":
+            return None
+        if t.requires_grad:
+            t = t.detach()
+        sums.append(sample_sums(t))
+        if t.is_floating_point():
+            checked.append((k, t))
+            # One total (float32; float64 for float64 data), read at once: not finite when an
+            # element is NaN or Inf, or when finite elements overflow it (then the element by
+            # element check below finds no row). A row sum and its `tolist()` cost more.
+            acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+            if _isfinite(t.sum(dtype=acc).item()):
+                continue
+        elif t.is_complex():
+            checked.append((k, t))
+        else:
+            continue
+        ok: list[bool] = torch.isfinite(t).reshape(size, -1).all(dim=1).tolist()
+        rows = [i for i, v in enumerate(ok) if not v]
+        if rows:
+            bad = (bad or []) + [(k, rows)]
+    return _Micro(size, len(tensors), None, checked, [], sums, bad)
+
+
+_isfinite = math.isfinite
+
+
+def decode_host(taken: Taken, stats: StepStats) -> None:
+    """Fill `stats` from a step's batch measured on the host (`Taken.host`; the quiet lane
+    calls it itself): its micro-batches' per-tensor sums, read and
+    combined when first asked for (on the writer thread for a quiet step:
+    `StepStats.defer_hashes`; the sums are tensors of their own, and sizes only: the queued row
+    must not hold the batch's tensors), and the NaN / Inf rows and tensors found when
+    observed."""
+    micro, n = taken.micro, taken.n
+    assert micro is not None
+    values: list[torch.Tensor] = []
+    bad_rows: set[int] = set()
+    bad_tensors: set[int] = set()
+    offset = 0
+    for m in micro:
+        values += m.sums or ()
+        for k, rows in m.bad or ():
+            bad_rows.update(offset + i for i in rows)
+            bad_tensors.add(k)
+        offset += m.size
+    sizes = (micro[0].size,) if len(micro) == 1 else tuple(m.size for m in micro)
+    stats.defer_hashes((values, n, sizes))
+    stats.batch_tensors = n
+    if bad_tensors:
+        stats.nonfinite_samples = sorted(bad_rows)
+        stats.nonfinite_tensors = sorted(bad_tensors)
 
 
 def _combined(sums: list[torch.Tensor]) -> torch.Tensor:

@@ -63,7 +63,9 @@ def sample_sums(tensor: torch.Tensor) -> torch.Tensor:
     wide = torch.int64 if size == 8 else torch.int32
     if bits.dtype != wide:  # 1- and 2-byte elements, widened to int32 (as a product would)
         bits = bits.to(wide)
-    w = _weights(bits.shape[1], bits.device, wide)
+    w = _WEIGHTS.get((bits.shape[1], bits.device, wide))  # made once (`_weights`): no call
+    if w is None:
+        w = _weights(bits.shape[1], bits.device, wide)
     if bits.device.type == "cpu":
         return torch.mv(bits, w)
     return torch.mul(bits, w).sum(dim=1, dtype=wide)

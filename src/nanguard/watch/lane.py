@@ -2,7 +2,8 @@
 
 On the CPU the host read of a step needs no named slots, no pending-step bookkeeping and no
 assembly: `QuietLane.begin` (optimizer step pre-hook) keeps the loss, the gradient norms and
-the batch's vectors as the probes made them; `QuietLane.read` (post-hook) adds the post-update
+the batch's vectors as the probes made them (none for a small CPU batch, measured on the host
+when watched: `watch.batch`); `QuietLane.read` (post-hook) adds the post-update
 norms, reads everything with ONE host read (`StepWatch.read`: `item()` of each 0-dim value,
 `tolist()` of each vector, what a CPU packet's read does, value for value) and decodes it into
 the same `StepStats` the packet path gives (the same decoders, in the same order; an
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from nanguard.watch.batch import BatchProbe, Taken
+from nanguard.watch.batch import BatchProbe, Taken, decode_host
 from nanguard.watch.norms import Norms
 from nanguard.watch.stats import StepProbe, StepStats
 from nanguard.watch.step import StepWatch
@@ -41,7 +42,7 @@ class LaneStep:
     `device_skip` and `found_inf` mirror `watch.step.Pending`'s (always False here) for code
     that inspects the step in progress."""
 
-    __slots__ = ("step", "lr", "loss", "grads", "idx", "batch", "rng", "stats")
+    __slots__ = ("step", "lr", "loss", "grads", "idx", "batch", "rng", "stats", "parts")
     device_skip: bool
     found_inf: bool
 
@@ -59,6 +60,14 @@ class LaneStep:
         self.stats: StepStats | None = None
         """The pre-update statistics once read (acting policies read them before the
         update: `QuietLane.read_pre`)."""
+        parts: list[torch.Tensor] = [] if loss is None else [loss]
+        if grads is not None:
+            parts += [grads] if isinstance(grads, torch.Tensor) else grads
+        if batch.micro is not None and not batch.host:
+            parts += batch.vectors()
+        self.parts = parts
+        """The pre-update values to read, in `QuietLane._decode_pre`'s order: the loss, the
+        gradient norms, the batch's vectors (none for a batch measured on the host)."""
 
 
 LaneStep.device_skip = False
@@ -91,8 +100,7 @@ class QuietLane:
         """Runs in the step pre-hook of an acting policy (it decides before the update): one
         host read of the step's pre-update values and their statistics (kept as `cur.stats`),
         as `StepWatch.read_pre` gives them."""
-        parts = self._pre_parts(cur)
-        stats = cur.stats = self._decode_pre(cur, self.steps.read(parts))
+        stats = cur.stats = self._decode_pre(cur, self.steps.read(cur.parts))
         return stats
 
     def read(self, cur: LaneStep) -> StepStats:
@@ -103,31 +111,21 @@ class QuietLane:
         probe = self.probe
         post, layout = probe.post_norms()
         post_parts = [post] if isinstance(post, torch.Tensor) else list(post)
+        n = len(layout.tensors)
         stats = cur.stats
         if stats is not None:  # an acting policy's step: the pre-update part is read
             values = self.steps.read(post_parts)
             probe.decode_post({"post": values}, layout, stats)
         else:
-            pre = self._pre_parts(cur)
-            values = self.steps.read(post_parts + pre)  # the post norms first: known count
-            n = len(layout.tensors)
+            values = self.steps.read(post_parts + cur.parts)  # the post norms first: known count
             stats = self._decode_pre(cur, values[n:])
             stats.param_norms, stats.state_norms, stats.buffer_norms = layout.decode(
                 values[:n])
-        probe.resolve_post_overflow(stats)  # an extra read only on an inf norm
+        # Norms are >= 0: a finite sum of the post-update ones means none is infinite (the
+        # every-step case, `resolve_post_overflow`'s own first test, without its call).
+        if not math.isfinite(sum(values[:n])):
+            probe.resolve_post_overflow(stats)  # an extra read only on an inf norm
         return stats
-
-    @staticmethod
-    def _pre_parts(cur: LaneStep) -> list[torch.Tensor]:
-        """The pre-update values to read: loss, gradient norms, the batch's vectors."""
-        parts: list[torch.Tensor] = [] if cur.loss is None else [cur.loss]
-        grads = cur.grads
-        if grads is not None:
-            parts += [grads] if isinstance(grads, torch.Tensor) else grads
-        taken = cur.batch
-        if taken.micro is not None:
-            parts += taken.vectors(True)
-        return parts
 
     def _decode_pre(self, cur: LaneStep, values: list[float]) -> StepStats:
         """`StepWatch.decode_pre` for the lane's step (no activations, loaded-state flags,
@@ -140,7 +138,9 @@ class QuietLane:
         b = a + len(cur.idx)
         probe.decode_pre(values[a:b], cur.idx, stats)
         taken = cur.batch
-        if taken.micro is not None:
+        if taken.host:  # nothing of it was read
+            decode_host(taken, stats)
+        elif taken.micro is not None:
             BatchProbe.decode_taken({"batch": values[b:]}, taken, stats)
         bp = self.batch_probe
         if bp.dropped is not None:

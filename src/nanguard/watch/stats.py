@@ -137,9 +137,31 @@ class StepStats:
         until the values change again (decoding, `assume_overflow` and the overflow checks
         unseal)."""
         if self._signals is None:
-            self._derived = {}
+            # The three globals every quiet step asks for (the gate, the record: through
+            # `global_norms`), as `_sealed_global` computes them, here: no call each.
+            g, p = self.grad_norms, self.param_norms
+            gv, pv = g.values(), p.values()
+            m = None
+            for key in FIRST_MOMENT_KEYS:
+                if key in self.state_norms:
+                    mn = self.state_norms[key]
+                    mv = mn.values()
+                    m = math.sqrt(sum(map(operator.mul, mv, mv))) if mn else 0.0
+                    break
+            self._derived = {
+                "grad_norm": math.sqrt(sum(map(operator.mul, gv, gv))) if g else 0.0,
+                "param_norm": math.sqrt(sum(map(operator.mul, pv, pv))) if p else 0.0,
+                "momentum_norm": m}
             self._signals = self.nonfinite_signals()
         return self._signals
+
+    def global_norms(self) -> tuple[float, float, float | None]:
+        """(`grad_norm`, `param_norm`, `momentum_norm`) in one call: what the quiet gate and
+        the record both ask for (kept by `seal`)."""
+        if self._signals is not None:
+            d: Any = self._derived  # floats but for the momentum (None without)
+            return d["grad_norm"], d["param_norm"], d["momentum_norm"]
+        return self.grad_norm, self.param_norm, self.momentum_norm
 
     @staticmethod
     def _global(norms: dict[int, float]) -> float:
