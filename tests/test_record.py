@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -194,3 +195,33 @@ def test_context_manager_closes(tmp_path, quiet_config):
     assert _hook_counts(task.model, optimizer) == before
     assert g.report is not None and g.report.status == "healthy"
     assert json.loads((tmp_path / "report.json").read_text())["steps"] == 3
+
+
+def test_a_report_rebuilt_from_the_store_is_diagnosed(tmp_path: Path) -> None:
+    """The process died before its report (report.json removed here): the stored finding (a
+    NaN row of the batch, its phase and samples) is explained as at close, not left
+    `undetermined`."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = Guard(model, opt, out=tmp_path / "run")
+    for step in range(4):
+        x = torch.randn(8, 4)
+        if step == 2:
+            x[5, 1] = float("nan")
+        loss = model(x).pow(2).mean()
+        g.watch(loss=loss, batch=(x,))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    closed = g.close()
+    assert closed.diagnosis[0]["cause"] == "data_nonfinite"
+    (tmp_path / "run" / "report.json").unlink()
+    db = open_run(tmp_path / "run")
+    with db:  # the process that wrote it is gone (a pid that no process has)
+        db.execute("UPDATE meta SET value = ? WHERE key = 'process'",
+                   (json.dumps({"pid": 2**22 + 12345, "host": None}),))
+    db.close()
+    rebuilt = load_report(tmp_path / "run")
+    assert rebuilt.status == "failed" and rebuilt.first_nonfinite["samples"] == [5]
+    assert rebuilt.diagnosis[0]["cause"] == "data_nonfinite", rebuilt.diagnosis

@@ -260,13 +260,18 @@ def load_report(folder: str | os.PathLike[str]) -> Report:
                 "SELECT step, nonfinite FROM steps WHERE nonfinite != '[]' ORDER BY step LIMIT 1"
             ).fetchone()
             if row:
+                # The batch rows the step found non-finite (its fingerprints' record): the
+                # batch held the value, as the guard's own finding would have said.
+                bad = db.execute("SELECT nonfinite_samples FROM batches WHERE step = ?",
+                                 (row[0],)).fetchone()
+                samples = json.loads(bad[0]) if bad and bad[0] else []
                 first = {
                     "step": row[0],
-                    "phase": None,
+                    "phase": "data" if samples else None,
                     "module": None,
                     "op": None,
                     "source": None,
-                    "samples": [],
+                    "samples": samples,
                     "rank": 0,
                     "signals": json.loads(row[1]),
                 }
@@ -275,13 +280,32 @@ def load_report(folder: str | os.PathLike[str]) -> Report:
         db.close()
     run = {k: json.loads(v) for k, v in meta.items()}
     run["closed"] = False
+    if "script" in run:  # `nanguard run` records the script it ran: fixes in its terms
+        run.setdefault("entry", "run")
     # Not closed: still training (its process is alive on this host), or it died (SIGKILL,
     # out of memory) before it could write the report; what it recorded is all there is,
     # and it cannot be called healthy.
     ended = "running" if alive(run.get("process")) else "died"
     return build_report(steps=steps, alarms=alarms, actions=actions, first_nonfinite=first,
+                        diagnosis=_diagnose_stored(first, alarms, actions, run),
                         run=run, ended=ended,
                         degraded="internal_error" in run, spike_measures=measure_run(path))
+
+
+def _diagnose_stored(first: dict[str, Any] | None, alarms: list[dict[str, Any]],
+                     actions: list[dict[str, Any]], run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The causes the stored finding and alarms support (a run whose process died before its
+    report: no step history, no optimizer settings): a finding with its phase and samples, or
+    its op and inputs, is explained as at close; without such evidence `build_report` adds
+    the `undetermined` entry."""
+    from nanguard.explain import diagnose
+    from nanguard.explain.context import evidence_from_log
+
+    if first is None and not alarms:
+        return []
+    log = {"first_nonfinite": first, "alarms": alarms, "actions": actions,
+           "entry": run.get("entry"), "optimizer": {"name": run.get("optimizer")}}
+    return [c.to_dict() for c in diagnose(evidence_from_log(log))]
 
 
 def _parts_in_progress(path: Path) -> list[Path]:
