@@ -263,3 +263,31 @@ def test_step_and_close_listeners(tmp_path: Path) -> None:
     assert seen[-1].data["first_nonfinite"]["step"] == 15
     with pytest.raises(ValueError, match="unknown event type"):
         guard.add_listener(seen.append, only="closing")
+
+
+TQDM_SCRIPT = """\
+import torch
+from tqdm import tqdm
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for i in tqdm(range(30), desc="train", mininterval=0):
+    x = torch.randn(8, 4)
+    if i == 12:
+        x[2, 1] = float("nan")
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_a_live_line_is_not_glued_to_a_tqdm_bar(tmp_path: Path) -> None:
+    """The program's tqdm bar is lifted off the line while nanguard's line is written (it read
+    `train:  40%|####      | 12/30 [...]nanguard: step 12 ...`), then drawn again."""
+    (tmp_path / "bar.py").write_text(TQDM_SCRIPT)
+    text = "\n".join(_run(tmp_path, "-m", "nanguard", "run", "--out", "r", "--replay-budget", "0",
+                           "bar.py"))
+    at = text.index("nanguard: step 12 nonfinite")
+    assert text[at - 1] in "\r\n", repr(text[at - 80:at + 20])
+    assert "100%" in text[at:]  # the bar went on after the line

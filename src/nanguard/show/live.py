@@ -102,6 +102,29 @@ class _RootSilent(logging.Filter):
         return not logging.getLogger().handlers
 
 
+def _around_bars(emit: Any) -> Any:
+    """`emit`, run with the program's tqdm progress bars lifted off the terminal and drawn
+    again after the line (`tqdm.external_write_mode`): on a bar's line, a live line read
+    `train:  47%|####5     | 56/120 [...]nanguard: step 65 ...`. Only when the program
+    itself imported tqdm and a bar is open; nanguard never imports it."""
+
+    def emit_around_bars(record: logging.LogRecord) -> None:
+        tq = sys.modules.get("tqdm")
+        bars = getattr(getattr(tq, "tqdm", None), "_instances", None)
+        if bars:
+            try:
+                ctx = tq.tqdm.external_write_mode(file=sys.stderr)  # type: ignore[union-attr]
+            except Exception:  # noqa: BLE001 - an older tqdm: the line as it is
+                ctx = None
+            if ctx is not None:
+                with ctx:
+                    emit(record)
+                return
+        emit(record)
+
+    return emit_around_bars
+
+
 class _Stderr(logging.StreamHandler):
     """Plain lines to whatever `sys.stderr` is at the time (pytest and `nanguard run`
     replace it), flushed at once."""
@@ -142,6 +165,7 @@ def ensure_handler() -> None:
     if any(getattr(h, "_nanguard_own", False) for h in log.handlers) or log.handlers:
         return
     handler = _terminal_handler()
+    handler.emit = _around_bars(handler.emit)  # type: ignore[method-assign]
     handler._nanguard_own = True  # type: ignore[attr-defined]
     handler.addFilter(_RootSilent())
     log.addHandler(handler)
