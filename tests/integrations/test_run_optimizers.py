@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from _run import nanguard_run, report
 
 from nanguard.integrations.runner import RunOptions, run
@@ -37,7 +38,8 @@ for it in range(2):
 """
 
 
-def test_two_optimizers_first_failure_in_script_order(tmp_path: Path) -> None:
+def test_two_optimizers_first_failure_in_script_order(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A critic stepped 3 times per generator step: its step 0 (the script's first step) made
     the NaN, in the backward of a hand-written gradient penalty (sqrt at 0); the generator's
     own step 0 (the script's 4th) only met the critic's NaN weights. Each optimizer counts its
@@ -56,6 +58,9 @@ def test_two_optimizers_first_failure_in_script_order(tmp_path: Path) -> None:
     assert rep["diagnosis"][0]["cause"] == "singular_gradient"
     gen = report(out / "optimizer-1")["first_nonfinite"]
     assert (gen["step"], gen["global_step"]) == (0, 3)
+    # Once there are two guards, each one's live lines say which part they are about.
+    lines = [r.getMessage() for r in caplog.records if r.name == "nanguard"]
+    assert any(line.startswith("optimizer-1: step 0 nonfinite") for line in lines), lines
 
 
 NEW_OPTIMIZER_EACH_EPOCH = """

@@ -619,6 +619,10 @@ class Discovery:
             w.error = f"{type(exc).__name__}: {exc}"
         self.watched.append(w)
         self._by_opt[id(optimizer)] = w
+        if len(self.watched) > 1:  # several parts: each one's live lines say which
+            for part in self.watched:
+                if part.guard is not None:
+                    part.guard.events.label = part.name
         return w
 
     def _owners(self, optimizer: torch.optim.Optimizer) -> list[nn.Module]:

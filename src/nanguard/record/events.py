@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 log = logging.getLogger("nanguard")
@@ -59,6 +59,9 @@ class Event:
     finding not about to be printed in a closing summary anyway."""
     data: dict[str, Any] = field(default_factory=dict)
     """The full record: the alarm, action or finding as report.json holds it."""
+    part: str | None = None
+    """The part of the run it belongs to (`optimizer-1`) when a script trains with several
+    optimizers (`Events.label`); None otherwise."""
 
     @property
     def level(self) -> int:
@@ -159,6 +162,10 @@ class Events:
     `run.listener_errors`)."""
     summary_follows: bool
     """A closing summary prints the finding: its closing event is then not `notable`."""
+    label: str | None
+    """This guard's part of a run with several optimizers (`optimizer-1`: set by `nanguard
+    run` and the Lightning callback once there are two), carried by every event it emits:
+    two guards' lines about one step read apart."""
 
     def __init__(self, quiet_steps: int = 20) -> None:
         self.episodes = Episodes(quiet_steps)
@@ -167,6 +174,7 @@ class Events:
         self.close_listeners = []
         self.errors = []
         self.summary_follows = False
+        self.label = None
 
     def add(self, listener: Listener, *, steps: bool = False, close: bool = False) -> None:
         """Subscribe `listener(event)` to every later event but `step` and `close` ones
@@ -272,6 +280,8 @@ class Events:
         self._emit(event, self.listeners)
 
     def _emit(self, event: Event, listeners: list[Listener]) -> None:
+        if self.label is not None and event.part is None:
+            event = replace(event, part=self.label)
         for listener in list(listeners):
             try:
                 listener(event)

@@ -77,7 +77,9 @@ def log_event(event: Event) -> None:
     level = event.level if event.notable else logging.DEBUG
     if log.isEnabledFor(level):
         rank = _rank()
-        log.log(level, "%s%s", f"rank {rank}: " if rank is not None else "",
+        where = ", ".join(w for w in (f"rank {rank}" if rank is not None else "", event.part or "")
+                          if w)
+        log.log(level, "%s%s", f"{where}: " if where else "",
                 format_event(event), extra={"nanguard_event": event})
 
 
