@@ -149,3 +149,21 @@ def test_dict_samples_name_columns():
     report = scan_dataset(DictDataset())
     assert [c.name for c in report.tables[0].columns] == ["image[0]", "image[1]", "label"]
     assert report.ok
+
+
+def test_a_numeric_csv_column_with_stray_text_is_named(tmp_path, cli):
+    """A spreadsheet export: one `#VALUE!` in a column of numbers. It used to be listed as
+    "non-numeric, not scanned" (info); it is an error naming the row and the text. A real
+    text column stays an info line."""
+    rng = np.random.default_rng(0)
+    lines = ["x,ratio,city"] + [f"{a:.4f},{b:.4f},paris" for a, b in rng.random((300, 2))]
+    lines[1 + 56] = "0.5,#VALUE!,lyon"
+    (tmp_path / "sheet.csv").write_text("\n".join(lines) + "\n")
+    found = _codes(scan_file(tmp_path / "sheet.csv"))
+    stray = found["non_numeric_values"][0]
+    assert stray.severity == "error" and stray.details == {"numeric": 299,
+                                                           "text": [[56, "#VALUE!"]]}
+    assert "city" in found["skipped_columns"][0].message
+    assert "ratio" not in found["skipped_columns"][0].message
+    code, out, _ = cli("scan", tmp_path / "sheet.csv")
+    assert code == 1 and "'#VALUE!'" in out and "row 56" in out

@@ -322,14 +322,30 @@ def scan_tables(source: str, tables: list[Table], config: ScanConfig | None = No
             raise AuditInputError(f"{table.name}: no data rows to scan")
         table_report, findings = scanner.report()
         report.tables.append(table_report)
-        if table.skipped:
+        for name, (ok, bad) in table.mixed.items():
+            rows = ", ".join(f"row {r}: {v!r}" for r, v in bad)
+            report.findings.append(
+                Finding(
+                    code="non_numeric_values",
+                    severity="error",
+                    location=f"column '{name}'",
+                    message=f"column '{name}' holds numbers ({ok} in the first rows) and text "
+                    f"({rows}{', ...' if len(bad) == 5 else ''}): it could not be scanned as "
+                    "numbers; `float()` stops on that text, `pd.to_numeric(errors='coerce')` "
+                    "turns it into NaN",
+                    fix="fix or drop these rows at load time",
+                    details={"numeric": ok, "text": [list(b) for b in bad]},
+                )
+            )
+        text = [c for c in table.skipped if c not in table.mixed]
+        if text:
             report.findings.append(
                 Finding(
                     code="skipped_columns",
                     severity="info",
                     location=table.name,
-                    message=f"{len(table.skipped)} non-numeric column(s) not scanned: "
-                    f"{', '.join(table.skipped[:5])}{'...' if len(table.skipped) > 5 else ''}",
+                    message=f"{len(text)} non-numeric column(s) not scanned: "
+                    f"{', '.join(text[:5])}{'...' if len(text) > 5 else ''}",
                 )
             )
         report.findings.extend(findings)

@@ -48,6 +48,10 @@ class Table:
     chunks: Callable[[], Iterator[Chunk]]
     rows: int | None = None  # known up front for binary formats; None for CSV
     skipped: list[str] = field(default_factory=list)  # non-numeric columns
+    mixed: dict[str, tuple[int, list[tuple[int, str]]]] = field(default_factory=dict)
+    """Text columns of a CSV whose first rows are numbers but for a few values (a stray
+    string in a numeric column): name -> (values that parse as numbers, the first few that do
+    not as (data row, text))."""
     position: Callable[[], float] = lambda: 0.0  # progress, in units of `total`
     total: float | None = None
 
@@ -175,6 +179,10 @@ def read_csv(path: str, delimiter: str = ",") -> list[Table]:
             convert_options=pcsv.ConvertOptions(**null_opts),
         ) as probe:
             schema = probe.schema
+            text = [f.name for f in schema if pa.types.is_string(f.type)]
+            first = probe.read_next_batch() if text else None
+    except StopIteration:
+        first = None
     except (pa.ArrowException, UnicodeDecodeError, OSError) as exc:
         raise AuditInputError(f"{path}: cannot parse as CSV ({one_line(exc)})") from None
     binary = [f.name for f in schema if pa.types.is_binary(f.type)]
@@ -184,6 +192,7 @@ def read_csv(path: str, delimiter: str = ",") -> list[Table]:
     # "1.5" after a block of integers does not break the stream.
     numeric = [f.name for f in schema if _is_numeric(pa, f.type)]
     skipped = [f.name for f in schema if f.name not in numeric]
+    mixed = _mostly_numbers(first) if first is not None else {}
     types = {name: pa.float64() for name in numeric}
     convert = pcsv.ConvertOptions(column_types=types, include_columns=numeric, **null_opts)
     size = os.path.getsize(path)
@@ -217,10 +226,38 @@ def read_csv(path: str, delimiter: str = ",") -> list[Table]:
             columns=numeric,
             chunks=chunks,
             skipped=skipped,
+            mixed=mixed,
             position=lambda: state["pos"],
             total=float(size),
         )
     ]
+
+
+MOSTLY = 0.9
+"""Share of a text column's non-empty first-block values that must parse as numbers for it
+to be a numeric column with stray text in it."""
+
+
+def _mostly_numbers(batch: Any) -> dict[str, tuple[int, list[tuple[int, str]]]]:
+    """The text columns of `batch` (a CSV's first block) whose non-empty values are numbers
+    but for at most 1 - `MOSTLY` of them: name -> (numbers, the first 5 others)."""
+    pa = require("pyarrow", "data")
+    out: dict[str, tuple[int, list[tuple[int, str]]]] = {}
+    for name, col in zip(batch.schema.names, batch.columns, strict=True):
+        if not pa.types.is_string(col.type):
+            continue
+        ok, bad = 0, []
+        for row, v in enumerate(col.to_pylist()):
+            if v is None or not v.strip():
+                continue
+            try:
+                float(v)
+                ok += 1
+            except ValueError:
+                bad.append((row, v))
+        if bad and ok >= MOSTLY * (ok + len(bad)):
+            out[name] = (ok, bad[:5])
+    return out
 
 
 def read_parquet(path: str) -> list[Table]:
