@@ -223,6 +223,20 @@ class Guard(StepPath):
         except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
             self.stand_down(exc, "watch")
 
+    def take_baselines(self, other: Guard) -> None:
+        """Start this guard's detectors from `other`'s baselines (each series detector's
+        window of healthy values and typical level), when this guard's optimizer replaces
+        `other`'s over the same parameters: a script that builds a new optimizer every epoch
+        keeps its spike and divergence statistics instead of a fresh warm-up each time.
+        Episodes, cooldowns and runs of growth start afresh. Call it before this guard's
+        first step; detectors of other classes or orders are left alone."""
+        if self.step or len(other.detectors) != len(self.detectors):
+            return
+        for mine, theirs in zip(self.detectors, other.detectors, strict=True):
+            take = getattr(mine, "take_baselines", None)  # the series detectors'
+            if take is not None and type(mine) is type(theirs):
+                take(theirs)
+
     def note_clip_norm(self, total_norm: torch.Tensor | float) -> None:
         """Give the guard the total gradient norm your own clipping measured before it clipped
         (what `torch.nn.utils.clip_grad_norm_` returns), for the step in progress: call it

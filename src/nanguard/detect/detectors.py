@@ -218,6 +218,16 @@ class _SeriesDetector(Detector):
         # first 20 steps has already left its normal scale by then.
         self.peak: dict[str, float] = {}
 
+    def take_baselines(self, other: _SeriesDetector) -> None:
+        """Start from `other`'s windows of healthy values and typical levels (a detector of the
+        same class watching the same parameters under another optimizer): its medians and
+        warm-up carry over; cooldowns and runs in progress do not (they count steps)."""
+        assert type(other) is type(self)
+        for k, w in other.history.items():
+            if k in self.history:
+                self.history[k] = Window(list(w), maxlen=self.config.window)
+        self.peak = dict(other.peak)
+
     def _note_level(self, signal: str, med: float) -> None:
         """Note `med`, the recent median of `signal` in linear units, as a typical level."""
         if len(self.history[signal]) >= _LEVEL_MIN_STEPS:

@@ -3,10 +3,11 @@
 Some scripts build a new optimizer every epoch (`opt = Adam(model.parameters(), lr=lr * 0.8 **
 epoch)`) or at each stage of a schedule. `nanguard run` gives every optimizer its own guard
 (its hooks, detectors and record live with it), so such a script ends with one part per
-optimizer: twelve tables of eight steps, a headline that counts one part's steps, and
-detectors that each began afresh (the spike detector has no statistics before
-`DetectConfig.warmup_steps` steps of history). `chains` finds these runs of parts so that the
-record says so plainly, counts their steps together and shows the last part's table only.
+optimizer: twelve tables of eight steps and a headline that counts one part's steps.
+`chains` finds these runs of parts so that the record says so plainly, counts their steps
+together and shows the last part's table only. (Each new part's detectors start from the
+baselines of the part it replaces, `Guard.take_baselines`: without them the spike detector
+would judge every epoch from a fresh warm-up.)
 """
 
 from __future__ import annotations
@@ -44,14 +45,12 @@ def chains(watched: list[Watched]) -> list[list[Watched]]:
     return out
 
 
-def chain_note(chain: list[Watched], warmup: int) -> str:
+def chain_note(chain: list[Watched]) -> str:
     """The one line the summary prints for a chain (and `run.notes` keeps)."""
     steps = [len(w.starts) for w in chain]
-    short = sum(1 for n in steps if n < warmup)
-    fresh = (f"; {short} of them stepped fewer than the {warmup} steps the spike detector "
-             "needs before it judges a jump" if short else "")
     return (f"{chain[0].name} .. {chain[-1].name}: {len(chain)} optimizers over the same "
             f"parameters, one after the other ({sum(steps)} steps in all, "
-            f"~{round(sum(steps) / len(chain))} each): each part began with fresh detectors"
-            f"{fresh}. To watch it as one run, build the optimizer once and change its LR in "
-            "place (`for g in opt.param_groups: g['lr'] = lr`) or use an LR scheduler")
+            f"~{round(sum(steps) / len(chain))} each): one training, recorded in parts; each "
+            "part's detectors started from the baselines of the one before (episodes and "
+            "cooldowns afresh). To keep one record, build the optimizer once and change its "
+            "LR in place (`for g in opt.param_groups: g['lr'] = lr`) or use an LR scheduler")

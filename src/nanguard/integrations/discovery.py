@@ -617,6 +617,11 @@ class Discovery:
                                      cwd=os.getcwd(), optimizers=index + 1)
         except Exception as exc:  # noqa: BLE001 - the script must run on regardless
             w.error = f"{type(exc).__name__}: {exc}"
+        before = _replaced(self.watched, optimizer)
+        if before is not None and w.guard is not None and before.guard is not None:
+            # A new optimizer over the parameters of an earlier one (one every epoch): the
+            # same training goes on, and its detectors keep their baselines.
+            w.guard.take_baselines(before.guard)
         self.watched.append(w)
         self._by_opt[id(optimizer)] = w
         if len(self.watched) > 1:  # several parts: each one's live lines say which
@@ -693,3 +698,11 @@ def _run_closure_first(
     return args, {**kwargs, "closure": replayed}
 
 
+def _replaced(watched: list[Watched], optimizer: torch.optim.Optimizer) -> Watched | None:
+    """The latest part whose optimizer holds exactly `optimizer`'s parameters (the one it
+    replaces, as `integrations.chains` counts them), or None."""
+    mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for w in reversed(watched):
+        if mine and {id(p) for g in w.optimizer.param_groups for p in g["params"]} == mine:
+            return w
+    return None

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nanguard.config import GuardConfig
 from nanguard.integrations.chains import chain_note, chains
 from nanguard.integrations.discovery import Discovery
 from nanguard.integrations.merge import finding_key, merge_reports
@@ -258,9 +257,7 @@ def _note_chains(report: Report, watched: list[Watched]) -> None:
     if not found:
         return
     for chain in found:
-        guard = chain[0].guard
-        warmup = (guard.config if guard is not None else GuardConfig()).detect.warmup_steps
-        note = chain_note(chain, warmup)
+        note = chain_note(chain)
         last = chain[-1]
         last.note = f"{last.note}; {note}" if last.note else note
         report.steps = max(report.steps, sum(len(w.starts) for w in chain))
