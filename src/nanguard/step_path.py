@@ -83,11 +83,11 @@ class StepPath:
     _stashed_grads: list[torch.Tensor | None] | None
     _step_rng: dict[str, Any]
     _loss: torch.Tensor | None
-    _clip_norm: torch.Tensor | None = None
+    _clip_norm: torch.Tensor | None
     """The script's clip norm for the coming step (`Guard.note_clip_norm`)."""
-    _clips: dict[int, torch.Tensor] = {}
+    _clips: dict[int, torch.Tensor]
     """Clip norms by the step they were given for, until that step is recorded (read a step
-    late on a GPU); replaced by an instance dict at the first one."""
+    late on a GPU)."""
     _last_stats: StepStats | None
     _grad_baseline: GradBaseline
     _losses: LossWatch
@@ -250,8 +250,6 @@ class StepPath:
     def _pre(self, optimizer: torch.optim.Optimizer) -> None:
         cfg = self.config
         if self._clip_norm is not None:  # the script's own clipping measured it
-            if not self._clips:
-                self._clips = {}
             self._clips[self.step], self._clip_norm = self._clip_norm, None
         if self._sync_params():
             self._write_params()

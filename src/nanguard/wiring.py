@@ -107,6 +107,7 @@ def step_state(guard: StepPath) -> None:
     guard._last_stats = None
     guard._grad_baseline = GradBaseline()  # per-parameter EMA of healthy grad norms
     guard._loss = None
+    guard._clip_norm, guard._clips = None, {}  # the script's own clip norms (note_clip_norm)
     guard._pending = []
     guard._current = None
     guard._stashed_grads = None

@@ -16,12 +16,24 @@ from typing import Any
 
 from nanguard.integrations.watched import Watched
 
-__all__ = ["chain_note", "chains"]
+__all__ = ["chain_note", "chains", "replaced"]
+
+
+def _ids(optimizer: Any) -> frozenset[int]:
+    """The parameters an optimizer holds, by identity."""
+    groups: Any = getattr(optimizer, "param_groups", None) or []
+    return frozenset(id(p) for g in groups for p in g.get("params", []))
 
 
 def _params(w: Watched) -> frozenset[int]:
-    groups: Any = getattr(w.optimizer, "param_groups", None) or []
-    return frozenset(id(p) for g in groups for p in g.get("params", []))
+    return _ids(w.optimizer)
+
+
+def replaced(watched: list[Watched], optimizer: Any) -> Watched | None:
+    """The latest part whose optimizer holds exactly `optimizer`'s parameters (the one it
+    replaces, in a chain), or None."""
+    mine = _ids(optimizer)
+    return next((w for w in reversed(watched) if mine and _params(w) == mine), None)
 
 
 def chains(watched: list[Watched]) -> list[list[Watched]]:

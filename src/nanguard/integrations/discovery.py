@@ -68,6 +68,7 @@ from nanguard.errors import NanguardError
 from nanguard.guard import Guard
 from nanguard.integrations import held
 from nanguard.integrations.amp_scalers import ScalerTracker, served
+from nanguard.integrations.chains import replaced
 from nanguard.integrations.manual import ManualBoundaries, ManualStep, forked, replaying
 from nanguard.integrations.resume import ResumePoints
 from nanguard.integrations.script_flags import clip_from_argv
@@ -617,7 +618,7 @@ class Discovery:
                                      cwd=os.getcwd(), optimizers=index + 1)
         except Exception as exc:  # noqa: BLE001 - the script must run on regardless
             w.error = f"{type(exc).__name__}: {exc}"
-        before = _replaced(self.watched, optimizer)
+        before = replaced(self.watched, optimizer)
         if before is not None and w.guard is not None and before.guard is not None:
             # A new optimizer over the parameters of an earlier one (one every epoch): the
             # same training goes on, and its detectors keep their baselines.
@@ -697,12 +698,3 @@ def _run_closure_first(
         return (args[0], replayed, *args[2:]), kwargs
     return args, {**kwargs, "closure": replayed}
 
-
-def _replaced(watched: list[Watched], optimizer: torch.optim.Optimizer) -> Watched | None:
-    """The latest part whose optimizer holds exactly `optimizer`'s parameters (the one it
-    replaces, as `integrations.chains` counts them), or None."""
-    mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    for w in reversed(watched):
-        if mine and {id(p) for g in w.optimizer.param_groups for p in g["params"]} == mine:
-            return w
-    return None
