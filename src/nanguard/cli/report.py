@@ -33,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--html", nargs="?", const="", default=None, metavar="FILE",
                    help="also write a self-contained HTML report (opens offline) to FILE; "
                    "default RUN/report.html (needs FILE for several runs)")
+    p.add_argument("--full", action="store_true",
+                   help="every cause with its evidence, the alarms and actions as tables and "
+                   "the last steps as numbers (default: the summary that fits a screen)")
     p.add_argument("--schema", action="store_true",
                    help="print the JSON Schema of report.json (draft 2020-12) and exit")
     p.set_defaults(func=run)
@@ -90,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         console = Console()
         for folder_arg, report in zip(runs, reports, strict=True):
-            _print_one(console, folder_arg, report)
+            _print_one(console, folder_arg, report, full=bool(getattr(args, "full", False)))
     if html_out is not None:
         from nanguard.show.html import write_html
 
@@ -104,13 +107,12 @@ def run(args: argparse.Namespace) -> int:
                     for r in reports) else 1
 
 
-def _print_one(console: Console, folder_arg: str, report: Any) -> None:
-    """The terminal summary of one run and its last steps."""
-    from nanguard.show.summary import print_last_steps, print_summary  # imports torch
+def _print_one(console: Console, folder_arg: str, report: Any, *, full: bool) -> None:
+    """The terminal summary of one run, with its last steps (read from its run.db)."""
+    from nanguard.show.summary import print_summary  # imports torch
 
     first = report.first_nonfinite
     until = first["step"] + 1 if first else None
     folder = _history_folder(folder_arg, report.run, first)
-    print_summary(report, console=console)
-    if folder is not None:
-        print_last_steps(console, _last_steps(folder, until))
+    rows = _last_steps(folder, until) if folder is not None else []
+    print_summary(report, console=console, rows=rows, full=full)

@@ -1,40 +1,49 @@
-"""The terminal summary printed when a guarded run ends (and by `nanguard report`)."""
+"""The terminal summary printed when a guarded run ends (and by `nanguard report`).
+
+By default it fits a screen (`BUDGET` lines at the console's width): the status, the first
+non-finite value (step, phase, op, the user's line), the lead time of the first warning, the
+cause with its fix, one line each for the other causes, spikes, alarms and actions, the steps
+as sparklines, and the commands to run next. What does not fit is cut and says so, with the
+count; `full=True` (`nanguard report RUN --full`) prints every cause, the alarms and actions
+as tables and the last steps as numbers. Printed once, after the run; never while training.
+"""
 
 from __future__ import annotations
 
-import math
+import shlex
+import textwrap
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
+from rich.text import Text
 
 from nanguard.record.report import Report
+from nanguard.show.spike_lines import heal_line, report_spike_line, spike_line
+from nanguard.show.tables import (
+    LAST,
+    SERIES,
+    print_alarms,
+    print_last_steps,
+    series_lines,
+    sparkline,
+    step_row,
+    steps_title,
+)
 from nanguard.watch.stats import StepStats
+
+__all__ = ["BUDGET", "SERIES", "heal_line", "headline", "print_last_steps", "print_summary",
+           "report_spike_line", "sparkline", "spike_line", "step_row"]
+
+BUDGET = 25
+"""Lines the default summary may take at the console's width."""
+SAMPLES = 8
+"""Sample indices shown of the first non-finite value (the rest are in report.json)."""
 
 _STATUS_STYLE = {"healthy": "green", "warned": "yellow", "failed": "red", "recovered": "cyan",
                  "crashed": "red", "degraded": "magenta", "unwatched": "magenta",
                  "interrupted": "yellow", "died": "red", "running": "blue"}
-_SPARK = "▁▂▃▄▅▆▇█"
-
-
-def sparkline(values: Sequence[float | None]) -> str:
-    """Log-scaled sparkline; non-finite points show as '!' so they are never dropped."""
-    logs = [math.log10(v) if v is not None and math.isfinite(v) and v > 0 else None for v in values]
-    finite = [x for x in logs if x is not None]
-    lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
-    out = []
-    for v, x in zip(values, logs, strict=True):
-        if v is None:
-            out.append(" ")
-        elif not math.isfinite(v):
-            out.append("!")
-        elif x is None:
-            out.append(_SPARK[0])
-        else:
-            out.append(_SPARK[int((x - lo) / (hi - lo + 1e-12) * (len(_SPARK) - 1))])
-    return "".join(out)
-
 
 _STEPPED_OVER = {
     "GradScaler": "the GradScaler skipped that step: no update used it",
@@ -66,208 +75,257 @@ def print_summary(
     console: Console | None = None,
     *,
     parts_history: Mapping[str, Sequence[StepStats]] | None = None,
+    rows: Sequence[dict[str, Any]] | None = None,
+    full: bool = False,
 ) -> None:
-    """Print status, the first non-finite value (with its source line), alarms, actions and
-    the last steps.
+    """Print the summary of a run that has ended (or is still running, for `nanguard report`).
 
     Args:
         report: the report (a merged one for several optimizers or ranks).
         history: the steps of the part that failed (or of the only part).
         console: where to print; stderr by default.
-        parts_history: for a merged report, each part's last steps by part label: one table
+        parts_history: for a merged report, each part's last steps by part label: one block
             per part instead of `history`.
+        rows: the steps as `step_row` dicts, when read from a run folder instead of `history`.
+        full: every cause, the alarms and actions as tables, the last steps as numbers.
     """
     console = console or Console(stderr=True)
-    style = _STATUS_STYLE.get(report.status, "white")
-    folder = report.run.get("folder")
+    parts = {label: [step_row(s) for s in steps]
+             for label, steps in (parts_history or {}).items() if steps}
+    own = list(rows) if rows is not None else [step_row(s) for s in history]
+    if full:
+        _print_full(console, report, parts, own)
+        return
+    for line in compact_lines(report, parts, own, max(40, console.width)):
+        console.print(line, soft_wrap=True)
+
+
+def _status_line(report: Report, width: int | None = None) -> Text:
+    """`nanguard: failed after 12 steps — record in DIR`; where that is wider than `width`,
+    the record's folder goes on a line of its own."""
     status, _, rest = headline(report).partition(report.status)
-    console.print(
-        f"[bold]nanguard[/]: {status}[{style}]{report.status}[/]{rest}"
-        + (f" — record in {folder}" if folder else "")
-    )
-    first = report.first_nonfinite
-    if first:
-        where = ", ".join(
-            f"{k} {first[k]}" for k in ("phase", "module", "op") if first.get(k) not in (None, "")
-        )
-        samples = first.get("samples") or []
-        part = f" in {first['part']}" if first.get("part") else ""
-        console.print(
-            f"  [red]first non-finite[/] at step {first['step']}{part}"
-            + (f" ({where})" if where else "")
-            + (f", samples {samples[:8]}" if samples else "")
+    folder = report.run.get("folder")
+    text = Text("nanguard", style="bold")
+    text.append(f": {status}")
+    text.append(report.status, style=_STATUS_STYLE.get(report.status, "white"))
+    text.append(rest)
+    if folder:
+        where = f" — record in {folder}"
+        fits = width is None or len(text) + len(where) <= width
+        text.append(where if fits else f"\n  record in {folder}")
+    return text
+
+
+def _first_text(first: dict[str, Any]) -> str:
+    where = ", ".join(
+        f"{k} {first[k]}" for k in ("phase", "module", "op") if first.get(k) not in (None, ""))
+    part = f" in {first['part']}" if first.get("part") else ""
+    samples = [str(s) for s in first.get("samples") or []]
+    cut = f" ({SAMPLES} of {len(samples)})" if len(samples) > SAMPLES else ""
+    return (f"first non-finite at step {first['step']}{part}" + (f" ({where})" if where else "")
             + f"; in: {', '.join(first.get('signals') or []) or '?'}"
-        )
+            + (f"; samples {', '.join(samples[:SAMPLES])}{cut}" if samples else ""))
+
+
+def _lead_text(report: Report) -> str:
+    if report.first_warning is None:
+        return "no warning came before it: the first alarm was the non-finite value itself"
+    return (f"first warning at step {report.first_warning}: {report.lead_steps} steps before "
+            "the first non-finite value")
+
+
+def _count_text(items: Sequence[dict[str, Any]], noun: str, key: str) -> str:
+    steps = sorted({int(a["step"]) for a in items})
+    span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}"
+    kinds = Counter(str(a[key]) for a in items)
+    return (f"{noun}: {len(items)} at {span} ("
+            + ", ".join(f"{k} {n}" for k, n in kinds.most_common()) + ")")
+
+
+class _Block:
+    """Lines of the compact summary that belong together; `wrap` lays a text out at the
+    console's width with a hanging indent, cutting it at `cap` lines with an ellipsis."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.lines: list[Text] = []
+
+    def wrap(self, text: str, indent: int = 2, *, label: str = "", style: str = "",
+             cap: int | None = None, hang: int = 2) -> bool:
+        """Add `text`; returns False when it was cut at `cap` lines."""
+        lines = textwrap.wrap(text, self.width, initial_indent=" " * indent,
+                              subsequent_indent=" " * (indent + hang), break_on_hyphens=False)
+        lines = lines or [" " * indent]
+        whole = cap is None or len(lines) <= cap
+        if not whole:
+            assert cap is not None
+            lines = lines[:cap]
+            lines[-1] = lines[-1][: self.width - 1].rstrip() + "…"
+        for i, line in enumerate(lines):
+            t = Text(line)
+            if i == 0 and label and style:
+                t.stylize(style, indent, indent + len(label))
+            self.lines.append(t)
+        return whole
+
+
+def compact_lines(report: Report, parts: Mapping[str, Sequence[dict[str, Any]]],
+                  rows: Sequence[dict[str, Any]], width: int) -> list[Text]:
+    """The default summary, at most `BUDGET` lines at `width` columns (more only when the
+    essentials alone take more: the cause's fix is never cut below what fits)."""
+    first = report.first_nonfinite
+    folder = report.run.get("folder")
+    run = shlex.quote(str(folder)) if folder else None
+    finding = _Block(width)
+    if first:
+        finding.wrap(_first_text(first), label="first non-finite", style="red", cap=3)
         if first.get("source"):
-            console.print(f"    at {first['source']}")
+            finding.wrap(f"at {first['source']}", 4, cap=2)
         if first.get("skipped_by") in _STEPPED_OVER:
-            console.print(f"    {_STEPPED_OVER[first['skipped_by']]}")
-    if report.first_warning is not None and first:
-        console.print(
-            f"  first warning at step {report.first_warning}: "
-            f"[bold]{report.lead_steps}[/] steps before the first non-finite value"
-        )
-    for rank, cause in enumerate(report.diagnosis[:3], 1):
-        console.print(f"  cause {rank}: [bold]{cause['cause']}[/] ({cause['confidence']:.0%})")
-        console.print(f"    why: {cause['evidence']}")
-        console.print(f"    fix: {cause['fix']}")
+            finding.wrap(_STEPPED_OVER[first["skipped_by"]], 4, cap=2)
+        finding.wrap(_lead_text(report), cap=2)
+    cause = report.diagnosis[0] if report.diagnosis else None
+    named, why, fix = _Block(width), _Block(width), _Block(width)
+    if cause:
+        label = f"cause: {cause['cause']}"
+        named.wrap(f"{label} ({cause['confidence']:.0%})", label=label, style="bold", cap=2)
+        fix.wrap(f"fix: {cause['fix']}", 4, cap=8, hang=5)
+    nxt = _next_block(report, run, width)
+    head = _status_line(report, width)
+    budget = BUDGET - len(head.split()) - sum(len(b.lines) for b in (finding, named, fix, nxt))
+    # What else is shown, most telling first, while lines are left.
+    if cause:
+        why.wrap(f"why: {cause['evidence']}", 4, cap=max(1, min(4, budget)), hang=5)
+        budget -= len(why.lines)
+    extra: list[Text] = []
+    for text in _extra_texts(report, run):
+        block = _Block(width)
+        block.wrap(text, cap=2)
+        if len(block.lines) <= budget:
+            extra += block.lines
+            budget -= len(block.lines)
+    steps = _steps_block(report, parts, rows, width, budget)
+    return [head, *finding.lines, *named.lines, *why.lines, *fix.lines, *extra,
+            *steps.lines, *nxt.lines]
+
+
+def _extra_texts(report: Report, run: str | None) -> list[str]:
+    """The optional one-liners (each wrapped to at most two lines), in the order shown."""
+    out: list[str] = []
+    others = report.diagnosis[1:]
+    if others:
+        where = " (each with its why and fix: --full)" if run else ""
+        out.append("also possible: " + ", ".join(
+            f"{c['cause']} ({c['confidence']:.0%})" for c in others) + where)
     line = report_spike_line(report)
     if line:
-        console.print(f"  {line}")
+        out.append(line)
     heal = heal_line(report)
     if heal:
-        console.print(f"  {heal}")
+        out.append(heal)
+    if report.actions:
+        out.append(_count_text(report.actions, "actions", "action"))
     if report.alarms:
-        table = Table(title="alarms", title_justify="left", show_edge=False)
-        for col in ("step", "kind", "signal", "message"):
-            table.add_column(col)
-        alarms = report.alarms
-        if first and report.first_warning is not None:
-            # A failed run: the alarms that led into the failure matter most.
-            alarms = [a for a in alarms if report.first_warning <= a["step"] <= first["step"]]
-        shown = alarms[:12]
-        for a in shown:
-            table.add_row(str(a["step"]), a["kind"], a["signal"], a["message"])
-        console.print(table)
-        if len(report.alarms) > len(shown):
-            console.print(f"  ... {len(report.alarms) - len(shown)} more in report.json")
-    for act in report.actions[:8]:
-        part = f" ({act['part']})" if act.get("part") else ""
-        console.print(f"  action at step {act['step']}{part}: {act['action']} — "
-                      f"{act['detail']}")
-    if parts_history:
-        info = report.run.get("parts") or {}
-        for label, steps in parts_history.items():
-            if not steps:
-                continue
-            what = info.get(label, {})
-            desc = ", ".join(str(what[k]) for k in ("model", "optimizer") if what.get(k))
-            console.print(f"  {label}" + (f" ({desc})" if desc else "") + ":")
-            print_last_steps(console, [step_row(s) for s in steps])
-    elif history:
-        print_last_steps(console, [step_row(s) for s in history])
+        text = _count_text(report.alarms, "alarms", "kind")
+        if not report.first_nonfinite:  # no finding above: the first alarm says what it was
+            a = report.alarms[0]
+            text += f"; first: step {a['step']} {a['signal']}: {a['message']}"
+        out.append(text)
+    return out
 
 
-def report_spike_line(report: Report) -> str | None:
-    """The report's spike line (`spike_line`), or None for a failed run whose only episode is
-    its end: from the first non-finite value on every step is "in spike" by the measure's
-    definition (a non-finite value counts as one), which says nothing the failure does not. A
-    failed run with an earlier episode (it spiked before it broke) keeps the line."""
-    m = report.spike_measures
-    if report.status == "failed" and report.first_nonfinite is not None and m:
-        episodes = m.get("episodes") or []
-        if int(m.get("episodes_total") or 0) <= 1 and all(e.get("open") for e in episodes):
-            return None
-    return spike_line(m)
+def _steps_block(report: Report, parts: Mapping[str, Sequence[dict[str, Any]]],
+                 rows: Sequence[dict[str, Any]], width: int, budget: int) -> _Block:
+    """Sparklines of the last steps (each part's, the failing part first, when there are
+    several), as many series as the lines left allow; nothing when not even one fits."""
+    block = _Block(width)
+    shown = {"": list(rows)[-LAST:]} if rows and not parts else {
+        label: list(r)[-LAST:] for label, r in parts.items()}
+    if not shown:
+        return block
+    first = report.first_nonfinite or {}
+    failing = first.get("part")
+    order = sorted(shown, key=lambda label: label != failing)
+    # Each part's history stops at its own first non-finite value; only the failing part's
+    # title can say where.
+    title_step = {label: first.get("step") if label in ("", failing) or not failing else None
+                  for label in order}
+    tries = [(order, SERIES), (order, SERIES[:2]), (order[:2], SERIES[:2]),
+             (order[:1], SERIES[:2]), (order[:1], SERIES[:1])]
+    for labels, keys in tries:
+        lines: list[Text] = []
+        for label in labels:
+            sub = _Block(width)
+            title = steps_title(shown[label], title_step[label])
+            sub.wrap((f"{_part_name(report, label)}: " if label else "")
+                     + f"{title}; log scale, ! = non-finite:", cap=2)
+            lines += sub.lines + [Text(s) for s in series_lines(shown[label], keys)]
+        if len(lines) <= budget:
+            block.lines = lines
+            return block
+    return block
 
 
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.2g}%" if 0 < x < 0.01 else f"{100 * x:.1f}%"
+def _part_name(report: Report, label: str) -> str:
+    """`optimizer-1 (Generator, Adam)`: a part of a merged run with its model and optimizer."""
+    what = (report.run.get("parts") or {}).get(label, {})
+    desc = ", ".join(str(what[k]) for k in ("model", "optimizer") if what.get(k))
+    return label + (f" ({desc})" if desc else "")
 
 
-def spike_line(m: dict[str, Any] | None) -> str | None:
-    """One line of spike measures (`report.spike_measures`): `spikes: 3 episodes (1 open),
-    1.2% of steps in spike; spike score loss 0.4%, grad norm 0.9%`; None without measures."""
-    if not m or "score" not in m:
-        return None
-    n = int(m.get("episodes_total") or 0)
-    opened = sum(bool(e.get("open")) for e in m.get("episodes") or [])
-    scored = m.get("steps_scored") or {}
-    # A score over a handful of steps says little: the count shows how many it rests on.
-    score = ", ".join(f"{k.replace('_', ' ')} {_pct(v)}"
-                      + (f" of {scored[k]} steps" if isinstance(scored.get(k), int)
-                         and scored[k] < 100 else "")
-                      for k, v in m["score"].items() if v is not None)
-    first = (m.get("episodes") or [{}])[0]
-    lead = ""
-    if first.get("before"):
-        sig, b = max(first["before"].items(), key=lambda kv: _rank(kv[1].get("ratio")))
-        lead = (f"; before the first: {sig.replace('_', ' ')} {_ratio(b.get('ratio'))} its "
-                f"baseline {b.get('steps_before')} step(s) ahead")
-    return (f"spikes: {n} episode{'' if n == 1 else 's'}" + (f" ({opened} open)" if opened
-                                                               else "")
-            + f", {_pct(m.get('time_in_spike'))} of steps in spike"
-            + (f"; spike score {score}" if score else "")
-            + ("" if m.get("complete", True) else " (not every step: see report.json)")
-            + lead)
+def _next_block(report: Report, run: str | None, width: int) -> _Block:
+    """The commands to run next: the HTML report, the replay of the failing step (where the
+    run says how to run it again: one script under `nanguard run`) and the full tables."""
+    block = _Block(width)
+    if run is None:
+        return block
+    cmds = [(f"nanguard report {run} --html", "every step and alarm, in a browser")]
+    if (report.first_nonfinite and report.run.get("entry") == "run"
+            and not report.run.get("parts")):
+        cmds.append((f"nanguard replay {run}", "the failing step again, op by op"))
+    cmds.append((f"nanguard report {run} --full", "the full summary and tables, here"))
+    pad = max(len(c) for c, _ in cmds)
+    # What each does, where every line has room for it.
+    said = all(8 + pad + 2 + len(what) <= width for _, what in cmds)
+    for i, (cmd, what) in enumerate(cmds):
+        lead = "  next: " if i == 0 else " " * 8
+        text = Text(f"{lead}{cmd:<{pad}}  {what}" if said else f"{lead}{cmd}")
+        if i == 0:
+            text.stylize("bold", 2, 6)
+        block.lines.append(text)
+    return block
 
 
-def heal_line(report: Report) -> str | None:
-    """Under `heal`: what it did and what drove the spikes; else, on a run with a loss spike
-    episode it came back from (heal's case: spikes that recover or run away, again and again;
-    not a run whose one episode is its end in NaN), the recommendation to try it. None
-    otherwise."""
-    heal = (report.run.get("recovery") or {}).get("heal")
-    if report.run.get("policy") == "heal":
-        if not heal:
-            return None
-        cuts = heal.get("cuts") or []
-        lrs = [c["lr"] for c in cuts if c.get("action") == "lr_cut" and c.get("lr")]
-        factor = heal.get("lr_factor") or 1.0
-        # Several cuts: the last cut's cause names the LR it cut, already lowered by the
-        # earlier ones; say where the cuts began and how far they went in all.
-        overall = (f" (LR cuts from lr {lrs[0]:.3g}: x{factor:.3g} of the scheduler's in all)"
-                   if len(lrs) > 1 else "")
-        # Steps lost: heal's clips lose none; a non-finite step it skipped is one.
-        skipped = int((report.run.get("recovery") or {}).get("updates_skipped") or 0)
-        lost = int(heal.get("steps_lost") or 0) + skipped
-        cost = (f", {lost} step(s) lost" + (f" ({skipped} non-finite update(s) skipped)"
-                                            if skipped else ""))
-        if heal.get("seconds") and (heal.get("updates_clipped") or cuts):
-            cost += f", {float(heal['seconds']) * 1e3:.3g} ms acting"
-        return (f"heal: {heal.get('updates_clipped', 0)} spike precursor(s) clipped, "
-                f"{len(cuts)} cut(s){cost}"
-                + (f"; what drove the spikes: {heal['cause']}" if heal.get("cause") else "")
-                + overall)
-    m = report.spike_measures or {}
-    if any(not e.get("open") for e in m.get("episodes") or []):
-        return ("remedy: policy='heal' clips the grad-norm jump that comes before a loss spike "
-                "and cuts the weight decay or the LR when the jumps recur")
-    return None
+def _plain(console: Console, text: str) -> None:
+    """Print text as it is: a path or a fix may hold brackets, never markup."""
+    console.print(text, markup=False, highlight=False)
 
 
-def _rank(x: Any) -> float:
-    if isinstance(x, (int, float)):
-        return x if math.isfinite(x) else math.inf
-    return math.inf if x in ("nan", "inf") else -math.inf
-
-
-def _ratio(x: Any) -> str:
-    return f"{x:.3g}x" if isinstance(x, (int, float)) and math.isfinite(x) else f"{x}x"
-
-
-SERIES = ("loss", "grad_norm", "act_max", "momentum_norm")
-
-
-def step_row(stats: StepStats) -> dict[str, float | None]:
-    """The series the summary shows for one step."""
-    return {
-        "step": stats.step,
-        "loss": stats.loss,
-        "grad_norm": stats.grad_norm,
-        "act_max": stats.act_max,
-        "momentum_norm": stats.momentum_norm,
-        "headroom": stats.act_headroom,
-    }
-
-
-def print_last_steps(console: Console, rows: Sequence[dict[str, float | None]]) -> None:
-    """Sparklines of the last 24 steps, then the last 6 as numbers (non-finite kept, as '!')."""
-    last = list(rows)[-24:]
-    if not last:
-        return
-    console.print(f"  last {len(last)} steps before the end (log scale, ! = non-finite):")
-    for key in SERIES:
-        values = [r.get(key) for r in last]
-        if any(v is not None for v in values):
-            console.print(f"    {key:<14}{sparkline(values)}")
-    table = Table(show_edge=False, box=None, padding=(0, 1))
-    table.add_column("step", justify="right")
-    # Headroom (decades left before the largest activation overflows its dtype) is a table
-    # column only: it is already a logarithm.
-    shown = [k for k in (*SERIES, "headroom") if any(r.get(k) is not None for r in last)]
-    for key in shown:
-        table.add_column(key, justify="right")
-    for r in last[-6:]:
-        table.add_row(str(r["step"]), *("-" if r.get(k) is None else f"{r[k]:.3g}" for k in shown))
-    console.print(table)
+def _print_full(console: Console, report: Report, parts: Mapping[str, Sequence[dict[str, Any]]],
+                rows: Sequence[dict[str, Any]]) -> None:
+    """Every cause with its evidence and fix, the alarms and actions as tables, the last
+    steps as sparklines and numbers (each part's for a merged report)."""
+    console.print(_status_line(report))
+    first = report.first_nonfinite
+    if first:
+        _plain(console, f"  {_first_text(first)}")
+        if first.get("source"):
+            _plain(console, f"    at {first['source']}")
+        if first.get("skipped_by") in _STEPPED_OVER:
+            _plain(console, f"    {_STEPPED_OVER[first['skipped_by']]}")
+        _plain(console, f"  {_lead_text(report)}")
+    for rank, cause in enumerate(report.diagnosis, 1):
+        _plain(console, f"  cause {rank}: {cause['cause']} ({cause['confidence']:.0%})")
+        _plain(console, f"    why: {cause['evidence']}")
+        _plain(console, f"    fix: {cause['fix']}")
+    for line in (report_spike_line(report), heal_line(report)):
+        if line:
+            _plain(console, f"  {line}")
+    print_alarms(console, report)
+    first_step = first["step"] if first else None
+    if parts:
+        for label, steps in parts.items():
+            _plain(console, f"  {_part_name(report, label)}:")
+            print_last_steps(console, steps, first_step)
+    elif rows:
+        print_last_steps(console, rows, first_step)
