@@ -430,12 +430,21 @@ def verdict_lines(result: dict[str, Any], *, only: bool = False) -> list[str]:
                      f"{o.get('steps')} steps)")
     if result.get("note"):
         lines.append(f"  note: {result['note']}")
-    errors, warnings = int(result.get("errors") or 0), int(result.get("warnings") or 0)
+    # Problems, not findings: the init's one finding per layer is one problem (one line).
+    errors, warnings = (_problems(findings, level) if findings else int(result.get(key) or 0)
+                        for level, key in (("error", "errors"), ("warning", "warnings")))
     word = (f"{errors} error-level finding(s)" if errors else "no errors") + (
         f", {warnings} warning(s)" if warnings else "")
     nxt = (" (exit 1)" if errors else " (exit 0)") if only else "; training continues"
     lines.append(f"  verdict: {word}{nxt}")
     return lines
+
+
+def _problems(findings: list[dict[str, Any]], severity: str) -> int:
+    """The problems of a severity as the verdict lists them: the layers of `exploding_init`
+    are one."""
+    codes = [f["code"] for f in findings if f.get("severity") == severity]
+    return len([c for c in codes if c != "exploding_init"]) + ("exploding_init" in codes)
 
 
 def _f(v: Any) -> str:

@@ -27,7 +27,7 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from nanguard.errors import UserError
 
@@ -48,6 +48,17 @@ class HelpFormatter(argparse.HelpFormatter):
         if "\n" not in text.strip():
             return super()._fill_text(text, width, indent)
         return "".join(indent + line for line in text.splitlines(keepends=True))
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, except that a mistake on the command line is one line on stderr in
+    the wording every error of the CLI uses (`nanguard run: error: ... (see nanguard run
+    --help)`), exit 2, instead of the usage block and then the error. Subcommand parsers are
+    of this class too (`add_subparsers` makes its parsers of the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        line = " ".join(message.split())  # argparse's messages may hold line breaks
+        self.exit(2, f"{self.prog}: error: {line} (see {self.prog} --help)\n")
 
 
 def exit_codes(ok: str, one: str, two: str = "a mistake in the command line or its input "
@@ -93,7 +104,7 @@ def wants_json(args: argparse.Namespace) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     from nanguard import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="nanguard",
         description="Keep PyTorch training numerically healthy: watch, warn, pinpoint, recover.",
         epilog=exit_codes("healthy run / nothing found",
@@ -107,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"nanguard.cli.{name}")
         module.register(subparsers)
     return parser
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The subcommands' parsers by name."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
 
 
 def _is_user_error(exc: BaseException) -> bool:
@@ -152,7 +171,10 @@ def _write_traceback(argv: Sequence[str], command: str, exc: BaseException) -> s
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the subcommand's parser, so the line names the command
+        _subparsers(parser).get(args.command, parser).error(
+            f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

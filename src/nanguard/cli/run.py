@@ -32,9 +32,17 @@ raise).
 from __future__ import annotations
 
 import argparse
+import shutil
+from pathlib import Path
 
 from nanguard.cli.main import add_command
 from nanguard.config import POLICIES
+from nanguard.errors import UserError
+
+# What a run leaves in its folder (record/store.py, integrations/run_reports.py): replaced by
+# --overwrite; anything else there is the user's and stays.
+RUN_FILES = ("run.db", "run.db-wal", "run.db-shm", "report.json", "report.html",
+             "nanguard_error.txt")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,6 +60,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None,
                    help="run folder (default: nanguard_runs/<time>; under torchrun "
                         "nanguard_runs/torchrun-<run id>)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --out (default: refuse, so two runs "
+                        "never mix by accident)")
     p.add_argument("--policy", default="observe", choices=list(POLICIES),
                    help="what to do on a non-finite value (default: observe)")
     p.add_argument("--replay-budget", type=float, default=120.0, metavar="SECONDS",
@@ -98,6 +109,16 @@ def run(args: argparse.Namespace) -> int:
     from nanguard.integrations.runner import RunOptions
     from nanguard.integrations.runner import run as run_script
 
+    # `not x >= 0` also refuses nan.
+    for flag, value in (("--replay-budget", args.replay_budget), ("--merge-wait", args.merge_wait)):
+        if not value >= 0:
+            raise ValueError(f"{flag} must be >= 0 seconds, got {value:g}")
+    script = Path(args.script)
+    if script.is_dir():
+        raise UserError(f"{args.script} is a directory, not a script: give the training "
+                        "script (a .py file) to run")
+    if args.out is not None:
+        clear_out(Path(args.out), overwrite=args.overwrite)
     if args.fork_every < 0:
         raise ValueError(f"--fork-every must be >= 0, got {args.fork_every}")
     if args.activations_every < 0:
@@ -117,3 +138,32 @@ def run(args: argparse.Namespace) -> int:
         activations_every=args.activations_every, rerun_every=args.rerun_every,
         exit_hard=True,
     ))
+
+
+def clear_out(out: Path, *, overwrite: bool) -> None:
+    """Refuse an --out that already holds a run (as `Guard(out=...)` does), or with
+    `overwrite` remove that run's files, before the script starts. Under torchrun each rank
+    looks after its own `rank-R` folder only (rank 0 after the merged report on top too), so
+    no rank removes what another has begun to write."""
+    from nanguard.integrations.run_reports import world
+
+    rank, world_size = world()
+    folder = out / f"rank-{rank}" if world_size > 1 else out
+    if not folder.is_dir():
+        if folder.exists():
+            raise UserError(f"--out {out}: {folder} is a file, not a folder")
+        return
+    tops = [out / "report.json"] if world_size > 1 and rank == 0 else []
+    held = [p for p in (*(folder / n for n in RUN_FILES), *tops) if p.is_file()]
+    held += [p for p in [*folder.glob("optimizer-*"), *([] if world_size > 1 else
+                                                       folder.glob("rank-*"))] if p.is_dir()]
+    if not held:
+        return
+    if not overwrite:
+        raise UserError(f"--out {out} already holds a run; pick another --out, or pass "
+                        "--overwrite to replace it (so two runs never mix by accident)")
+    for path in held:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
