@@ -53,9 +53,23 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise UserError(f"--to {args.to} needs {exc.name or 'its tracker package'}: "
                         f"pip install 'nanguard[{EXTRAS[args.to]}]'") from exc
+    except Exception as exc:
+        if not _needs_login(exc):
+            raise
+        what = " ".join(str(exc).split())
+        raise UserError(f"--to wandb: W&B needs a login here ({what}): run `wandb login` "
+                        "or set WANDB_API_KEY, or write the run offline with "
+                        "WANDB_MODE=offline (then `wandb sync` uploads it)") from exc
     for where in written:
         print(f"nanguard export: {args.to}: {where}")
     return 0
+
+
+def _needs_login(exc: BaseException) -> bool:
+    """W&B refusing to start a run for want of a login (no API key, a key it rejects): the
+    user's setup, not a bug. Told by the class W&B raises, without importing wandb."""
+    return (type(exc).__module__.startswith("wandb")
+            and type(exc).__name__ in ("UsageError", "AuthenticationError"))
 
 
 def _export(args: argparse.Namespace, folder: Path) -> list[Any]:

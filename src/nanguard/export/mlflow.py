@@ -10,7 +10,10 @@ Which run: the active one (`mlflow.active_run()`, your own `mlflow.start_run()`)
 `run_id` given, so nanguard's metrics sit next to yours and that run is left open; else a new
 run, in the experiment `MLFLOW_EXPERIMENT_NAME` (default "nanguard") of the tracking store
 MLflow itself would use (`MLFLOW_TRACKING_URI`, else its default), finished when the guard
-closes. `write_run` with no run active and no `MLFLOW_TRACKING_URI` writes to `RUN/mlruns`.
+closes. `write_run` with no run active and no `MLFLOW_TRACKING_URI` writes to `RUN/mlruns`;
+so does `stream` where MLflow's default is a database this MLflow cannot open (MLflow 3
+defaults to `sqlite:///mlflow.db`, which needs SQLAlchemy: the full `mlflow` package, not
+`mlflow-skinny`, the `[mlflow]` extra), and it says so on the `nanguard` logger.
 
 Written, per optimizer step (ranks of a merged folder as one MLflow run each):
 
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -110,8 +114,9 @@ def stream(guard: Guard, run_id: str | None = None, tracking_uri: str | None = N
         guard: the guard to follow (not closed).
         run_id: an MLflow run to write into (left open); default the active run, else new.
         tracking_uri, experiment, run_name: for a new run (or `run_id`'s store); defaults:
-            MLflow's own tracking URI, `MLFLOW_EXPERIMENT_NAME` or "nanguard", the run folder's
-            name.
+            MLflow's own tracking URI (with mlflow-skinny and no `MLFLOW_TRACKING_URI`, the
+            file store `RUN/mlruns`: see above), `MLFLOW_EXPERIMENT_NAME` or "nanguard", the
+            run folder's name.
 
     Returns:
         The stream (`run_id` is the MLflow run; `close()` stops it early).
@@ -121,7 +126,28 @@ def stream(guard: Guard, run_id: str | None = None, tracking_uri: str | None = N
     """
     Stream.check(guard)
     name = run_name or (guard.folder.name if guard.folder is not None else None)
-    return MlflowStream(guard, _Run(run_id, tracking_uri, experiment, name))
+    fallback = (guard.folder if guard.folder is not None else Path(".")) / "mlruns"
+    return MlflowStream(guard, _Run(run_id, tracking_uri, experiment, name, fallback=fallback))
+
+
+# MLflow 3's default tracking URI is a SQLite database, which needs SQLAlchemy: the full
+# `mlflow` package has it, `mlflow-skinny` (the `[mlflow]` extra) does not.
+_DATABASES = ("sqlite:", "mysql", "postgresql", "mssql")
+
+
+def default_uri(fallback: Path) -> tuple[str, bool]:
+    """The tracking URI a new run goes to when none is given: MLflow's own (it honours
+    MLFLOW_TRACKING_URI), unless that is MLflow's default database and this MLflow cannot
+    open one (mlflow-skinny): then the file store `fallback`. Returns (uri, fell back)."""
+    import importlib.util
+
+    import mlflow
+
+    uri = mlflow.get_tracking_uri()
+    if (os.environ.get("MLFLOW_TRACKING_URI") or not uri.startswith(_DATABASES)
+            or importlib.util.find_spec("sqlalchemy") is not None):
+        return uri, False
+    return fallback.resolve().as_uri(), True
 
 
 class _Run:
@@ -129,7 +155,8 @@ class _Run:
     one (ended by `end`)."""
 
     def __init__(self, run_id: str | None, uri: str | None, experiment: str | None,
-                 name: str | None, several: bool = False) -> None:
+                 name: str | None, several: bool = False, *,
+                 fallback: Path = Path("mlruns")) -> None:
         import mlflow
         from mlflow.tracking import MlflowClient
 
@@ -139,7 +166,15 @@ class _Run:
                 raise ValueError("a run of several ranks is one MLflow run each: call it with "
                                  "no MLflow run active, or pass one rank's folder")
             run_id, uri = active.info.run_id, mlflow.get_tracking_uri()
-        uri = uri or mlflow.get_tracking_uri()  # honours MLFLOW_TRACKING_URI
+        if uri is None:
+            uri, fell_back = default_uri(fallback)
+            if fell_back:
+                logging.getLogger("nanguard").warning(
+                    "MLflow: mlflow-skinny cannot open MLflow's default database store; the "
+                    "run goes to the file store %s (see it with MLFLOW_ALLOW_FILE_STORE=true "
+                    "mlflow ui --backend-store-uri %s); set MLFLOW_TRACKING_URI to choose",
+                    uri, uri)
+        self.uri = uri
         with _file_store_allowed(uri):
             self.client = MlflowClient(tracking_uri=uri)
             self.owned = run_id is None
