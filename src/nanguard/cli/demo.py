@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import shlex
+import textwrap
 from pathlib import Path
 from statistics import median
 from typing import TYPE_CHECKING, Any
@@ -151,6 +152,7 @@ def _seed_record(seed: int, folder: Path, report: Report, raised: str | None,
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
@@ -169,18 +171,13 @@ def run(args: argparse.Namespace) -> int:
         f"outlier sample may start a cascade. {args.seeds} seeds x {args.steps} steps, "
         f"records in {out}/"
     )
-    table = Table(show_edge=False)
-    for col in (
-        "seed",
-        "status",
-        "warn@",
-        "nan@",
-        "lead",
-        "where (phase:module:op)",
-        "raise",
-        "skip -> loss",
-        "rollback -> loss",
-    ):
+    # Under 118 columns the `where` column goes (the diagnosis below says where), so the
+    # table fits 80 columns instead of being cropped into ellipses.
+    wide = console.width >= 118
+    table = (Table(show_edge=False) if wide else
+             Table(show_edge=False, box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0)))
+    for col in ("seed", "status", "warn@", "nan@", "lead",
+                *(["where (phase:module:op)"] if wide else []), "raise", "skip", "rollback"):
         table.add_column(col, no_wrap=True)
     leads: list[int] = []
     failed = 0
@@ -199,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
                 healthy.append(_final(losses))
                 records.append(_seed_record(seed, out / f"seed-{seed}", report, None, []))
                 warn = "-" if report.first_warning is None else str(report.first_warning)
-                table.add_row(str(seed), report.status, warn, *["-"] * 6)
+                table.add_row(str(seed), report.status, warn, *["-"] * (6 if wide else 5))
                 continue
             failed += 1
             example = example or (seed, report)
@@ -214,9 +211,9 @@ def run(args: argparse.Namespace) -> int:
                 "-" if report.first_warning is None else str(report.first_warning),
                 str(first["step"]),
                 "-" if report.lead_steps is None else f"[bold]{report.lead_steps}[/]",
-                ":".join(
+                *([":".join(
                     str(first.get(k) or "").replace("aten.", "") for k in ("phase", "module", "op")
-                ).rstrip(":"),
+                ).rstrip(":")] if wide else []),
                 raised,
                 *(cell for cell, _ in outcomes),
             )
@@ -225,13 +222,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     console.print(table)
     console.print(
-        "warn@ / nan@: step of the first warning and of the first non-finite value; "
-        "lead: steps between them; where: phase, module and op where it first showed (the op "
-        "from an in-process replay of the step under the op checker); raise / skip / rollback: "
-        "the same seed under those policies, with the updates skipped (s), the rollbacks (r) "
-        "and the final loss. Both act on the early warnings: a spike's update is discarded, a "
-        "cascade rolled back to a snapshot from before it began; skip escalates to a rollback "
-        "when skipping cannot heal (as the demo configures it)."
+        "warn@ / nan@: steps of the first warning and the first non-finite value; lead: steps "
+        "between them;" + (" where: where it first showed;" if wide else "")
+        + " raise / skip / rollback: the same seed under that policy (updates skipped s, "
+        "rollbacks r -> final loss)."
     )
     if failed:
         console.print(
@@ -252,14 +246,21 @@ def run(args: argparse.Namespace) -> int:
     if example and example[1].diagnosis:
         seed, report = example
         cause = report.diagnosis[0]
-        console.print(
-            f"\n[bold]Diagnosis of seed {seed}[/]: {cause['cause']} "
-            f"({cause['confidence']:.0%})\n  why: {cause['evidence']}\n"
-            f"  fix: {cause['fix']}"
-        )
-    console.print(
-        f"Each run folder holds run.db and report.json: `nanguard report {out}/seed-N` prints one."
-    )
+        first = report.first_nonfinite or {}
+        where = ", ".join(f"{k} {first[k]}" for k in ("phase", "module", "op") if first.get(k))
+        console.print(f"\n[bold]Diagnosis of seed {seed}[/]: {cause['cause']} "
+                      f"({cause['confidence']:.0%}); first non-finite at step "
+                      f"{first.get('step')}" + (f" ({where})" if where else ""))
+        # The why is cut at 3 lines (`nanguard report ... --full` has it whole); the fix never.
+        for label, text, cap in (("why", cause["evidence"], 3), ("fix", cause["fix"], None)):
+            lines = textwrap.wrap(f"{label}: {text}", max(40, console.width),
+                                  initial_indent="  ", subsequent_indent="       ")
+            if cap is not None and len(lines) > cap:
+                lines = [*lines[:cap - 1], lines[cap - 1][: console.width - 1].rstrip() + "…"]
+            for line in lines:
+                console.print(line, markup=False, highlight=False)
+    console.print(f"Each run folder holds run.db and report.json: `nanguard report "
+                  f"{out}/seed-N [--full]` prints one.")
     if example:
         # The last line: the picture of a failing seed (plots over steps, the NaN marked).
         folder = shlex.quote(str(out / f"seed-{example[0]}"))

@@ -31,7 +31,7 @@ def _pct(x: float | None) -> str:
 def spike_line(m: dict[str, Any] | None) -> str | None:
     """One line of spike measures (`report.spike_measures`): `spikes: 3 episodes (1 open),
     1.2% of steps in spike; spike score loss 0.4%, grad norm 0.9%`; None without measures."""
-    if not m or "score" not in m:
+    if not m or "score" not in m or m.get("steps") == 0:  # nothing measured: nothing to say
         return None
     n = int(m.get("episodes_total") or 0)
     opened = sum(bool(e.get("open")) for e in m.get("episodes") or [])

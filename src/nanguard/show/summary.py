@@ -250,8 +250,9 @@ def _steps_block(report: Report, parts: Mapping[str, Sequence[dict[str, Any]]],
     # title can say where.
     title_step = {label: first.get("step") if label in ("", failing) or not failing else None
                   for label in order}
+    # Fewer series, then fewer parts; at the least each part's title line (which names it).
     tries = [(order, SERIES), (order, SERIES[:2]), (order[:2], SERIES[:2]),
-             (order[:1], SERIES[:2]), (order[:1], SERIES[:1])]
+             (order[:1], SERIES[:2]), (order[:1], SERIES[:1]), (order, ())]
     for labels, keys in tries:
         lines: list[Text] = []
         for label in labels:
