@@ -42,7 +42,8 @@ def test_argparse_mistakes_are_one_line(name: str, capsys: pytest.CaptureFixture
 def test_bad_values_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, says in ((["run", "--policy", "nope", "t.py"], "argument --policy: invalid choice"),
                        (["run", "--replay-budget", "soon", "t.py"], "invalid float value"),
-                       (["export", "r"], "required: --to")):
+                       (["export", "r"], "required: --to"),
+                       (["run"], "arguments are required: script (")):
         with pytest.raises(SystemExit) as stop:
             main(argv)
         assert stop.value.code == 2

@@ -101,7 +101,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "WARNING: each alarm episode as it starts and escalates, actions, "
                         "the finding; DEBUG: every alarm)")
     p.add_argument("script", help="the training script (a .py file)")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    rest = p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    rest.required = False  # argparse lists it as missing with the script: only SCRIPT is
     p.set_defaults(func=run)
 
 
