@@ -30,7 +30,7 @@ def test_armed_cascade_whole_script() -> None:
     assert (o.step, o.phase, o.module, o.op) == (n, exp["phase"], exp["module"], exp["op"])
     assert o.source is not None
     path, _, line = o.source.rpartition(":")
-    assert "setup.model(x)" in Path(path).read_text().splitlines()[int(line) - 1]  # model(x)
+    assert "model(x)" in Path(path).read_text().splitlines()[int(line) - 1]  # step_loss
 
 
 def test_armed_earlier_step_is_clean_and_step0_arms_at_once() -> None:

@@ -143,18 +143,44 @@ def run(args: argparse.Namespace) -> int:
             f"  then carried on by {p.get('op')} ({p.get('phase')}): what a tool that "
             "names the first non-finite output would blame"
         )
+    same = _same_origin(recorded, found, step)
     if recorded and recorded.get("step") == step:
-        same = all(recorded.get(k) in (None, found.get(k)) for k in ("phase", "module"))
         console.print(
             "  matches the recorded finding"
             if same
-            else f"  recorded: phase {recorded.get('phase')}, module "
-            f"{recorded.get('module')!r} (seen from the watched signals)"
+            else f"  recorded: phase {recorded.get('phase')}, op {recorded.get('op')}, module "
+            f"{recorded.get('module')!r}, source {recorded.get('source')} (seen from the "
+            "watched signals)"
         )
-    evidence = Evidence(
-        first_nonfinite={**recorded, **{k: v for k, v in found.items() if v is not None}},
-        alarms=report.alarms,
-    )
-    for cause in diagnose(evidence)[:2]:
-        console.print(f"  cause: [bold]{cause.cause}[/] — fix: {cause.fix}")
+    if same and report.diagnosis:
+        # The same origin: the record's diagnosis is the one computation over it (it also
+        # saw the run's history and optimizer settings, which this re-run does not).
+        causes = [(c.get("cause"), c.get("fix")) for c in report.diagnosis[:2]]
+    else:
+        evidence = Evidence(
+            first_nonfinite={**recorded, **{k: v for k, v in found.items() if v is not None}},
+            alarms=report.alarms,
+        )
+        causes = [(c.cause, c.fix) for c in diagnose(evidence)[:2]]
+    for cause, fix in causes:
+        console.print(f"  cause: [bold]{cause}[/] — fix: {fix}")
     return 1
+
+
+def _same_origin(recorded: dict[str, Any], found: dict[str, Any], step: int) -> bool:
+    """The re-run found the recorded origin: the same step, phase, op, module and line (a
+    field the record left empty, seen from the watched signals only, is not compared)."""
+    return bool(recorded) and recorded.get("step") == step and all(
+        recorded.get(k) in (None, found.get(k)) for k in ("phase", "op", "module")) and (
+        recorded.get("source") is None or _same_line(recorded["source"], found.get("source")))
+
+
+def _same_line(a: str, b: str | None) -> bool:
+    """`path:line` `a` and `b` name one line: the same line number, and one path is the other
+    or ends with it (a path is shown relative to the folder it ran from when inside it)."""
+    if b is None:
+        return False
+    (pa, _, la), (pb, _, lb) = a.rpartition(":"), b.rpartition(":")
+    ka, kb = Path(pa).parts, Path(pb).parts
+    n = min(len(ka), len(kb))
+    return la == lb and n > 0 and ka[-n:] == kb[-n:]

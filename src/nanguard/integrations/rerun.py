@@ -30,13 +30,21 @@ from nanguard.integrations.resume import ResumePoints
 from nanguard.integrations.watched import Watched
 from nanguard.watch import rng
 
-__all__ = ["go_on", "rerun_step", "seen_nonfinite"]
+__all__ = ["go_on", "release_findings", "rerun_step", "seen_nonfinite"]
 
 
 def seen_nonfinite(disc: Discovery) -> bool:
     """Whether any guard has seen a non-finite value (no resume point is taken after it)."""
     return any(w.guard is not None and w.guard.first_nonfinite is not None
                for w in disc.watched)
+
+
+def release_findings(disc: Discovery) -> None:
+    """The re-run is over, or none was needed: each guard's finding, held while it could
+    still change (`Events.hold`), leaves now with the record's cause."""
+    for w in disc.watched:
+        if w.guard is not None:
+            w.guard.events.release()
 
 
 def go_on(disc: Discovery, point: Any, message: dict[str, Any]) -> None:

@@ -68,7 +68,7 @@ from nanguard.audit.preflight_live import LivePreflight, verdict_lines
 from nanguard.config import DetectConfig, GuardConfig, RecordConfig, WatchConfig
 from nanguard.integrations.discovery import Discovery
 from nanguard.integrations.merge import collect_rank_reports, merge_reports
-from nanguard.integrations.rerun import go_on, rerun_step, seen_nonfinite
+from nanguard.integrations.rerun import go_on, release_findings, rerun_step, seen_nonfinite
 from nanguard.integrations.resume import ResumePoints
 from nanguard.integrations.run_output import (
     OK_STATUSES,
@@ -227,6 +227,7 @@ def _finish(opts: RunOptions, script: Path, out: Path, folder: Path, disc: Disco
         if replay["status"] != "in-process" and target.in_process:
             replay["in_process"] = target.in_process.get("reason")
         reports[target.index].run["replay"] = {k: v for k, v in replay.items() if k != "origin"}
+    release_findings(disc)
     # The points left are of no more use (were this to raise first, each would quit when
     # this process is gone: its pipe closes).
     points.close()
@@ -285,6 +286,8 @@ def _finish_failed(folder: Path, disc: Discovery, outcome: ScriptOutcome, exc: E
         parts.append((w.name, part))
     with contextlib.suppress(Exception):  # releasing references must not stop the report
         disc.release()
+    with contextlib.suppress(Exception):
+        release_findings(disc)
     report = _salvage(parts, folder)
     report.run.update({"folder": str(folder), "script": outcome.to_dict(),
                        "internal_error": internal})

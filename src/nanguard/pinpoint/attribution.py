@@ -59,13 +59,59 @@ def _is_internal(filename: str) -> bool:
     return hit
 
 
+_ANCHORS: dict[int, list[str | None]] = {}
+"""id(frame) -> the user's lines nanguard's own code stands in for there, innermost last
+(`replayed_at`, `replay_boundary`). Empty while no replay runs."""
+
+
+class replayed_at:  # noqa: N801 - used as a context manager, like `contextlib.suppress`
+    """While the block runs, the frame that entered it stands for the user's line `source`:
+    nanguard calls again, in its own code, what the user called at `source` (a replayed
+    model call or loss, `pinpoint/recipe.py`), so an op reached through that frame ran at
+    `source` in the user's code. `source` None marks a boundary (`replay_boundary`): the
+    frames above are those that triggered the replay (the `optimizer.step()` whose hook
+    runs it), never the line of an op inside it, and `user_source` stops there."""
+
+    __slots__ = ("_key", "_source")
+
+    def __init__(self, source: str | None) -> None:
+        self._source = source
+        self._key = id(sys._getframe(1))
+
+    def __enter__(self) -> None:
+        _ANCHORS.setdefault(self._key, []).append(self._source)
+
+    def __exit__(self, *exc: object) -> None:
+        stack = _ANCHORS.get(self._key)
+        if stack:
+            stack.pop()
+            if not stack:
+                del _ANCHORS[self._key]
+
+
+def replay_boundary() -> replayed_at:
+    """`replayed_at(None)` for the calling frame: `user_source` never looks above it."""
+    b = replayed_at(None)
+    b._key = id(sys._getframe(1))
+    return b
+
+
 def user_source() -> str | None:
-    """`path:line` of the innermost frame outside torch and nanguard, or None."""
+    """`path:line` of the user's frame where the running op was called, or None.
+
+    That is the innermost frame outside torch and nanguard, except in a replay: there the
+    walk stops at the frame nanguard replays from and takes the user's line it stands for
+    (`replayed_at`), or None at a replay's boundary; a frame above it (the line whose
+    `optimizer.step()` triggered the replay) is not where the op ran."""
     f = sys._getframe(1)
     while f is not None:
         name = f.f_code.co_filename
         if not _is_internal(name):
             return f"{_short(name)}:{f.f_lineno}"
+        if _ANCHORS:
+            stack = _ANCHORS.get(id(f))
+            if stack:
+                return stack[-1]
         f = f.f_back  # type: ignore[assignment]
     return None
 

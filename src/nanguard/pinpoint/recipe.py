@@ -26,6 +26,7 @@ from torch import nn
 
 from nanguard.audit.preflight_live import _select, _versions
 from nanguard.pinpoint import loss_expr
+from nanguard.pinpoint.attribution import replayed_at
 from nanguard.watch import rng
 
 _MAX_CALLS = 8
@@ -128,6 +129,9 @@ class RootCall:
     output: Any = None
     """The output as weak references (`_weak`), until the step's backward: the loss input is
     looked up in it."""
+    source: str | None = None
+    """The user's line that made the call (`attribution.user_source`): a replayed op of the
+    call ran there."""
 
 
 @dataclass(eq=False)
@@ -146,6 +150,8 @@ class LossCall:
     amp: tuple[tuple[str, torch.dtype], ...]
     result: weakref.ref[torch.Tensor] | None = None
     """The loss value, weakly, until the step's backward (compared by identity)."""
+    source: str | None = None
+    """The user's line that called the loss (the model's call for a loss it returns)."""
 
 
 @dataclass(eq=False)
@@ -227,7 +233,8 @@ class Recipe:
             args, kwargs = call.args, call.kwargs
             if sample is not None:
                 args, kwargs = _rows(args, n, sample), _rows(kwargs, n, sample)
-            with _amp(call.amp):
+            # Its ops ran at the script's line of this call, not in this frame.
+            with _amp(call.amp), replayed_at(call.source):
                 outputs[id(call)] = call.module(*args, **kwargs)
         out = outputs[id(self.call)]
         if self.forward_only is not None:
@@ -246,7 +253,7 @@ class Recipe:
                     shape = (shape[0] // n, *shape[1:])  # logits.view(-1, V): a sample's rows
             if shape is not None:
                 x = x.reshape(shape)
-            with _amp(loss.amp):
+            with _amp(loss.amp), replayed_at(loss.source):
                 return cast(torch.Tensor, loss.fn(x, *rest, **extra))
 
         if self.expr is None:

@@ -57,6 +57,7 @@ from torch import nn
 from nanguard.audit.preflight_live import LOSS_FUNCTIONS, _find, _select, _wrap
 from nanguard.integrations.manual import REPLAY, forked, replaying
 from nanguard.pinpoint import loss_expr
+from nanguard.pinpoint.attribution import user_source
 from nanguard.pinpoint.closure_recipe import ClosureRecipe
 from nanguard.pinpoint.recipe import (
     _MAX_CALLS,
@@ -171,7 +172,7 @@ class StepRecorder:
             w.dropped = True
             return
         w.calls.append(RootCall(module, args, {}, _flat_versions(args, {}), rng.capture_step(),
-                                _amp_state()))
+                                _amp_state(), source=user_source()))
 
     def saw_raise(self, module: nn.Module) -> None:
         """A root call raised instead of returning (a script that catches the error and goes
@@ -198,7 +199,7 @@ class StepRecorder:
                     if len(w.losses) >= _MAX_CALLS:
                         break
                     loss = LossCall(None, call, path, None, (), {}, [], call.amp,
-                                    weakref.ref(value))
+                                    weakref.ref(value), source=call.source)
                     w.losses.append(loss)
                     loss_expr.tag(value, loss)
                 return
@@ -226,7 +227,7 @@ class StepRecorder:
                 rest = tuple(args[1:])
                 loss = LossCall(fn, call, path, shape, rest, kwargs, _flat_versions(rest, kwargs),
                                 _amp_state(), weakref.ref(out) if isinstance(out, torch.Tensor)
-                                else None)
+                                else None, source=user_source())
                 w.losses.append(loss)
                 if isinstance(out, torch.Tensor):
                     # The loss value itself may be a temporary (`F.mse_loss(...) / k`): its

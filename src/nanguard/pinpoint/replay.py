@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanguard.pinpoint.attribution import Attribution
+from nanguard.pinpoint.attribution import Attribution, replay_boundary
 from nanguard.pinpoint.checker import NonfiniteChecker
 from nanguard.pinpoint.origin import Origin
 from nanguard.watch import rng
@@ -103,7 +103,9 @@ def run_checked(run_step: StepFn, *, model: nn.Module | None,
             attr.hook_optimizer(opt)
         if batch is not None:
             checker.seed_batch(batch)
-        with checker:
+        # The frames above this one ran the step before (the hook that triggered the
+        # replay, the script's `optimizer.step()` line): no op of the replay ran there.
+        with checker, replay_boundary():
             result = run_step()
     finally:
         attr.remove()

@@ -162,6 +162,11 @@ class Events:
     `run.listener_errors`)."""
     summary_follows: bool
     """A closing summary prints the finding: its closing event is then not `notable`."""
+    hold: bool
+    """A re-run may still change the finding (`nanguard run`, until its epilogue has re-run
+    the failing step or kept the in-process replay's origin): a finding leaves without a
+    cause, once, saying the cause follows; the latest is held and leaves with its cause at
+    `release()`. So no line names a cause the record later contradicts."""
     label: str | None
     """This guard's part of a run with several optimizers (`optimizer-1`: set by `nanguard
     run` and the Lightning callback once there are two), carried by every event it emits:
@@ -174,6 +179,9 @@ class Events:
         self.close_listeners = []
         self.errors = []
         self.summary_follows = False
+        self.hold = False
+        self._held: tuple[dict[str, Any], dict[str, Any] | None] | None = None
+        self._follows_said = False
         self.label = None
 
     def add(self, listener: Listener, *, steps: bool = False, close: bool = False) -> None:
@@ -250,9 +258,29 @@ class Events:
                         data={"step": step, "action": action, "detail": detail}))
 
     def finding(self, finding: dict[str, Any], cause: dict[str, Any] | None = None,
-                *, notable: bool = True) -> None:
-        """Where the first non-finite value came from (and, once explained, its top cause);
-        `notable` False when a closing summary prints it anyway."""
+                *, notable: bool = True, follows: bool = False) -> None:
+        """Where the first non-finite value came from, and its top cause: `cause`, the
+        record's diagnosis (the same computation report.json holds), or none yet (`follows`:
+        the line says the cause follows, as it will at close). `notable` False when a closing
+        summary prints it anyway. While `hold`, see there."""
+        if self.hold:
+            self._held = (finding, cause)
+            if self._follows_said:
+                return
+            self._follows_said = True
+            cause, follows = None, True
+        self._finding(finding, cause, notable=notable, follows=follows)
+
+    def release(self) -> None:
+        """The finding is complete (`nanguard run` after its re-run): the held finding leaves
+        with the record's cause (not `notable` when the closing summary prints it); later
+        findings leave as they come."""
+        held, self._held, self.hold = self._held, None, False
+        if held is not None:
+            self._finding(held[0], held[1], notable=not self.summary_follows, follows=False)
+
+    def _finding(self, finding: dict[str, Any], cause: dict[str, Any] | None, *,
+                 notable: bool, follows: bool) -> None:
         where = " ".join(x for x in (
             f"phase {finding['phase']}" if finding.get("phase") else "",
             f"op {finding['op']}" if finding.get("op") else "",
@@ -264,6 +292,8 @@ class Events:
         if cause:
             text += (f"; cause {cause.get('cause')} ({cause.get('confidence', 0):.0%})"
                      f"; fix: {cause.get('fix')}")
+        elif follows:
+            text += "; the cause follows"
         self.emit(Event(type="finding", step=int(finding.get("step") or 0),
                         kind=str((cause or {}).get("cause") or finding.get("phase") or ""),
                         signal=str(finding.get("op") or ""), message=text, notable=notable,

@@ -113,8 +113,8 @@ class RunLog:
         body = self.finding.to_dict()
         if write:
             self.store.write_finding(body)
-        if announce:
-            self.events.finding(body)
+        if announce:  # explained at close (the summary or the closing finding line)
+            self.events.finding(body, follows=True)
 
     # -- plain data
 

@@ -31,6 +31,14 @@ class CascadeSetup:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def step_loss(model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+              batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """One step's forward and loss. Training calls it, and so does the demo's guard to replay a
+    step (`Guard(replay=...)`): the op a replay finds ran on the same line as in training."""
+    x, y = batch
+    return loss_fn(model(x), y)
+
+
 def _batches(
     seed: int, steps: int, outlier_p: float, outlier_scale: float, outlier_at: int | None = None
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -86,7 +94,7 @@ def train_cascade(
     losses: list[float] = []
     try:
         for x, y in setup.batches:
-            loss = setup.loss_fn(setup.model(x), y)
+            loss = step_loss(setup.model, setup.loss_fn, (x, y))
             if guard is not None:
                 guard.watch(loss=loss, batch=(x, y))
             setup.optimizer.zero_grad()

@@ -1,0 +1,133 @@
+"""Every re-run path gives the same answer: step, phase, op, the user's line and the fix.
+
+A failing step is pinpointed three ways: replayed in process before its update (the Guard's
+`replay=` function, or the step `nanguard run` recorded by reference), run again from the
+script's start with the checker armed (`nanguard run` when the step cannot be replayed in
+process: here the recording is switched off), and `nanguard replay RUN` afterwards. The op
+found ran on one line of the user's code: the line that called the model for a forward op, the
+loss's line for a loss op, never the `optimizer.step()` line whose hook triggered the replay.
+The expected step and phase come from the independent tracer (`scripts/_nantrace.py`), the
+expected line from the script's own text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from programs_support import SCRIPTS, Guarded, guarded, python, trace
+
+SALES = "sales_mlp.py"
+# `nanguard run` with the step recorder switched off: no step can be replayed in process, so
+# the finding comes from the re-run of the script with the checker armed.
+NO_RECIPE = """
+import sys
+from nanguard.pinpoint.recorded import StepRecorder
+boundary = StepRecorder.boundary
+def off(self, roots, **kw):
+    boundary(self, roots, **kw)
+    return "switched off by the test"
+StepRecorder.boundary = off
+from nanguard.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+CASCADE_SCRIPT = "from nanguard.scenarios.cascade import train_cascade\ntrain_cascade(0)\n"
+
+
+def _line_of(path: Path, marker: str) -> int:
+    return next(i for i, t in enumerate(path.read_text().splitlines(), 1) if marker in t)
+
+
+def _where(source: str, cwd: Path) -> str:
+    """`path:line` with the path made absolute (each path names it from its own folder)."""
+    path, _, line = source.rpartition(":")
+    return f"{(cwd / path).resolve()}:{line}"
+
+
+def _rerun_without_recipe(cwd: Path, script: str, *args: str) -> Guarded:
+    folder = cwd / "run"
+    proc = python(["-c", NO_RECIPE, "run", "--out", str(folder), script, *args], cwd)
+    path = folder / "report.json"
+    assert path.is_file(), proc.stderr[-3000:]
+    return Guarded(proc, folder, json.loads(path.read_text()))
+
+
+def _replay(folder: Path) -> dict[str, str]:
+    """`nanguard replay RUN`: its source line and top cause's fix, as printed."""
+    r = python(["-m", "nanguard", "replay", str(folder)], folder.parent, COLUMNS="2000")
+    assert r.returncode == 1, r.stdout + r.stderr[-2000:]
+    out = r.stdout
+    source = re.search(r"^\s+source: (.+)$", out, re.M)
+    cause = re.search(r"^\s+cause: (\S+) — fix: (.+)$", out, re.M)
+    assert source and cause and "matches the recorded finding" in out, out
+    return {"source": source.group(1).strip(), "cause": cause.group(1),
+            "fix": cause.group(2).strip()}
+
+
+def _answer(g: Guarded, cwd: Path) -> dict[str, Any]:
+    first, top = g.first, g.report["diagnosis"][0]
+    return {"step": first["step"], "phase": first["phase"], "op": first["op"],
+            "source": _where(first["source"], cwd), "cause": top["cause"], "fix": top["fix"]}
+
+
+@pytest.mark.parametrize(("lr", "phase", "marker"), [
+    ("0.3", "loss", "# LOSS LINE"),
+    ("0.1", "forward", "# FORWARD LINE"),
+])
+def test_three_paths_agree_on_a_realistic_script(tmp_path: Path, lr: str, phase: str,
+                                                 marker: str) -> None:
+    dirs = [tmp_path / n for n in ("trace", "inprocess", "rerun")]
+    for d in dirs:
+        d.mkdir()
+    script = str(SCRIPTS / SALES)
+    with ThreadPoolExecutor(3) as pool:
+        traced = pool.submit(trace, dirs[0], SALES, "--lr", lr)
+        inproc = pool.submit(guarded, dirs[1], SALES, "--lr", lr)
+        rerun = pool.submit(_rerun_without_recipe, dirs[2], script, "--lr", lr)
+        t, a, b = traced.result(), inproc.result(), rerun.result()
+    assert t.first is not None and t.first["phase"] == phase, t
+    assert a.report["run"]["replay"]["status"] == "in-process", a.explain()
+    assert b.report["run"]["replay"]["status"] == "found", b.explain()
+    expected = f"{(SCRIPTS / SALES).resolve()}:{_line_of(SCRIPTS / SALES, marker)}"
+    one, two = _answer(a, dirs[1]), _answer(b, dirs[2])
+    assert (one["step"], one["phase"], one["source"]) == (t.first["step"], phase, expected), \
+        a.explain()
+    assert one == two, (one, two)
+    replayed = _replay(a.out)
+    assert _where(replayed["source"], dirs[1]) == expected
+    assert (replayed["cause"], replayed["fix"]) == (one["cause"], one["fix"])
+
+
+def test_three_paths_agree_on_the_demo(tmp_path: Path) -> None:
+    """`nanguard demo`'s seed 0 (Guard(replay=...) in process), its `nanguard replay`, and the
+    same training run by `nanguard run` with the in-process replay off (the re-run): the
+    `mse_loss` of the scenario's step, on its line."""
+    from nanguard.cli.demo import _train
+    from nanguard.scenarios import cascade
+    from nanguard.show.live import muted
+
+    (tmp_path / "script").mkdir()
+    script = tmp_path / "script" / "train.py"
+    script.write_text(CASCADE_SCRIPT)
+    with ThreadPoolExecutor(1) as pool:
+        rerun = pool.submit(_rerun_without_recipe, script.parent, str(script))
+        with muted():
+            report, _ = _train(0, 300, tmp_path / "seed-0", "observe")
+        b = rerun.result()
+    first, top = report.first_nonfinite, report.diagnosis[0]
+    assert first is not None
+    path = Path(cascade.__file__)
+    expected = f"{path.resolve()}:{_line_of(path, 'return loss_fn(model(x), y)')}"
+    one = {"step": first["step"], "phase": first["phase"], "op": first["op"],
+           "source": _where(first["source"], Path(os.getcwd()))}
+    assert one == {"step": 155, "phase": "loss", "op": "aten.mse_loss", "source": expected}
+    assert b.report["run"]["replay"]["status"] == "found", b.explain()
+    assert {k: v for k, v in _answer(b, script.parent).items() if k in one} == one
+    replayed = _replay(tmp_path / "seed-0")
+    assert _where(replayed["source"], tmp_path) == expected
+    assert (replayed["cause"], replayed["fix"]) == (top["cause"], top["fix"])
