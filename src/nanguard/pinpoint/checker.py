@@ -41,8 +41,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from nanguard.pinpoint import entered
 from nanguard.pinpoint.attribution import Attribution, node_origin, user_source
+from nanguard.pinpoint.op_args import op_args
 from nanguard.pinpoint.origin import (
+    InputRange,
     Origin,
     all_finite,
     float_tensors,
@@ -122,6 +125,7 @@ class NonfiniteChecker(TorchDispatchMode):
         self._cands: list[_Candidate] = []
         self._taint: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._intended: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._fresh: weakref.ref[torch.Tensor] | None = None
         attribution.on_optimizer.append(self._scan_state)
         attribution.on_model_input.append(self._batch_rows)
 
@@ -157,9 +161,32 @@ class NonfiniteChecker(TorchDispatchMode):
             self.done = True
         return self.origin
 
+    def __enter__(self) -> NonfiniteChecker:
+        entered.install(self)
+        return super().__enter__()
+
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
+        entered.uninstall(self)
         self.finish()
+
+    def fresh(self, t: torch.Tensor) -> bool:
+        """Whether `t` is the last tensor made from Python values that came out non-finite
+        and was taken for one made so on purpose (`pinpoint.entered` asks)."""
+        return self._fresh is not None and self._fresh() is t and not self.done
+
+    def entered(self, t: torch.Tensor, *, how: str, source: str | None,
+                data: InputRange) -> None:
+        """`t`, made from numbers that were finite (`data`: their float64 range), overflowed
+        on narrowing: it is not an intended inf but a candidate of its own, at `source`."""
+        self._fresh = None
+        self._intended.pop(id(t), None)
+        o = Origin(step=self.step, rank=self.rank, phase="data",
+                   module=self.attr.module(), op="aten.lift_fresh", source=source,
+                   inputs=[data], kind="op", output=output_summary(t),
+                   args={"dtype": str(t.dtype).replace("torch.", "")},
+                   entered={"how": how, "source": source})
+        self._open(o, [t])
 
     def _scan_state(self, optimizer: torch.optim.Optimizer) -> None:
         """At the start of `optimizer.step()`: a parameter or state tensor that is already
@@ -257,6 +284,8 @@ class NonfiniteChecker(TorchDispatchMode):
         fill = name in _FILL_OPS or _scalar_inf(args, kwargs)
         if fill and not tainted:
             self._mark_intended(outs)
+            if name in _FROM_PYTHON_OPS and outs:  # `pinpoint.entered` may say it overflowed
+                self._fresh = weakref.ref(outs[0])
             return
         # Written in place through a view (`x[:, c] = torch.log(x[:, c])`): the tensor it views
         # holds the value now, and later ops read that one, not the view. (Not a constant
@@ -278,7 +307,7 @@ class NonfiniteChecker(TorchDispatchMode):
         if intended and not has_nan(outs):
             self._mark_intended(outs)
             return
-        self._open(self._describe(name, args, kwargs, ins, outs),
+        self._open(self._describe(name, args, kwargs, ins, outs, func=func),
                    outs if intended else outs + bases)
         self._settle()
 
@@ -317,7 +346,7 @@ class NonfiniteChecker(TorchDispatchMode):
         return phase
 
     def _describe(self, name: str, args: Any, kwargs: Any, ins: list[torch.Tensor],
-                  outs: list[torch.Tensor]) -> Origin:
+                  outs: list[torch.Tensor], *, func: Any = None) -> Origin:
         attr = self.attr
         phase = self._phase(name)
         bad = next(t for t in outs if not all_finite([t]))
@@ -336,7 +365,8 @@ class NonfiniteChecker(TorchDispatchMode):
         return Origin(step=self.step, phase=phase, module=module, op=f"aten.{name}",
                       source=source, samples=samples, rank=self.rank, param=param,
                       inputs=input_ranges(ins), kind="op",
-                      node=None if node is None else node.name(), output=output_summary(bad))
+                      node=None if node is None else node.name(), output=output_summary(bad),
+                      args=op_args(func, args, kwargs) if func is not None else {})
 
     def _open_external(self, t: torch.Tensor, outs: list[torch.Tensor]) -> int:
         names = self.attr.param_names()
