@@ -159,6 +159,11 @@ class NonfiniteChecker(TorchDispatchMode):
                 if absorbed:
                     self.origin = absorbed[0].origin
             self.done = True
+        o = self.origin
+        if (o is not None and (o.kind == "input" or o.phase == "data")
+                and "file" not in (o.entered or {})):
+            refs = [r for c in self._cands if c.origin is o for r in c.refs]
+            entered.place(o, [t for r in refs if (t := r()) is not None])
         return self.origin
 
     def __enter__(self) -> NonfiniteChecker:
@@ -212,7 +217,11 @@ class NonfiniteChecker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
         if self.done:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if self.origin is not None and self.origin.kind == "input" and (
+                    self.origin.entered is None):
+                entered.follow(self, func, args, kwargs, out)  # a model input or a label?
+            return out
         self.ops_seen += 1
         attr = self.attr
         if attr._pending:
@@ -385,6 +394,8 @@ class NonfiniteChecker(TorchDispatchMode):
             if k is None or k < 0 or t.dim() == 0:
                 continue
             origin = self._cands[k].origin
+            if origin.kind == "input" and origin.entered is None:
+                origin.entered = {"how": "batch"}  # a model input: not a label
             if origin.kind == "input" and origin.dataset_rows is None:
                 # Called from a module hook, outside the dispatch handler: our own ops must not
                 # be seen by the checker as the training's.

@@ -17,6 +17,7 @@ Only while a checker runs (a replay, the armed re-run), never on the training's 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -83,3 +84,54 @@ def _narrowed(receiver: _Receiver, t: torch.Tensor, data: Any) -> None:
         data_range = input_ranges([wide])[0]
     how = "numpy" if type(data).__module__ == "numpy" else "tensor"
     receiver.entered(t, how=how, source=user_source(), data=data_range)
+
+
+_TARGET_ARGS = frozenset({"target"})
+"""Schema names of a loss's label argument (`mse_loss(self, target)`, `binary_cross_entropy
+(self, target, ...)`, `smooth_l1_loss`, `huber_loss`, `kl_div`, ...)."""
+
+
+def follow(checker: Any, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+    """After a batch value was settled as the origin (`kind` input) and before it is placed:
+    carry its label on through the ops that read it, until it reaches a model's forward
+    (`NonfiniteChecker._batch_rows`: a model input) or a loss's `target` argument (a label:
+    `entered` how `target`, at the loss's line). Only while the checker is otherwise
+    passing ops through; one identity lookup per tensor argument."""
+    origin = checker.origin
+    k = next((i for i, c in enumerate(checker._cands) if c.origin is origin), None)
+    if k is None:
+        return
+    try:
+        names = [a.name for a in func._schema.arguments]
+    except AttributeError:
+        names = []
+    hit = False
+    pairs = [(names[i] if i < len(names) else "", v) for i, v in enumerate(args)]
+    for name, value in pairs + list(kwargs.items()):
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor) and checker._label(t) == k:
+                if name in _TARGET_ARGS:
+                    origin.entered = {"how": "target", "source": user_source(),
+                                      "op": f"aten.{func.overloadpacket.__name__}"}
+                    return
+                hit = True
+    if hit:
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                checker._taint[id(t)] = (weakref.ref(t), k)
+
+
+def place(origin: Any, tensors: list[torch.Tensor]) -> None:
+    """At the end of the step, for a batch value: the data file it was read from, when the
+    tensor holding it came out of `torch.load` (`watch.loads.file_of`), else the one data file
+    the script read with NumPy, if only one (`watch.loads.data_files`)."""
+    from nanguard.watch import loads
+
+    path = next((p for t in tensors if (p := loads.file_of(t)) is not None), None)
+    read = "torch.load"
+    if path is None:
+        files = loads.data_files()
+        path, read = (files[0], "numpy") if len(files) == 1 else (None, "")
+    if path is None:
+        return
+    origin.entered = {**(origin.entered or {"how": "data_file"}), "file": path, "read": read}

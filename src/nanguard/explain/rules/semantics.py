@@ -118,6 +118,9 @@ def cast_overflow(ev: Evidence) -> Cause | None:
            if made else
            f"normalise or clip before the cast: `x.clamp(-{largest:.3g}, {largest:.3g})"
            f".to(torch.{dtype})`, or keep this value in {src.get('dtype')}")
+    if entered.get("file"):
+        fix += (f"; the values were read from {entered['file']}: `nanguard scan "
+                f"{entered['file']}` lists the rows beyond {largest:.3g}")
     return Cause(
         cause="cast_overflow",
         confidence=0.93,
