@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from nanguard.watch.stats import StepStats
 
 _STATS = ("running_mean", "running_var")
 _known: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[nn.Module], str]] = {}
@@ -40,9 +37,10 @@ def note(model: nn.Module) -> None:
                 _known[id(t)] = (weakref.ref(t), weakref.ref(module), full)
 
 
-def set_aside(stats: StepStats, buffers: list[torch.Tensor]) -> None:
+def set_aside(stats: Any, buffers: list[torch.Tensor]) -> None:
     """Move the non-finite buffers that training does not read (running statistics of a
-    BatchNorm in training mode) from the failure signals to `stats.unread_nonfinite`."""
+    BatchNorm in training mode) from the failure signals to `stats.unread_nonfinite` (`stats`
+    is a `watch.stats.StepStats`; not imported: stats imports this module)."""
     for i, v in stats.buffer_norms.items():
         if math.isfinite(v) or i >= len(buffers):
             continue
