@@ -69,8 +69,11 @@ def domain_error(ev: Evidence) -> Cause | None:
     op = _base(ev.op)
     if op not in _DOMAIN or ev.phase in ("backward", "optimizer") or not ev.inputs:
         return None
-    base = ev.inputs[0]
-    lo, hi = _num(base.get("min"), math.nan), _num(base.get("max"), math.nan)
+    scalar = _args(ev).get("self")  # `pow.Scalar`: a Python base, the tensor is the exponent
+    if isinstance(scalar, (int, float)) and not isinstance(scalar, bool):
+        lo = hi = float(scalar)
+    else:
+        lo, hi = _num(ev.inputs[0].get("min"), math.nan), _num(ev.inputs[0].get("max"), math.nan)
     if math.isnan(lo) or not _outside(op, lo, hi, _args(ev).get("exponent")):
         return None
     what, fix = _DOMAIN[op]
