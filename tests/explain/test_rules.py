@@ -154,6 +154,32 @@ CASES = [
         ),
         Evidence(),
     ),
+    (
+        R.domain_error,
+        _ev(phase="forward", op="aten.sqrt", inputs=[{"min": -0.5, "max": 2.0}]),
+        _ev(phase="forward", op="aten.sqrt", inputs=[{"min": 0.0, "max": 2.0}]),
+    ),
+    (
+        R.cast_overflow,
+        _ev(phase="data", op="aten._to_copy", output={"dtype": "float32", "inf": True},
+            inputs=[{"dtype": "float64", "min": 1.0, "max": 1e40}]),
+        _ev(phase="data", op="aten._to_copy", output={"dtype": "float32", "inf": True},
+            inputs=[{"dtype": "float64", "min": 1.0, "max": "inf", "nonfinite": True}]),
+    ),
+    (
+        R.inf_arithmetic,
+        _ev(phase="forward", op="aten.mul", output={"nan": True},
+            inputs=[{"min": "-inf", "max": 0.0, "nonfinite": True},
+                    {"min": 0.0, "max": 1.0, "has_zero": True}]),
+        _ev(phase="forward", op="aten.mul", output={"nan": True},
+            inputs=[{"min": -1.0, "max": 0.0}, {"min": 0.0, "max": 1.0, "has_zero": True}]),
+    ),
+    (
+        R.arithmetic_overflow,
+        _ev(phase="forward", op="aten.mm", inputs=[{"min": -1e20, "max": 3e20}]),
+        _ev(phase="forward", op="aten.mm",
+            inputs=[{"min": -1e20, "max": "inf", "nonfinite": True}]),
+    ),
     (R.nondeterministic, Evidence(reproduced=False), Evidence(reproduced=True)),
     (
         R.checkpoint_corrupt,

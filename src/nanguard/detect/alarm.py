@@ -21,6 +21,8 @@ ALARM_KINDS = (
     "checkpoint_mismatch",  # a loaded checkpoint differs from the manifest of its save
     "rerun_mismatch",  # a sampled quiet step re-ran differently (`DetectConfig.rerun_every`)
     "eval_nonfinite",  # a metric an evaluation pass logged is NaN/Inf (detect.eval_metrics)
+    "buffer_nonfinite",  # a buffer training does not read (BatchNorm running statistics in
+    # training mode) went NaN/Inf: evaluation will read it (nanguard.watch.unread; a warning)
     # (nanguard.watch.loads, under `nanguard run`: recorded, never acted on)
 )
 

@@ -161,11 +161,13 @@ class NonFiniteDetector(Detector):
         super().__init__(config)
         self.phase = signals
         self._active: set[str] = set()
+        self._unread_warned = False
 
     def check(self, stats: StepStats) -> list[Alarm]:
         # As sealed by the guard (no copy), else scanned now.
         signals = stats._signals if stats._signals is not None else stats.nonfinite_signals()
-        if not signals and not self._active and not stats.overflowed:
+        if not signals and not self._active and not stats.overflowed and (
+                not stats.unread_nonfinite or self._unread_warned):
             return []  # the quiet step: nothing non-finite now, no episode to end
         wanted = (("data", "loss", "grad", "activation") if self.phase == "pre"
                   else ("param", "optimizer", "buffer"))
@@ -183,6 +185,14 @@ class NonFiniteDetector(Detector):
                 )
             )
         self._active = now
+        if self.phase == "post" and stats.unread_nonfinite and not self._unread_warned:
+            self._unread_warned = True  # once: it stays non-finite until reset
+            names = ", ".join(list(stats.unread_nonfinite.values())[:4])
+            alarms.append(Alarm(
+                step=stats.step, kind="buffer_nonfinite", signal="buffer", value=math.nan,
+                message=f"non-finite {names} at step {stats.step}: BatchNorm running "
+                "statistics, which training mode does not read; eval mode will (NaN outputs "
+                "there): `module.reset_running_stats()` after the cause is fixed"))
         if self.phase == "pre" and stats.overflowed and "grad" not in now:
             alarms += self._fire(
                 stats,

@@ -90,7 +90,7 @@ class QuietGate:
         if not self.enabled:
             return False
         signals = stats._signals
-        if signals is None or signals or stats.overflowed:
+        if signals is None or signals or stats.overflowed or stats.unread_nonfinite:
             return False  # not sealed, or non-finite: the non-finite detectors' business
         pre = phase != "post"
         post = phase != "pre"

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from nanguard.explain.evidence import Cause
+from nanguard.explain.rules.semantics import known_op
 
 CAUSE = "undetermined"
 
@@ -74,10 +75,15 @@ def undetermined(first_nonfinite: dict[str, Any] | None, *, alarms: list[dict[st
     where += f", `{module}`" if module else ""
     where += f") at {first_nonfinite.get('source')}" if first_nonfinite.get("source") else ")"
     inputs = first_nonfinite.get("inputs") or []
-    if inputs:
+    if inputs and not known_op(str(op)):
         ranges = "; ".join(_range(i) for i in inputs[:3])
-        missing = (f"its inputs ({ranges}) match no rule of the cause vocabulary (no zero or "
-                   "negative at a singular point, no huge magnitude, no mask)")
+        missing = (f"{op} is not in nanguard's op table (no rule knows how it makes a "
+                   f"non-finite value); its inputs: {ranges}")
+    elif inputs:
+        ranges = "; ".join(_range(i) for i in inputs[:3])
+        missing = (f"its inputs ({ranges}) match no mechanism the op table has for {op} (no "
+                   "zero or negative at a singular point, no huge magnitude, no mask)")
+    if inputs:
         fix = "look at that line with these input ranges" + (
             f"; `nanguard replay RUN --step {step}` re-runs the step and prints the origin "
             "again" if run else "")

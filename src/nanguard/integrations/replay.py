@@ -23,7 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from nanguard.guard import Guard
 from nanguard.pinpoint import armed
 from nanguard.record.store import NullStore
-from nanguard.watch import rng
+from nanguard.watch import loads, rng
 
 
 def record_nothing() -> None:
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {}
     sys.argv = [str(script), *a.args]
     sys.path[0] = str(script.resolve().parent)
+    loads.track()  # the files the data came from (`first_nonfinite.entered.file`)
     with armed(a.step, rank=a.rank) as state:
 
         def stop(*_: Any) -> None:
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             result["script_error"] = f"{type(exc).__name__}: {exc}"
         finally:
             handle.remove()
+    loads.untrack()
     origin = state.origin.to_dict() if state.origin is not None else None
     result.update(origin=origin, ran=state.ran, steps_seen=state.steps_seen)
     Path(a.result).write_text(json.dumps(result))

@@ -41,8 +41,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from nanguard.pinpoint import entered
 from nanguard.pinpoint.attribution import Attribution, node_origin, user_source
+from nanguard.pinpoint.op_args import op_args
 from nanguard.pinpoint.origin import (
+    InputRange,
     Origin,
     all_finite,
     float_tensors,
@@ -122,6 +125,7 @@ class NonfiniteChecker(TorchDispatchMode):
         self._cands: list[_Candidate] = []
         self._taint: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self._intended: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._fresh: weakref.ref[torch.Tensor] | None = None
         attribution.on_optimizer.append(self._scan_state)
         attribution.on_model_input.append(self._batch_rows)
 
@@ -155,11 +159,39 @@ class NonfiniteChecker(TorchDispatchMode):
                 if absorbed:
                     self.origin = absorbed[0].origin
             self.done = True
+        o = self.origin
+        if (o is not None and (o.kind == "input" or o.phase == "data")
+                and "file" not in (o.entered or {})):
+            refs = [r for c in self._cands if c.origin is o for r in c.refs]
+            entered.place(o, [t for r in refs if (t := r()) is not None])
         return self.origin
+
+    def __enter__(self) -> NonfiniteChecker:
+        entered.install(self)
+        return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
+        entered.uninstall(self)
         self.finish()
+
+    def fresh(self, t: torch.Tensor) -> bool:
+        """Whether `t` is the last tensor made from Python values that came out non-finite
+        and was taken for one made so on purpose (`pinpoint.entered` asks)."""
+        return self._fresh is not None and self._fresh() is t and not self.done
+
+    def entered(self, t: torch.Tensor, *, how: str, source: str | None,
+                data: InputRange) -> None:
+        """`t`, made from numbers that were finite (`data`: their float64 range), overflowed
+        on narrowing: it is not an intended inf but a candidate of its own, at `source`."""
+        self._fresh = None
+        self._intended.pop(id(t), None)
+        o = Origin(step=self.step, rank=self.rank, phase="data",
+                   module=self.attr.module(), op="aten.lift_fresh", source=source,
+                   inputs=[data], kind="op", output=output_summary(t),
+                   args={"dtype": str(t.dtype).replace("torch.", "")},
+                   entered={"how": how, "source": source})
+        self._open(o, [t])
 
     def _scan_state(self, optimizer: torch.optim.Optimizer) -> None:
         """At the start of `optimizer.step()`: a parameter or state tensor that is already
@@ -185,7 +217,11 @@ class NonfiniteChecker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
         if self.done:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if self.origin is not None and self.origin.kind == "input" and (
+                    self.origin.entered is None):
+                entered.follow(self, func, args, kwargs, out)  # a model input or a label?
+            return out
         self.ops_seen += 1
         attr = self.attr
         if attr._pending:
@@ -257,6 +293,8 @@ class NonfiniteChecker(TorchDispatchMode):
         fill = name in _FILL_OPS or _scalar_inf(args, kwargs)
         if fill and not tainted:
             self._mark_intended(outs)
+            if name in _FROM_PYTHON_OPS and outs:  # `pinpoint.entered` may say it overflowed
+                self._fresh = weakref.ref(outs[0])
             return
         # Written in place through a view (`x[:, c] = torch.log(x[:, c])`): the tensor it views
         # holds the value now, and later ops read that one, not the view. (Not a constant
@@ -278,7 +316,7 @@ class NonfiniteChecker(TorchDispatchMode):
         if intended and not has_nan(outs):
             self._mark_intended(outs)
             return
-        self._open(self._describe(name, args, kwargs, ins, outs),
+        self._open(self._describe(name, args, kwargs, ins, outs, func=func),
                    outs if intended else outs + bases)
         self._settle()
 
@@ -317,7 +355,7 @@ class NonfiniteChecker(TorchDispatchMode):
         return phase
 
     def _describe(self, name: str, args: Any, kwargs: Any, ins: list[torch.Tensor],
-                  outs: list[torch.Tensor]) -> Origin:
+                  outs: list[torch.Tensor], *, func: Any = None) -> Origin:
         attr = self.attr
         phase = self._phase(name)
         bad = next(t for t in outs if not all_finite([t]))
@@ -336,7 +374,8 @@ class NonfiniteChecker(TorchDispatchMode):
         return Origin(step=self.step, phase=phase, module=module, op=f"aten.{name}",
                       source=source, samples=samples, rank=self.rank, param=param,
                       inputs=input_ranges(ins), kind="op",
-                      node=None if node is None else node.name(), output=output_summary(bad))
+                      node=None if node is None else node.name(), output=output_summary(bad),
+                      args=op_args(func, args, kwargs) if func is not None else {})
 
     def _open_external(self, t: torch.Tensor, outs: list[torch.Tensor]) -> int:
         names = self.attr.param_names()
@@ -355,6 +394,8 @@ class NonfiniteChecker(TorchDispatchMode):
             if k is None or k < 0 or t.dim() == 0:
                 continue
             origin = self._cands[k].origin
+            if origin.kind == "input" and origin.entered is None:
+                origin.entered = {"how": "batch"}  # a model input: not a label
             if origin.kind == "input" and origin.dataset_rows is None:
                 # Called from a module hook, outside the dispatch handler: our own ops must not
                 # be seen by the checker as the training's.

@@ -2,7 +2,7 @@
 
 `Origin.to_dict()` gives the `first_nonfinite` keys of report.json (`step`, `phase`, `module`,
 `op`, `source`, `samples`, `rank`) plus the evidence a diagnosis step reads (`param`,
-`reproduced`, `inputs`, `kind`, `node`, `output`, `propagated_by`, `batch_item`).
+`reproduced`, `inputs`, `kind`, `node`, `output`, `propagated_by`, `batch_item`, `args`).
 
 The tensor helpers here run on the host only for the one op that is reported, never per op.
 """
@@ -83,6 +83,12 @@ class Origin:
     dataset_rows: list[int] | None = None
     """For `data` met before the batch existed (a collate function stacking rows of a whole
     data set): the rows of that tensor; `samples` are the rows of the batch."""
+    entered: dict[str, Any] | None = None
+    """Where a value that entered already non-finite came in: `how` (`tensor`, `numpy`:
+    made from those numbers; `data_file`; `checkpoint`; `target`) and `source`."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """The op's non-tensor arguments by schema name (`pinpoint.op_args`): a Python scalar
+    divisor (`other`), `correction`, `dim`, the `dtype` of a cast or tensor creation."""
 
     def to_dict(self) -> dict[str, Any]:
         """The report.json `first_nonfinite` entry (JSON-safe: no NaN/Inf floats)."""
@@ -93,6 +99,7 @@ class Origin:
             "inputs": [i.to_dict() for i in self.inputs], "kind": self.kind, "node": self.node,
             "output": dict(self.output), "propagated_by": self.propagated_by,
             "batch_item": self.batch_item, "dataset_rows": self.dataset_rows,
+            "args": dict(self.args), "entered": self.entered,
         }
 
 

@@ -47,6 +47,7 @@ MEANING = {
     "replica_divergence": "silent corruption: ranks that should hold the same weights do not",
     "checkpoint_mismatch": "silent corruption: the state trained from is not what was saved",
     "eval_nonfinite": "in evaluation, not training: loggers often drop NaN points silently",
+    "buffer_nonfinite": "training does not read it, evaluation will: its outputs turn NaN",
     "rerun_mismatch": "silent corruption or a non-deterministic kernel: the same step computed "
                       "twice gave two results",
 }

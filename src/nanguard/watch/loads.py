@@ -49,6 +49,10 @@ _any = False
 a `nanguard run` is written once the script's hooks are gone)."""
 _sites: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
 """id(tensor) -> (the tensor, weakly; the line whose load wrote it)."""
+_files: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+"""id(tensor) -> (the tensor, weakly; the file `torch.load` read it from)."""
+_data_files: list[str] = []
+"""Files read with NumPy under `track()`: the data a batch value may have come from."""
 _mismatches: list[dict[str, Any]] = []
 """Loaded checkpoints that differ from their manifests, not yet recorded by a guard."""
 
@@ -126,10 +130,36 @@ def _wrap(owner: Any, attr: str) -> None:
             path = args[0] if args else kwargs.get("f")
             if isinstance(path, (str, os.PathLike)):
                 verify(out, os.fspath(path), site)
+                _note_file(out, os.fspath(path))
         return out
 
     _patched.append((owner, attr, original))
     setattr(owner, attr, wrapper)
+
+
+def _note_file(loaded: Any, path: str, depth: int = 0) -> None:
+    """Remember `path` as the file of each tensor `torch.load` returned (in dicts, lists and
+    tuples, two levels deep): a data set saved as tensors is named by its file."""
+    if isinstance(loaded, torch.Tensor):
+        _files[id(loaded)] = (weakref.ref(loaded), path)
+    elif depth < 2 and isinstance(loaded, dict):
+        for v in list(loaded.values())[:64]:
+            _note_file(v, path, depth + 1)
+    elif depth < 2 and isinstance(loaded, (list, tuple)):
+        for v in loaded[:64]:
+            _note_file(v, path, depth + 1)
+
+
+def file_of(t: torch.Tensor) -> str | None:
+    """The file `torch.load` read `t` from (under `track()`), when it did."""
+    hit = _files.get(id(t))
+    return hit[1] if hit is not None and hit[0]() is t else None
+
+
+def data_files() -> list[str]:
+    """The files the script read with NumPy (`np.load`, `np.loadtxt`, `np.genfromtxt`)
+    under `track()`, in order, without repeats."""
+    return list(dict.fromkeys(_data_files))
 
 
 def verify(loaded: Any, path: str, site: str | None) -> None:
@@ -190,6 +220,30 @@ def track() -> None:
     _wrap(torch, "load")
     _wrap(torch.nn.Module, "load_state_dict")
     _wrap(torch.optim.Optimizer, "load_state_dict")
+    _files.clear()
+    _data_files.clear()
+    try:
+        import numpy
+    except ImportError:  # no NumPy: no NumPy reads to name
+        return
+    for name in ("load", "loadtxt", "genfromtxt"):
+        _wrap_read(numpy, name)
+
+
+def _wrap_read(owner: Any, attr: str) -> None:
+    """Wrap a data-file reader (NumPy's): the path it read joins `data_files()`. Not a load
+    of state: `note` is not called."""
+    original = getattr(owner, attr)
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        path = args[0] if args else kwargs.get("fname", kwargs.get("file"))
+        if isinstance(path, (str, os.PathLike)):
+            _data_files.append(os.fspath(path))
+        return original(*args, **kwargs)
+
+    _patched.append((owner, attr, original))
+    setattr(owner, attr, wrapper)
 
 
 def untrack() -> None:

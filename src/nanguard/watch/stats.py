@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from nanguard.record.writer import RawHashes, combine_sums
+from nanguard.watch import unread
 from nanguard.watch.layout import FIRST_MOMENT_KEYS, SECOND_MOMENT_KEYS, PostLayout
 from nanguard.watch.norms import NormPlan, Norms, _is_dtensor, _values, local, norm_values
 from nanguard.watch.packet import Packet
@@ -77,6 +78,10 @@ class StepStats:
     buffer_norms: dict[int, float] = field(default_factory=dict)
     """Per floating-point buffer of the model (BatchNorm running statistics, ...): L2 norm
     after the step, by buffer index. A running variance at inf makes every eval NaN."""
+    unread_nonfinite: dict[int, str] = field(default_factory=dict)
+    """Buffers (index -> name) non-finite after the step that training does not read
+    (`watch.unread`: BatchNorm running statistics in training mode): a warning, left out of
+    `nonfinite_signals`."""
     update_norm: float | None = None
     """L2 norm of the whole update (sampled steps only)."""
     activations: dict[str, float] = field(default_factory=dict)
@@ -284,7 +289,9 @@ class StepStats:
         for key, norms in self.state_norms.items():
             if not math.isfinite(sum(norms.values())) and _any_nonfinite(norms, key, over):
                 out.append(f"optimizer.{key}")
-        if not math.isfinite(sum(self.buffer_norms.values())):
+        if not math.isfinite(sum(self.buffer_norms.values())) and any(
+                not math.isfinite(v) for i, v in self.buffer_norms.items()
+                if i not in self.unread_nonfinite):
             out.append("buffer")
         if not math.isfinite(sum(self.activations.values())):
             out.append("activation")
@@ -457,6 +464,7 @@ class StepProbe:
                     norms[i] = float(torch.linalg.vector_norm(t64))
                     if key != "buffer":
                         stats.overflowed.add(i)
+        unread.set_aside(stats, self.buffers)
 
     def resolve_overflow(self, stats: StepStats) -> None:
         """Tell "the float32 sum of squares overflowed" from "an element is infinite".
@@ -493,4 +501,5 @@ def watched_buffers(model: nn.Module) -> tuple[list[str], list[torch.Tensor]]:
     with torch.no_grad():
         has_inf = torch.stack([torch.isinf(local(b)).any().cpu() for _, b in named]).tolist()
     kept = [(n, b) for (n, b), inf in zip(named, has_inf, strict=True) if not inf]
+    unread.note(model)
     return [n for n, _ in kept], [b for _, b in kept]

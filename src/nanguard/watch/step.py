@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from nanguard.config import WatchConfig
+from nanguard.watch import unread
 from nanguard.watch.activations import ActivationProbe, dtype_max
 from nanguard.watch.batch import BatchProbe, Taken
 from nanguard.watch.layout import PostLayout
@@ -208,6 +209,12 @@ class StepWatch:
                 # This step's forward read a non-finite batch: buffers it writes (BatchNorm's
                 # running statistics) hold the value because of the batch, not of a load.
                 flags = [1.0 if n.startswith("buffer:") else f
+                         for n, f in zip(p.loaded, flags, strict=True)]
+            elif not all(flags):
+                # Running statistics of a BatchNorm in training mode were written by this
+                # step's forward: not loaded state; the post-update check warns of them.
+                written = unread.training_names()
+                flags = [1.0 if n.removeprefix("buffer:") in written else f
                          for n, f in zip(p.loaded, flags, strict=True)]
             self._on_loaded(p.step, p.loaded, flags)
         if "attn" in slots:

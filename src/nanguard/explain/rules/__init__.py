@@ -11,7 +11,8 @@ Fixes use the run's own numbers (LR, healthy grad norm, the growth it measured) 
 entry point (`Evidence.entry`: a `Guard(...)` option for `api` users, a `nanguard run` flag for
 zero-code users).
 
-The families: where the value came from (`origin`), an op at a bad point (`ops`), the
+The families: where the value came from (`origin`), an op at a bad point (`ops`,
+`division`, and the rest of the op table in `semantics`), the
 optimizer (`optimizer`), magnitudes and alarms over the run (`dynamics`), faults outside the
 model's math (`faults`); what several of them read is in `common`.
 """
@@ -19,10 +20,10 @@ model's math (`faults`); what several of them read is in `common`.
 from __future__ import annotations
 
 from nanguard.explain.rules.common import Rule
+from nanguard.explain.rules.division import division_by_zero
 from nanguard.explain.rules.dynamics import bad_batch, exploding_init, vanishing_gradients
 from nanguard.explain.rules.faults import checkpoint_corrupt, nondeterministic, replica_divergence
 from nanguard.explain.rules.ops import (
-    division_by_zero,
     exp_overflow,
     log_of_nonpositive,
     low_precision_overflow,
@@ -37,6 +38,12 @@ from nanguard.explain.rules.origin import (
     init_nonfinite,
     label_nonfinite,
 )
+from nanguard.explain.rules.semantics import (
+    arithmetic_overflow,
+    cast_overflow,
+    domain_error,
+    inf_arithmetic,
+)
 
 RULES: list[Rule] = [
     checkpoint_nonfinite,
@@ -46,6 +53,9 @@ RULES: list[Rule] = [
     log_of_nonpositive,
     saturated_loss,
     division_by_zero,
+    domain_error,
+    cast_overflow,
+    inf_arithmetic,
     singular_gradient,
     masked_softmax,
     exp_overflow,
@@ -55,6 +65,7 @@ RULES: list[Rule] = [
     exploding_init,
     bad_batch,
     vanishing_gradients,
+    arithmetic_overflow,
     replica_divergence,
     nondeterministic,
     checkpoint_corrupt,

@@ -228,3 +228,15 @@ def _ordinary_before(ev: Evidence) -> str | None:
         if seen and all(v < HUGE for _, v in seen):
             return ", ".join(f"{label} {v:.3g}" for label, v in seen) + f" at step {step - 1}"
     return None
+
+
+def _args(ev: Evidence) -> dict[str, Any]:
+    """The origin op's non-tensor arguments (`first_nonfinite.args`, `pinpoint.op_args`)."""
+    got = (ev.first_nonfinite or {}).get("args")
+    return got if isinstance(got, dict) else {}
+
+
+def _at_line(ev: Evidence) -> str:
+    """` at FILE:LINE` of the origin op (the user's line), or "" when unknown."""
+    src = (ev.first_nonfinite or {}).get("source")
+    return f" at {src}" if src else ""

@@ -1,13 +1,13 @@
 """Rules for an op that made a non-finite value at a bad point of its domain: a log of values
-<= 0, a saturated probability before a loss's log, a division by zero (or a mean over
-nothing), the infinite derivative of sqrt / a norm at 0, a fully masked softmax row, an exp
-overflow, and an overflow of a reduced-precision dtype float32 would hold.
+<= 0, a saturated probability before a loss's log, the infinite derivative of sqrt / a norm
+at 0, a fully masked softmax row, an exp overflow, and an overflow of a reduced-precision
+dtype float32 would hold. Divisions are in `division`, the other ops of the table in
+`semantics`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from nanguard.explain.evidence import Cause, Evidence
 from nanguard.explain.rules.common import (
@@ -31,6 +31,7 @@ _SOFTMAX_OPS = (
     "aten._log_softmax",
     "aten.log_softmax",
     "aten._safe_softmax",
+    "aten.logsumexp",
 )
 
 
@@ -48,6 +49,9 @@ def log_of_nonpositive(ev: Evidence) -> Cause | None:
     neg = _any_input(ev, "has_negative")
     if ev.inputs and not (zero or neg):
         return None
+    if ev.op.startswith("aten.log1p") and ev.inputs and min(
+            _num(i.get("min"), 0.0) for i in ev.inputs) > -1.0:
+        return None  # log1p is finite down to -1 (exclusive): not at its singular point
     what = "zeros" if zero else "negative values" if neg else "values <= 0"
     missing = "" if ev.inputs else " (presumably: its input ranges were not recorded)"
     return Cause(
@@ -106,55 +110,6 @@ def saturated_loss(ev: Evidence) -> Cause | None:
         "`F.binary_cross_entropy_with_logits(z, y)`; `softmax` then `log` -> `log_softmax`; "
         "hand-written `-(y*log(h) + (1-y)*log(1-h))` with `h = sigmoid(z)` -> "
         "`F.binary_cross_entropy_with_logits(z, y)` (or `F.logsigmoid(z)`, `F.logsigmoid(-z)`)",
-    )
-
-
-def _empty_input(ev: Evidence) -> dict[str, Any] | None:
-    """The origin op's first input with no elements (a dimension of size 0), when its output
-    is NaN: a reduction over nothing (a mean, a loss averaged over an empty selection)."""
-    out = (ev.first_nonfinite or {}).get("output") or {}
-    if not out.get("nan"):
-        return None
-    return next((i for i in ev.inputs
-                 if isinstance(i.get("shape"), list) and 0 in i["shape"]), None)
-
-
-def _empty_reduction(ev: Evidence, empty: dict[str, Any]) -> Cause:
-    shape = empty.get("shape")
-    rows = " (0 rows)" if shape and shape[0] == 0 else ""
-    return Cause(
-        cause="division_by_zero",
-        confidence=0.85,
-        evidence=f"{_where(ev)} reduced an empty tensor: input shape {shape}{rows}; the mean "
-        "over no elements is 0 / 0 (an empty selection or split of the batch)",
-        fix="skip the term when the selection is empty (`if mask.any(): ...`), or average "
-        "over a count that cannot be 0: `(per_item * mask).sum() / mask.sum().clamp_min(1)`; "
-        "for an empty split, check its size before training on it",
-    )
-
-
-def division_by_zero(ev: Evidence) -> Cause | None:
-    """Needs: origin op a division (not in the optimizer, not inside a singular node's
-    backward) whose denominator holds zeros or values within rounding of 0; or any op that
-    made a NaN out of an input with no elements (a mean or a loss over an empty selection:
-    0 / 0). Ruled out: a denominator range away from 0 (a huge numerator overflowed instead),
-    an empty input with a finite or Inf output. Without input ranges it fires lower (not in
-    backward: singular_gradient), saying so."""
-    if ev.phase != "optimizer" and (empty := _empty_input(ev)) is not None:
-        return _empty_reduction(ev, empty)
-    if not ev.op.startswith(("aten.div", "aten.reciprocal", "aten._foreach_div")):
-        return None
-    if ev.phase == "optimizer" or _singular_node(ev):
-        return None  # optimizer_state_nonfinite / singular_gradient explain it better
-    at, phrase = _singular_input(ev)
-    if at == "no" or (at == "missing" and ev.phase == "backward"):
-        return None
-    conf = {"zero": 0.85, "tiny": 0.8}.get(at, 0.5)
-    return Cause(
-        cause="division_by_zero",
-        confidence=conf,
-        evidence=f"{_where(ev)} divided by zero: {phrase}",
-        fix="add an eps to the denominator: `x / (std + 1e-5)` or `x / d.clamp_min(1e-12)`",
     )
 
 

@@ -16,7 +16,27 @@ def _batch_evidence(ev: Evidence) -> bool:
     first = ev.first_nonfinite or {}
     if first.get("tensors"):
         return False
-    return bool(ev.bad_tensors or first.get("batch_item") or first.get("samples"))
+    return bool(ev.bad_tensors or first.get("batch_item") or first.get("samples")
+                or _entered(ev).get("how") in ("batch", "target"))
+
+
+def _entered(ev: Evidence) -> dict[str, object]:
+    """Where the checker saw a batch value enter (`first_nonfinite.entered`): `how` (`batch`:
+    a model input; `target`: a loss's target argument), `file` and `read` (the data file it
+    came from, and how it was read)."""
+    got = (ev.first_nonfinite or {}).get("entered")
+    return got if isinstance(got, dict) else {}
+
+
+def _scan(ev: Evidence) -> str:
+    """`nanguard scan FILE` for the data file the value came from, else a placeholder."""
+    path = _entered(ev).get("file")
+    return f"`nanguard scan {path}`" if path else "`nanguard scan <your data file>`"
+
+
+def _from_file(ev: Evidence) -> str:
+    got = _entered(ev)
+    return f"; it was read from {got['file']} ({got.get('read')})" if got.get("file") else ""
 
 
 def _before_first_update(ev: Evidence) -> tuple[str, float] | None:
@@ -136,6 +156,9 @@ def _only_targets(ev: Evidence) -> bool:
     first = ev.first_nonfinite or {}
     if ev.bad_tensors:  # the guard read the batch tensors themselves
         return ev.n_batch_tensors > 1 and ev.bad_tensors == [ev.n_batch_tensors - 1]
+    how = _entered(ev).get("how")
+    if how in ("target", "batch"):  # the checker followed it to a loss target / the model
+        return how == "target"
     if first.get("module") is None and str(first.get("op") or "").startswith(_LOSS_OPS):
         return True  # first consumed by the loss, outside every module: not a model input
     item = str((ev.first_nonfinite or {}).get("batch_item") or "")  # e.g. "[1]" or "['y']"
@@ -149,8 +172,8 @@ def _batch_held(ev: Evidence) -> bool:
     """The batch held the value before the step: phase `data` with evidence that the batch
     holds it (`_batch_evidence`), or, whatever op first touched it and in whichever phase the
     origin was put, the guard's own check of the batch found non-finite batch tensors."""
-    if ev.phase == "data":
-        return _batch_evidence(ev)
+    if ev.phase == "data":  # a cast that overflowed on reading is the op's, not the data's
+        return _batch_evidence(ev) and not _made_in_step(ev)
     return (bool(ev.bad_tensors) and not (ev.first_nonfinite or {}).get("tensors")
             and not _made_in_step(ev))
 
@@ -192,11 +215,17 @@ def data_nonfinite(ev: Evidence) -> Cause | None:
         cause="data_nonfinite",
         confidence=0.95,
         evidence=f"the batch at step {ev.step} already holds NaN/Inf in its inputs ({rows}), "
-        f"before any op computed on it{_first_reader(ev)}",
-        fix="drop or repair those rows at load time; find all of them with "
-        "`nanguard scan <your data file>`"
+        f"before any op computed on it{_first_reader(ev)}{_from_file(ev)}",
+        fix=f"drop or repair those rows at load time; find all of them with {_scan(ev)}"
         + (" (or nanguard.audit.scan_dataset(dataset))" if ev.entry != "run" else ""),
     )
+
+
+def _target_line(ev: Evidence) -> str:
+    got = _entered(ev)
+    if got.get("how") != "target":
+        return ""
+    return f"; it reached the loss as its target ({got.get('op')} at {got.get('source')})"
 
 
 def label_nonfinite(ev: Evidence) -> Cause | None:
@@ -209,6 +238,7 @@ def label_nonfinite(ev: Evidence) -> Cause | None:
         cause="label_nonfinite",
         confidence=0.95,
         evidence=f"the targets of step {ev.step} hold NaN/Inf (samples {samples[:8]}); "
-        f"the inputs are finite{_first_reader(ev)}",
-        fix="fix or drop those labels; `nanguard scan <data> --label <column>` lists every row",
+        f"the inputs are finite{_first_reader(ev)}{_target_line(ev)}{_from_file(ev)}",
+        fix=f"fix or drop those labels; {_scan(ev)} lists every row holding NaN/Inf, the "
+        "target column's among them",
     )
