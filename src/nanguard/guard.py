@@ -118,6 +118,8 @@ class Guard(StepPath):
     script_clip: float | None
     """`nanguard run`: the `max_norm` of the script's own `clip_grad_norm_` (0 when off);
     the diagnosis weighs its fixes by it."""
+    script_argv: list[str] | None
+    """`nanguard run`: the script's own arguments; a fix names the flag that set a value."""
     preflight: dict[str, Any] | None
     """`nanguard run --preflight`: its verdict, for the diagnosis."""
     error: dict[str, Any] | None
@@ -154,6 +156,7 @@ class Guard(StepPath):
         # Before any hook is registered: an unwritable folder must leave the model untouched.
         self.store = self._open_store(cfg.record.out, cfg.record.if_exists)
         self.run_entry, self.script_clip, self.preflight, self.error = "api", None, None, None
+        self.script_argv = None
         self.detectors = wiring.watch_stage(self)
         wiring.step_state(self)
         self._closed, self._ended, self.report = False, ("ok", None), None
@@ -417,12 +420,12 @@ class Guard(StepPath):
         carries it, so a resumed guard explains with the history from before the resume.
 
         Set by other parts, read here with a default: `run_entry`, `script_clip` (the
-        `max_norm` of the script's own clipping, 0 when off) and `preflight`."""
+        `max_norm` of the script's own clipping, 0 when off), `script_argv` and `preflight`."""
         return self.log.plain(
             optimizer=self.optimizer, params=self.params, detectors=self.detectors,
             lead_window=self.config.detect.lead_window,
             facts={"script_clip": self.script_clip, "entry": getattr(self, "run_entry", "api"),
-                   "preflight": self.preflight})
+                   "preflight": self.preflight, "script_argv": self.script_argv})
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume watching where this guard left off, the run log
