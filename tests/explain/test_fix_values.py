@@ -233,3 +233,38 @@ def test_exp_of_a_softmax_logit_keeps_the_max_fix(tmp_path: Path) -> None:
     assert soft is not None and "subtract the max" in soft.fix and "clamp" not in soft.fix
     scale = R.exp_overflow(Evidence(first_nonfinite={**first, "source": f"{src}:2"}))
     assert scale is not None and "`log_var = log_var.clamp(-30, 20)`" in scale.fix
+
+
+def _sgd_diverging(lrs: list[float], argv: list[str]) -> Evidence:
+    """SGD blowing up from its first update (grad norm 0.97 -> 2e3), at these LRs per step."""
+    history = [{"step": s, "loss": loss, "grad_norm": g, "lr": lr} for s, (loss, g, lr) in
+               enumerate(zip((4.8, 2.3e5, 5.2e12), (0.97, 2.0e3, math.inf), lrs, strict=True))]
+    return Evidence(first_nonfinite={"step": 2, "phase": "backward", "op": "aten.mm"},
+                    lr=lrs[-1], optimizer="SGD", history=history, argv=argv)
+
+
+def test_lr_flag_under_a_schedule_and_under_a_scaling_rule() -> None:
+    # A warm-up moved the LR from 0.1 to 0.5 (the flag, its peak): the flag is set to the
+    # bound every step must keep; never the typo reading of an LR the schedule made.
+    warm = R.optimizer_divergence(_sgd_diverging([0.1, 0.3, 0.5], ["--lr", "0.5"]))
+    assert warm is not None and "(`--lr 0.5` -> `--lr 0.001`:" in warm.fix, warm.fix
+    assert "set --lr, your schedule's peak, to it" in warm.fix
+    # A batch-size rule ran the optimizer at 4x the flag: the flag takes the same cut.
+    scaled = R.optimizer_divergence(_sgd_diverging([0.4] * 3, ["--lr", "0.1"]))
+    assert scaled is not None and "(`--lr 0.1` -> `--lr 0.00025`: 400x smaller" in scaled.fix
+    assert "your flag sets 0.1, the optimizer ran at lr=0.4" in scaled.fix
+    # Two LR flags (a one-cycle schedule's base and peak): the one holding the run's LR.
+    both = find_flag(["--lr", "0.4", "--max-lr", "1.0"], "lr", [0.4])
+    assert both is not None and both.name == "--lr"
+
+
+def test_a_gaussian_kl_term_exps_a_log_variance(tmp_path: Path) -> None:
+    src = tmp_path / "vae.py"
+    src.write_text("kl = -0.5 * (1 + lv - mu.pow(2) - lv.exp()).sum(1).mean()\n"
+                   "std = (h / 2).exp()\n")
+    first = {"step": 2, "phase": "loss", "op": "aten.exp", "source": f"{src}:1",
+             "inputs": [{"dtype": "float32", "min": -1.0, "max": 300.0}]}
+    kl = R.exp_overflow(Evidence(first_nonfinite=first))
+    assert kl is not None and "`lv = lv.clamp(-30, 20)`" in kl.fix
+    half = R.exp_overflow(Evidence(first_nonfinite={**first, "source": f"{src}:2"}))
+    assert half is not None and "`h = h.clamp(-30, 20)`" in half.fix

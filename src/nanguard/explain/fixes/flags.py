@@ -105,14 +105,16 @@ def find_flag(argv: Sequence[str] | None, setting: str,
 
     `values`: the values the run had for it (the LR of the failing step, of the onset): a
     flag named for the setting is taken whatever its value (a schedule or a batch-size rule
-    may have scaled it); without one, a flag holding one of these values is, when it is the
-    only one that does (and its value is not written as a plain integer: `--epochs 1000`)."""
+    may have scaled it), the one holding one of these values first when several are; without
+    one, a flag holding one of these values is, when it is the only one that does (and its
+    value is not written as a plain integer: `--epochs 1000`)."""
     if not argv:
         return None
     flags = _flags(argv)
     named = [f for f in flags if _NAMES[setting].match(_fold(f.name))]
-    if named:
-        return named[-1]
+    held = [f for f in named if any(math.isclose(f.value, v, rel_tol=1e-6) for v in values)]
+    if named:  # `--lr 0.1 --max-lr 1` (a one-cycle schedule): the one holding the value
+        return (held or named)[-1]
     if setting not in _BY_VALUE or not values:
         return None
     held = [f for f in flags if not f.text.lstrip("+-").isdigit()

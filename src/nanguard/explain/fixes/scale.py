@@ -3,8 +3,8 @@
 max", which is a softmax's fix and does not apply to a variance.
 
 Read from the user's line (the finding's `source`, `path:line` as the checker recorded it):
-a name of a log-scale (`log_var`, `logvar`, `log_std`, `log_sigma`, `log_scale`) or the
-reparameterisation's `exp(0.5 * x)`.
+a name of a log-scale (`log_var`, `logvar`, `log_std`, `log_sigma`, `log_scale`), the
+reparameterisation's `exp(0.5 * x)`, or a Gaussian KL term's `1 + lv - mu.pow(2) - lv.exp()`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,12 @@ import re
 from nanguard.explain.evidence import Evidence
 
 _NAME = re.compile(r"\b(\w*log_?(?:var(?:iance)?|std|sigma|scale|sd)\w*)\b", re.IGNORECASE)
-_HALF = re.compile(r"exp\(\s*(?:0?\.5\s*\*\s*(\w+)|(\w+)\s*(?:\*\s*0?\.5|/\s*2))\s*\)")
+_INNER = r"\(\s*(?:0?\.5\s*\*\s*(\w+)|(\w+)\s*(?:\*\s*0?\.5|/\s*2))\s*\)"
+_HALF = re.compile(rf"exp{_INNER}|{_INNER}\.exp\(\)")  # exp(0.5 * x), (x / 2).exp()
+# A Gaussian's KL term, `-0.5 * (1 + lv - mu.pow(2) - lv.exp())`: the exp'd name is its
+# log-variance whatever it is called.
+_KL = re.compile(r"1\s*\+\s*(\w+)\s*-.*(?:\.pow\(\s*2\s*\)|\*\*\s*2).*\b\1\.exp\(\)"
+                 r"|1\s*\+\s*(\w+)\s*-.*(?:\.pow\(\s*2\s*\)|\*\*\s*2).*exp\(\s*\2\s*\)")
 
 
 def source_line(ev: Evidence) -> str:
@@ -36,9 +41,15 @@ def log_scale(ev: Evidence) -> tuple[str, str] | None:
     text = source_line(ev)
     m = _NAME.search(text)
     half = _HALF.search(text)
-    if m is None and half is None:
+    kl = _KL.search(text)
+    if m is not None:
+        var = m.group(1)
+    elif half is not None:
+        var = next(g for g in half.groups() if g)
+    elif kl is not None:
+        var = kl.group(1) or kl.group(2)
+    else:
         return None
-    var = m.group(1) if m else (half.group(1) or half.group(2)) if half else "log_var"
     what = f"; the line exps `{var}`, a log-scale (`{text}`)"
     fix = (f"bound the log-scale before the exp: `{var} = {var}.clamp(-30, 20)` (exp(20) and "
            f"exp(0.5 * 20) are far inside float32), or make the scale with softplus: "

@@ -174,7 +174,7 @@ def _lower_lr(ev: Evidence, factor: float, basis: str, onset: int | None,
     sched = _sched_note(ev, at, onset, target, flag)
     if flag is None:
         before, after, scaled = f"lr={ev.lr:g}", f"lr={number(target)}", ""
-    elif same or (at is not None and math.isclose(flag.value, at, rel_tol=1e-6)):
+    elif same or at is not None:  # the flag sets the LR, or the schedule's peak: the bound
         before, after, scaled = flag.now(), flag.set(target), ""
     else:  # the script scaled its flag (a batch-size rule): the same cut of the flag
         before, after = flag.now(), flag.set(flag.value / cut)
