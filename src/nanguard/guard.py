@@ -27,6 +27,7 @@ built by `record.closing`.
 from __future__ import annotations
 
 import atexit
+import sys
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -118,8 +119,10 @@ class Guard(StepPath):
     script_clip: float | None
     """`nanguard run`: the `max_norm` of the script's own `clip_grad_norm_` (0 when off);
     the diagnosis weighs its fixes by it."""
-    script_argv: list[str] | None
-    """`nanguard run`: the script's own arguments; a fix names the flag that set a value."""
+    script_argv: list[str]
+    """The command line the training script was started with (`sys.argv[1:]` when the guard
+    is made: the script's own under `nanguard run`, torchrun or `python train.py ...`); a fix
+    names the flag that set the value it changes (`--lr 0.05` -> `--lr 0.005`)."""
     preflight: dict[str, Any] | None
     """`nanguard run --preflight`: its verdict, for the diagnosis."""
     error: dict[str, Any] | None
@@ -156,7 +159,7 @@ class Guard(StepPath):
         # Before any hook is registered: an unwritable folder must leave the model untouched.
         self.store = self._open_store(cfg.record.out, cfg.record.if_exists)
         self.run_entry, self.script_clip, self.preflight, self.error = "api", None, None, None
-        self.script_argv = None
+        self.script_argv = list(sys.argv[1:])
         self.detectors = wiring.watch_stage(self)
         wiring.step_state(self)
         self._closed, self._ended, self.report = False, ("ok", None), None

@@ -199,6 +199,7 @@ def test_find_flag_names_the_scripts_flag() -> None:
     assert lr.set(3e-5) == "`--learning-rate=3e-5`"
     assert find_flag(argv, "weight_decay").now() == "`--wd 0.1`"  # type: ignore[union-attr]
     assert find_flag(argv, "eps") is None and find_flag(None, "lr") is None
+    assert find_flag(["--optimizer.lr", "0.1"], "lr").name == "--optimizer.lr"  # type: ignore[union-attr]
     # By value alone: one flag holding it, not an integer count (`--epochs 1000`).
     assert find_flag(["--step-size", "0.03"], "lr", [0.03]).name == "--step-size"  # type: ignore[union-attr]
     assert find_flag(["--epochs", "1000"], "lr", [1000.0]) is None
@@ -233,6 +234,13 @@ def test_exp_of_a_softmax_logit_keeps_the_max_fix(tmp_path: Path) -> None:
     assert soft is not None and "subtract the max" in soft.fix and "clamp" not in soft.fix
     scale = R.exp_overflow(Evidence(first_nonfinite={**first, "source": f"{src}:2"}))
     assert scale is not None and "`log_var = log_var.clamp(-30, 20)`" in scale.fix
+    # The same line inside an installed library: the fix is at the user's call into it.
+    lib = tmp_path / "venv" / "lib" / "site-packages" / "vaelib" / "layers.py"
+    lib.parent.mkdir(parents=True)
+    lib.write_text(src.read_text())
+    inside = R.exp_overflow(Evidence(first_nonfinite={**first, "source": f"{lib}:2"}))
+    assert inside is not None and "your code passes to vaelib" in inside.fix, inside.fix
+    assert "log_var = log_var" not in inside.fix
 
 
 def _sgd_diverging(lrs: list[float], argv: list[str]) -> Evidence:

@@ -44,7 +44,7 @@ def evidence_from_log(log: Mapping[str, Any]) -> Evidence:
     `momentum`, `eps`, `dtype`), `failing` (the first failing step: `lr`, `bad_tensors`,
     `n_batch_tensors`), `healthy_grad_norm`, `history` (step records), `actions`, `lead_window`,
     `script_clip` (the `max_norm` of the script's own clipping, 0 when off), `script_argv`
-    (`nanguard run`: the script's arguments), `entry` (`run` for
+    (the script's command line), `entry` (`run` for
     `nanguard run`, else `api`), `preflight` (`nanguard run --preflight`'s verdict) and
     `spikes` (their `rerun` verdicts, with `first_nonfinite.verdict`: `Evidence.reruns`).
     """

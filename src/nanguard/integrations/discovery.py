@@ -605,7 +605,6 @@ class Discovery:
             w.guard = Guard(model, optimizer, policy=policy, out=str(folder), config=config,
                             replay=replay, scaler=self._amp.scaler_for(optimizer))
             w.guard.run_entry = "run"  # fixes are phrased as `nanguard run` flags
-            w.guard.script_argv = sys.argv[1:]  # ... naming the script's own flags
             # Clipping turned off by the script's own flag never calls clip_grad_norm_.
             off = 0.0 if clip_from_argv(sys.argv[1:]) == 0 else None
             w.guard.script_clip = (

@@ -6,7 +6,7 @@ section 10, "Fixes a user would type"). The rules in `explain.rules` word their 
 
 from nanguard.explain.fixes.flags import Flag, find_flag, number
 from nanguard.explain.fixes.lr import LrRange, lr_range, lr_typo, plausible_lr
-from nanguard.explain.fixes.scale import log_scale
+from nanguard.explain.fixes.scale import library, log_scale
 
-__all__ = ["Flag", "LrRange", "find_flag", "log_scale", "lr_range", "lr_typo", "number",
-           "plausible_lr"]
+__all__ = ["Flag", "LrRange", "find_flag", "library", "log_scale", "lr_range", "lr_typo",
+           "number", "plausible_lr"]

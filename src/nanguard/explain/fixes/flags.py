@@ -1,10 +1,11 @@
-"""The script's own flag for a value a fix changes (`nanguard run` users: `--lr 0.05` ->
-`--lr 0.005`), found in the arguments the script ran with (`Evidence.argv`).
+"""The script's own flag for a value a fix changes (`--lr 0.05` -> `--lr 0.005`), found in
+the command line the script ran with (`Evidence.argv`).
 
-A flag is found by its name (dashes and underscores folded away, case ignored: `--lr`,
-`--learning-rate`, `--adam_epsilon`, `--weight-decay`, `--grad_clip`), written `--flag V` or
-`--flag=V`, the last one given winning (argparse's rule); failing that, for an LR, eps or
-weight decay, by its value alone when exactly one flag holds it (`--step-size 3e-2`).
+A flag is found by its name (dashes and underscores folded away, case ignored, a dotted key
+by its last part: `--lr`, `--learning-rate`, `--adam_epsilon`, `--weight-decay`,
+`--grad_clip`, `--optimizer.lr`), written `--flag V` or `--flag=V`, the last one given winning
+(argparse's rule); failing that, for an LR, eps or weight decay, by its value alone when
+exactly one flag holds it (`--step-size 3e-2`).
 """
 
 from __future__ import annotations
@@ -96,7 +97,9 @@ def _is_number(text: str) -> bool:
 
 
 def _fold(name: str) -> str:
-    return name.lstrip("-").replace("-", "").replace("_", "").lower()
+    """`--Learning-Rate` -> `learningrate`; a dotted config key (LightningCLI's
+    `--optimizer.lr`, `--model.learning_rate`) by its last part."""
+    return name.lstrip("-").rsplit(".", 1)[-1].replace("-", "").replace("_", "").lower()
 
 
 def find_flag(argv: Sequence[str] | None, setting: str,

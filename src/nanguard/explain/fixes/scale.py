@@ -50,9 +50,27 @@ def log_scale(ev: Evidence) -> tuple[str, str] | None:
         var = kl.group(1) or kl.group(2)
     else:
         return None
+    package = library(ev)
+    if package is not None:
+        # Library code: the fix goes where the user's code hands it the log-scale.
+        what = f"; the exp runs inside {package} on a log-scale (`{text}`)"
+        return what, (f"bound the log-scale your code passes to {package} (or the output that "
+                      "feeds it): `.clamp(-30, 20)` before the call, or a softplus scale "
+                      "instead of an exp; a softmax's \"subtract the max\" does not apply")
     what = f"; the line exps `{var}`, a log-scale (`{text}`)"
     fix = (f"bound the log-scale before the exp: `{var} = {var}.clamp(-30, 20)` (exp(20) and "
            f"exp(0.5 * 20) are far inside float32), or make the scale with softplus: "
            f"`std = F.softplus(raw) + 1e-4` instead of an exp; a softmax's \"subtract the max\" "
            f"does not apply to a variance")
     return what, fix
+
+
+def library(ev: Evidence) -> str | None:
+    """The installed package the finding's line is in (`transformers` for
+    `.../site-packages/transformers/models/...`), or None for the user's own code: a fix is
+    then worded for the user's call into it, never as an edit of the library."""
+    src = str((ev.first_nonfinite or {}).get("source") or "").replace("\\", "/")
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in src:
+            return src.split(marker, 1)[1].split("/", 1)[0].removesuffix(".py") or None
+    return None
