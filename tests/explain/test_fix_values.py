@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import nanguard
+from nanguard.config import GuardConfig, RecordConfig
 from nanguard.explain import Evidence
 from nanguard.explain import rules as R
 from nanguard.explain.fixes import find_flag, lr_range, lr_typo, number, plausible_lr
@@ -155,6 +157,34 @@ def test_a_clip_the_script_has_is_never_proposed(
     assert "did you mean `--lr 1e-3`?" in fix, fix
     assert "clip_grad_norm_(model.parameters(), 1.0)" not in fix and "`--clip 1" not in fix
     assert "already bounds" in fix, fix
+
+
+def test_a_guard_in_the_users_code_reads_the_typo_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same typo with a `Guard` in the script (`python train.py --lr 1e3`): the guard
+    records the script's command line, so the fix names its flag; without a flag, `lr=1e-3`."""
+    def train(argv: list[str]) -> str:
+        monkeypatch.setattr("sys.argv", ["train.py", *argv])
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=1e3)
+        g = torch.Generator().manual_seed(1)
+        w = torch.randn(16, 1, generator=g)
+        with nanguard.Guard(model, opt, out="", config=GuardConfig(
+                record=RecordConfig(summary=False))) as guard:
+            for _ in range(20):
+                x = torch.randn(32, 16, generator=g)
+                loss = torch.nn.functional.mse_loss(model(x), x @ w)
+                guard.watch(loss=loss)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        assert guard.report is not None
+        return next(d["fix"] for d in guard.report.diagnosis
+                    if d["cause"] == "optimizer_divergence")
+
+    assert "did you mean `--lr 1e-3`? `--lr 1e3` is 1e6x Adam's" in train(["--lr", "1e3"])
+    assert "did you mean lr=1e-3? lr=1000 is 1e6x Adam's" in train([])
 
 
 # ---------------------------------------------------------------------- the parts, both sides
