@@ -306,3 +306,16 @@ def test_a_gaussian_kl_term_exps_a_log_variance(tmp_path: Path) -> None:
     assert kl is not None and "`lv = lv.clamp(-30, 20)`" in kl.fix
     half = R.exp_overflow(Evidence(first_nonfinite={**first, "source": f"{src}:2"}))
     assert half is not None and "`h = h.clamp(-30, 20)`" in half.fix
+
+
+def test_the_clip_fix_never_repeats_the_scripts_clip() -> None:
+    """Healthy grad norm 0.97: clipping at 3x is 2.91. A script that clips at 2.91 already
+    (its `--clip` flag) is told its clip cannot fix the LR; one at 100 is told to lower it, in
+    its flag."""
+    ev = _sgd_diverging([0.5] * 3, ["--clip", "2.91"])
+    same = R.optimizer_divergence(Evidence(**{**ev.__dict__, "clip": 2.91}))
+    assert same is not None and "already bounds" in same.fix and "-> `--clip" not in same.fix
+    loose = R.optimizer_divergence(Evidence(**{**ev.__dict__, "clip": 100.0,
+                                               "argv": ["--clip", "100"]}))
+    assert loose is not None and "your clip `--clip 100` is far above" in loose.fix
+    assert "lower it to 2.91: `--clip 2.91`" in loose.fix, loose.fix
