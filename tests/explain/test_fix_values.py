@@ -281,16 +281,17 @@ def _sgd_diverging(lrs: list[float], argv: list[str]) -> Evidence:
                     lr=lrs[-1], optimizer="SGD", history=history, argv=argv)
 
 
-def test_lr_flag_under_a_schedule_and_under_a_scaling_rule() -> None:
+def test_lr_flag_under_a_schedule_and_a_flag_the_lr_is_not() -> None:
     # A warm-up moved the LR from 0.1 to 0.5 (the flag, its peak): the flag is set to the
     # bound every step must keep; never the typo reading of an LR the schedule made.
     warm = R.optimizer_divergence(_sgd_diverging([0.1, 0.3, 0.5], ["--lr", "0.5"]))
     assert warm is not None and "(`--lr 0.5` -> `--lr 0.001`:" in warm.fix, warm.fix
     assert "set --lr, your schedule's peak, to it" in warm.fix
-    # A batch-size rule ran the optimizer at 4x the flag: the flag takes the same cut.
+    # A flag the optimizer's LR is not (a batch-size rule ran it at 4x; or another part's
+    # LR): the fix names the optimizer's own LR, not a guess at how the flag maps to it.
     scaled = R.optimizer_divergence(_sgd_diverging([0.4] * 3, ["--lr", "0.1"]))
-    assert scaled is not None and "(`--lr 0.1` -> `--lr 0.00025`: 400x smaller" in scaled.fix
-    assert "your flag sets 0.1, the optimizer ran at lr=0.4" in scaled.fix
+    assert scaled is not None and "(lr=0.4 -> lr=0.001: 400x smaller" in scaled.fix
+    assert "--lr" not in scaled.fix
     # Two LR flags (a one-cycle schedule's base and peak): the one holding the run's LR.
     both = find_flag(["--lr", "0.4", "--max-lr", "1.0"], "lr", [0.4])
     assert both is not None and both.name == "--lr"

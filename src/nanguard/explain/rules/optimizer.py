@@ -172,15 +172,14 @@ def _lower_lr(ev: Evidence, factor: float, basis: str, onset: int | None,
     target, why = plausible_lr(ev.optimizer, ev.lr, measured, on_this_model=probed)
     cut = ev.lr / target
     sched = _sched_note(ev, at, onset, target, flag)
-    if flag is None:
-        before, after, scaled = f"lr={ev.lr:g}", f"lr={number(target)}", ""
-    elif same or at is not None:  # the flag sets the LR, or the schedule's peak: the bound
-        before, after, scaled = flag.now(), flag.set(target), ""
-    else:  # the script scaled its flag (a batch-size rule): the same cut of the flag
-        before, after = flag.now(), flag.set(flag.value / cut)
-        scaled = f"; your flag sets {flag.text}, the optimizer ran at lr={ev.lr:g}"
+    if flag is not None and (same or at is not None):  # the LR, or the schedule's peak
+        before, after = flag.now(), flag.set(target)
+    else:
+        # No flag, or one the optimizer's LR is not (a batch-size rule scaled it, or it is
+        # another part's LR): the optimizer's own LR, not a guess at how the flag maps to it.
+        before, after = f"lr={ev.lr:g}", f"lr={number(target)}"
     return (f"lower the LR ({before} -> {after}: {_times(cut)} smaller, {basis}"
-            f"{'; ' + why if why else ''}{scaled}{sched})")
+            f"{'; ' + why if why else ''}{sched})")
 
 
 def _typed_lr(ev: Evidence, flag: Flag | None) -> Flag | None:
@@ -425,7 +424,8 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
             and _typo(ev) is None):
         n, at = healed
         flag = find_flag(ev.argv, "lr", [ev.lr])
-        start = flag.set(at) if flag is not None else f"lr={at:.3g}"
+        start = (flag.set(at) if flag is not None and math.isclose(flag.value, ev.lr)
+                 else f"lr={at:.3g}")
         lower = (f"lower the LR: heal cut it {n} time{'s' if n > 1 else ''} in this run, {lr} "
                  f"-> lr={at:.3g} ({at / ev.lr:.3g}x); start at or below {start}")
     clip = _clip_fix(ev, healthy)
