@@ -410,7 +410,7 @@ def test_an_update_that_replaced_the_weights_is_ranked_above_the_op_it_overflowe
     assert "0.98x their norm" in causes[0].evidence
     # ~1% of the weights a step: 100x, 0.003; still 3x Adam's default, so Adam's 0.001
     assert "lr=0.3 -> lr=0.001: 300x smaller" in causes[0].fix
-    assert "the growth alone implies 0.003, still above the LRs Adam trains with" in \
+    assert "the measurement alone implies 0.003, still above the LRs Adam trains with" in \
         causes[0].fix
     # An ordinary first update (a healthy VAE at lr 1e-2: 0.12), a zero-initialised model's
     # (exactly 1: the weights were all zero), and a big update long before the failure are

@@ -99,19 +99,24 @@ def plausible_lr(optimizer: str | None, lr: float, measured: float, *,
     if r is None:  # no range known (a hand-written update): the measurement alone
         return measured, ""
     lo, hi = r.band
-    band = f"{name}'s usual LRs are {lo:g} to {hi:g}, default {r.default:g}"
+    band = f"{name}'s usual LRs are {_sci(lo)} to {_sci(hi)}, default {_sci(r.default)}"
     if lr > hi:
         if measured > hi:
-            return hi, (f"the growth alone implies {measured:.3g}, still above the LRs "
+            return hi, (f"the measurement alone implies {measured:.3g}, still above the LRs "
                         f"{name} trains with ({band})")
         if measured >= lo or on_this_model:
             return measured, ""
         start = min(max(r.default, lo), hi)
         return start, (f"the growth measured implies {measured:.2g}, far below any LR {name} "
-                       f"trains with ({band}): start from {start:g}")
+                       f"trains with ({band}): start from {_sci(start)}")
     if measured >= lr / MAX_CUT or on_this_model:
         return measured, ""
-    return lr / MAX_CUT, (f"your lr={lr:g} is within or below {name}'s usual LRs ({lo:g} to "
-                          f"{hi:g}); the growth implies {measured:.2g}, but a cut of more than "
-                          f"{MAX_CUT:.0f}x is no LR fix: if lr={lr / MAX_CUT:.3g} still "
-                          "diverges, look beyond the LR (the init, the data's scale)")
+    return lr / MAX_CUT, (f"your lr={lr:g} is within or below {name}'s usual LRs ({_sci(lo)} "
+                          f"to {_sci(hi)}); the growth implies {measured:.2g}, but a cut of "
+                          f"more than {MAX_CUT:.0f}x is no LR fix: if lr={lr / MAX_CUT:.3g} "
+                          "still diverges, look beyond the LR (the init, the data's scale)")
+
+
+def _sci(v: float) -> str:
+    """An LR as the optimizer's docs write it: `1e-4`, `2e-3`, `0.1`, `1`."""
+    return f"{v:g}" if v >= 0.01 else f"{v:.0e}".replace("e-0", "e-")
