@@ -27,6 +27,7 @@ built by `record.closing`.
 from __future__ import annotations
 
 import atexit
+import sys
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -118,6 +119,10 @@ class Guard(StepPath):
     script_clip: float | None
     """`nanguard run`: the `max_norm` of the script's own `clip_grad_norm_` (0 when off);
     the diagnosis weighs its fixes by it."""
+    script_argv: list[str]
+    """The command line the training script was started with (`sys.argv[1:]` when the guard
+    is made: the script's own under `nanguard run`, torchrun or `python train.py ...`); a fix
+    names the flag that set the value it changes (`--lr 0.05` -> `--lr 0.005`)."""
     preflight: dict[str, Any] | None
     """`nanguard run --preflight`: its verdict, for the diagnosis."""
     error: dict[str, Any] | None
@@ -154,6 +159,7 @@ class Guard(StepPath):
         # Before any hook is registered: an unwritable folder must leave the model untouched.
         self.store = self._open_store(cfg.record.out, cfg.record.if_exists)
         self.run_entry, self.script_clip, self.preflight, self.error = "api", None, None, None
+        self.script_argv = list(sys.argv[1:])
         self.detectors = wiring.watch_stage(self)
         wiring.step_state(self)
         self._closed, self._ended, self.report = False, ("ok", None), None
@@ -417,12 +423,12 @@ class Guard(StepPath):
         carries it, so a resumed guard explains with the history from before the resume.
 
         Set by other parts, read here with a default: `run_entry`, `script_clip` (the
-        `max_norm` of the script's own clipping, 0 when off) and `preflight`."""
+        `max_norm` of the script's own clipping, 0 when off), `script_argv` and `preflight`."""
         return self.log.plain(
             optimizer=self.optimizer, params=self.params, detectors=self.detectors,
             lead_window=self.config.detect.lead_window,
             facts={"script_clip": self.script_clip, "entry": getattr(self, "run_entry", "api"),
-                   "preflight": self.preflight})
+                   "preflight": self.preflight, "script_argv": self.script_argv})
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume watching where this guard left off, the run log

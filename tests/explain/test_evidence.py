@@ -373,17 +373,23 @@ def test_early_nonfinite_loss_with_ordinary_magnitudes_is_not_init() -> None:
 
 
 def _diverging(**kw: object) -> Evidence:
+    """lr=100 diverging from its first update: under an optimizer with no known LR range (a
+    hand-written update) unless `optimizer=` names one (SGD: the typo of 1e-2, its default
+    1e-3 times 1e5)."""
     history = [{"step": 0, "loss": 4.8, "grad_norm": 0.97, "act_max": 5.0, "lr": 100.0},
                {"step": 1, "loss": 2.3e5, "grad_norm": 2.0e3, "act_max": 7.7e5, "lr": 100.0},
                {"step": 2, "loss": 5.2e12, "grad_norm": math.inf, "act_max": 9e12, "lr": 100.0}]
+    kw.setdefault("optimizer", "your hand-written update")
     return Evidence(first_nonfinite={"step": 2, "phase": "backward", "op": "aten.mm"},
-                    lr=100.0, optimizer="SGD", history=history, **kw)  # type: ignore[arg-type]
+                    lr=100.0, history=history, **kw)  # type: ignore[arg-type]
 
 
 def test_lr_fix_is_derived_from_the_measured_growth() -> None:
     cause = R.optimizer_divergence(_diverging())
     assert cause is not None and cause.confidence >= 0.85
     assert "lr=100 -> lr=0.01" in cause.fix  # growth 2e3 per step: 1e4x smaller
+    sgd = R.optimizer_divergence(_diverging(optimizer="SGD"))
+    assert sgd is not None and "did you mean lr=1e-2?" in sgd.fix, sgd.fix
     assert "0.97 -> 2e+03" in cause.evidence
     assert "clip_grad_norm_(model.parameters(), 2.91)" in cause.fix  # 3x the healthy 0.97
     assert _lr_factor(2.0) == 10.0 and _lr_factor(150.0) == 1000.0

@@ -314,7 +314,7 @@ def test_weight_decay_not_the_lr_when_the_lr_is_ordinary() -> None:
     assert wd is not None and "weight_decay=10000 -> weight_decay=0.1" in wd.fix
     assert "lower the LR" not in wd.fix and "1 - lr * weight_decay = -29" in wd.evidence
     typo = R.optimizer_divergence(_diverged(lr=1e3, weight_decay=0.1, decoupled_decay=True))
-    assert typo is not None and "lower the LR (lr=1000 ->" in typo.fix
+    assert typo is not None and "did you mean lr=1e-3?" in typo.fix  # 1e6x AdamW's default
     l2 = R.optimizer_divergence(_diverged(lr=3e-3, weight_decay=1e4, decoupled_decay=False))
     assert l2 is not None and "weight_decay=10000 ->" not in l2.fix
 
@@ -434,7 +434,10 @@ def test_an_update_that_replaced_the_weights_is_ranked_above_the_op_it_overflowe
     causes = diagnose(_big_update_ev(0.98, at=0))
     assert [c.cause for c in causes[:2]] == ["optimizer_divergence", "exp_overflow"]
     assert "0.98x their norm" in causes[0].evidence
-    assert "lr=0.3 -> lr=0.003" in causes[0].fix  # ~1% of the weights a step: 100x
+    # ~1% of the weights a step: 100x, 0.003; still 3x Adam's default, so Adam's 0.001
+    assert "lr=0.3 -> lr=0.001: 300x smaller" in causes[0].fix
+    assert "the measurement alone implies 0.003, still above the LRs Adam trains with" in \
+        causes[0].fix
     # An ordinary first update (a healthy VAE at lr 1e-2: 0.12), a zero-initialised model's
     # (exactly 1: the weights were all zero), and a big update long before the failure are
     # not evidence against the LR.

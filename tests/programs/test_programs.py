@@ -93,13 +93,15 @@ def test_gpt_lr_typo_diverges(tmp_path: Path) -> None:
                       "cause": "optimizer_divergence"})
     # The fix must be one: the script itself, run with the LR the fix proposes (warm-up and
     # cosine still scaling it), trains without a non-finite value and lowers its loss.
+    # It is read as the typo it is, in the script's own flag.
     fix = g.report["diagnosis"][0]["fix"]
-    found = re.search(r"-> lr=([0-9.e+-]+)", fix)
-    assert found is not None, fix
+    found = re.search(r"did you mean `--lr ([0-9.e+-]+)`\? `--lr 1e3` is 1e6x AdamW's", fix)
+    assert found is not None and found.group(1) == "1e-3", fix
     fixed = plain(tmp_path, GPT, *GPT_ARGS, "--lr", found.group(1))
     losses = [float(m) for m in re.findall(r"^iter \d+: loss (\S+),", fixed.stdout, re.M)]
     assert fixed.returncode == 0 and len(losses) >= 3, fixed.stderr[-2000:]
-    assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.8 * losses[0], losses
+    # (1e-3 is the script's own default: 5.54 -> 4.64 in its 40 iterations, seed 0)
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < 0.9 * losses[0], losses
 
 
 @pytest.fixture(scope="module")
@@ -432,7 +434,7 @@ def test_house_prices_weight_decay_typo_blames_the_decay(tmp_path: Path) -> None
     assert_failed(g, {"step": expected["step"], "phase": expected["phase"],
                       "cause": "optimizer_divergence"})
     fix = g.report["diagnosis"][0]["fix"]
-    found = re.search(r"weight_decay=10000 -> weight_decay=([0-9.e+-]+)", fix)
+    found = re.search(r"`--weight-decay 1e4` -> `--weight-decay ([0-9.e+-]+)`", fix)
     assert found is not None and "lower the LR" not in fix, fix
     fixed = plain(tmp_path, HOUSES, "--weight-decay", found.group(1))
     mse = [float(m) for m in re.findall(r"^epoch \d+: mse (\S+)$", fixed.stdout, re.M)]

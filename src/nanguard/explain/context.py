@@ -43,7 +43,8 @@ def evidence_from_log(log: Mapping[str, Any]) -> Evidence:
     Keys read (each optional): `first_nonfinite`, `alarms`, `optimizer` (`name`, `lr`,
     `momentum`, `eps`, `dtype`), `failing` (the first failing step: `lr`, `bad_tensors`,
     `n_batch_tensors`), `healthy_grad_norm`, `history` (step records), `actions`, `lead_window`,
-    `script_clip` (the `max_norm` of the script's own clipping, 0 when off), `entry` (`run` for
+    `script_clip` (the `max_norm` of the script's own clipping, 0 when off), `script_argv`
+    (the script's command line), `entry` (`run` for
     `nanguard run`, else `api`), `preflight` (`nanguard run --preflight`'s verdict) and
     `spikes` (their `rerun` verdicts, with `first_nonfinite.verdict`: `Evidence.reruns`).
     """
@@ -68,6 +69,7 @@ def evidence_from_log(log: Mapping[str, Any]) -> Evidence:
         lead_window=int(log.get("lead_window") or 10),
         history=list(log.get("history") or []),
         clip=_float_or_none(log.get("script_clip")),
+        argv=_strings(log.get("script_argv")),
         entry=str(log.get("entry") or "api"),
         preflight=_preflight(log.get("preflight")),
         actions=list(log.get("actions") or []),
@@ -98,3 +100,7 @@ def _preflight(v: object) -> dict[str, Any] | None:
 
 def _float_or_none(v: object) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _strings(v: object) -> list[str] | None:
+    return [str(a) for a in v] if isinstance(v, (list, tuple)) else None

@@ -57,6 +57,10 @@ class Evidence:
     activations were not watched) and `lr`; NaN/Inf kept as floats."""
     clip: float | None = None
     """The `max_norm` the script's own gradient clipping uses (0: clipping off), when known."""
+    argv: list[str] | None = None
+    """The training script's command line (`sys.argv[1:]`, `Guard.script_argv`); a fix that
+    changes a value one of its flags set names that flag (`explain.fixes.find_flag`). None:
+    unknown."""
     entry: str = "api"
     """How nanguard was started: `api` (a `Guard` in the user's code) or `run` (zero code,
     `nanguard run SCRIPT`); fixes name the matching knob."""

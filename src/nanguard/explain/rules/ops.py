@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from nanguard.explain.evidence import Cause, Evidence
+from nanguard.explain.fixes import log_scale
 from nanguard.explain.rules.common import (
     _LOW_PRECISION,
     _NORM_LAYERS,
@@ -180,7 +181,9 @@ def exp_overflow(ev: Evidence) -> Cause | None:
     seen = f"its largest input {top:.4g} > {limit:.3g}" if top is not None else (
         "presumed: the input ranges were not recorded")
     nxt = str(((ev.first_nonfinite or {}).get("propagated_by") or {}).get("op") or "")
-    if nxt.startswith(_SOFTPLUS_NEXT):
+    if (scale := log_scale(ev)) is not None:
+        what, fix = scale  # `exp(0.5 * log_var)`: a scale, no max to subtract
+    elif nxt.startswith(_SOFTPLUS_NEXT):
         # `log(1 + exp(z))` / `1 + exp(z)`: a softplus or a sigmoid written by hand; no max
         # to subtract (a softmax fix would not apply).
         what = f"; its result went on into {nxt} (`log(1 + exp(z))` or `1 + exp(z)` by hand)"

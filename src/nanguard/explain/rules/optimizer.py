@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from nanguard.explain.evidence import Cause, Evidence
+from nanguard.explain.fixes import Flag, find_flag, lr_range, lr_typo, number, plausible_lr
 from nanguard.explain.rules.common import (
     _CASCADE,
     _LOW_PRECISION,
@@ -44,17 +45,23 @@ def optimizer_state_nonfinite(ev: Evidence) -> Cause | None:
     param = (ev.first_nonfinite or {}).get("param") or (ev.first_nonfinite or {}).get("module")
     name = ev.optimizer or "the optimizer"
     rounded = _eps_rounds_to_zero(ev)
+    flag = find_flag(ev.argv, "eps", [ev.eps] if ev.eps is not None else [])
+    flag = flag if flag is not None and ev.eps is not None and math.isclose(
+        flag.value, ev.eps, rel_tol=1e-6, abs_tol=1e-30) else None
     if ev.eps == 0:
         eps_note, conf = " with eps=0", 0.85
-        fix = f"`{name}(params, eps=1e-8)` (never 0)"
+        fix = (f"{flag.now()} -> {flag.set(1e-8)} (never 0)" if flag is not None
+               else f"`{name}(params, eps=1e-8)` (never 0)")
     elif rounded is not None:
         # The eps the run set is fine in float32; in the parameters' dtype it is 0.
         fi = _finfo(rounded)
         eps_note, conf = (f" with eps={ev.eps:g}, which is 0 in {rounded} parameters (the "
                           f"smallest {rounded} value is {fi.smallest_normal * fi.eps:.3g})"), 0.85
+        raise_eps = (f"{flag.now()} -> {flag.set(1e-4)}" if flag is not None
+                     else f"eps={ev.eps:g} -> eps=1e-4")
         fix = (f"keep float32 master weights (train float32 parameters under autocast + "
                f"GradScaler instead of {rounded} ones), or raise eps to one {rounded} holds: "
-               f"eps={ev.eps:g} -> eps=1e-4")
+               f"{raise_eps}")
     else:
         eps_note, conf = (f" (eps={ev.eps:g})" if ev.eps is not None else ""), 0.6
         lr = f"lr={ev.lr:g}, " if ev.lr is not None else ""
@@ -116,23 +123,88 @@ def _lr_at(ev: Evidence, step: int | None) -> float | None:
     return None
 
 
-def _lr_target(ev: Evidence, factor: float, onset: int | None) -> tuple[float, str]:
-    """The LR to propose: `factor` below the smaller of the LR at the onset of the growth and
-    the LR at the failure. The two differ when a schedule moved the LR in between: under a
-    warm-up the failing LR is the schedule's own scaled-down value, and both diverged, so a cut
-    of the larger one would still diverge. Returns (new LR, a note on the schedule, empty when
-    it did not move)."""
+def _lr_target(ev: Evidence, factor: float, onset: int | None) -> tuple[float, float | None]:
+    """The LR the measurement implies: `factor` below the smaller of the LR at the onset of
+    the growth and the LR at the failure, and the onset's LR when a schedule moved it in
+    between (else None). Under a warm-up the failing LR is the schedule's own scaled-down
+    value, and both diverged, so a cut of the larger one would still diverge."""
     assert ev.lr is not None
     at = _lr_at(ev, onset)
     if at is None or onset is None or math.isclose(at, ev.lr, rel_tol=1e-6):
-        return ev.lr / factor, ""
-    target = min(at, ev.lr) / factor
-    # The schedule's later steps (a warm-up still rising) are not in the history: the bound
-    # is stated for every step, the peak included, so the user sets the peak to it.
-    note = (f"; your schedule moved the LR from {at:.3g} at step {onset}, where the growth "
-            f"began, to {ev.lr:.3g}: keep every step's LR at or below {target:.3g} (set your "
-            "schedule's peak LR to it)")
-    return target, note
+        return ev.lr / factor, None
+    return min(at, ev.lr) / factor, at
+
+
+def _sched_note(ev: Evidence, at: float | None, onset: int | None, target: float,
+                flag: Flag | None) -> str:
+    """The schedule's part of the LR fix: the bound holds for every step, the peak included
+    (the schedule's later steps, a warm-up still rising, are not in the history)."""
+    if at is None or ev.lr is None:
+        return ""
+    peak = f"set {flag.name}, your schedule's peak, to it" if flag else (
+        "set your schedule's peak LR to it")
+    return (f"; your schedule moved the LR from {at:.3g} at step {onset}, where the growth "
+            f"began, to {ev.lr:.3g}: keep every step's LR at or below {number(target)} ({peak})")
+
+
+def _lower_lr(ev: Evidence, factor: float, basis: str, onset: int | None,
+              probed: bool) -> str:
+    """The LR fix: the typo the user presumably made (an LR `TYPO` times the optimizer's
+    default whose exponent, sign flipped, is an ordinary LR), else the measured LR brought
+    into the range the optimizer trains with (`explain.fixes.plausible_lr`), in the script's
+    flag when one set it. `probed`: `factor` came from the preflight's probe of this model."""
+    assert ev.lr is not None
+    at_onset = _lr_at(ev, onset)
+    flag = find_flag(ev.argv, "lr", [v for v in (ev.lr, at_onset) if v is not None])
+    same = flag is not None and math.isclose(flag.value, ev.lr, rel_tol=1e-6)
+    name = ev.optimizer or "the optimizer"
+    typed = _typed_lr(ev, flag)
+    meant = lr_typo(ev.optimizer, typed.value) if typed is not None else None
+    if typed is not None and meant is not None:
+        default = lr_range(ev.optimizer).default  # type: ignore[union-attr]
+        fixed, now = typed.with_text(typed.flipped() or number(meant)), typed.now()
+        if typed is not flag:  # `lr=1e-3`, as the other fixes write an LR, no backquotes
+            fixed, now = fixed.strip("`"), now.strip("`")
+        return (f"did you mean {fixed}? {now} is {_times(typed.value / default)} {name}'s "
+                f"default {default:.0e}".replace("e-0", "e-") + ": the same digits with the "
+                f"exponent's sign flipped are an LR {name} trains with")
+    measured, at = _lr_target(ev, factor, onset)
+    target, why = plausible_lr(ev.optimizer, ev.lr, measured, on_this_model=probed)
+    cut = ev.lr / target
+    sched = _sched_note(ev, at, onset, target, flag)
+    if flag is not None and (same or at is not None):  # the LR, or the schedule's peak
+        before, after = flag.now(), flag.set(target)
+    else:
+        # No flag, or one the optimizer's LR is not (a batch-size rule scaled it, or it is
+        # another part's LR): the optimizer's own LR, not a guess at how the flag maps to it.
+        before, after = f"lr={ev.lr:g}", f"lr={number(target)}"
+    return (f"lower the LR ({before} -> {after}: {_times(cut)} smaller, {basis}"
+            f"{'; ' + why if why else ''}{sched})")
+
+
+def _typed_lr(ev: Evidence, flag: Flag | None) -> Flag | None:
+    """The LR the user typed: the script's flag for it, else the failing LR when no schedule
+    moved it over the recorded steps (as `lr=...`); None when it is not known."""
+    if flag is not None:
+        return flag
+    assert ev.lr is not None
+    lrs = [_num(h.get("lr"), math.nan) for h in ev.history]
+    if any(math.isfinite(v) and not math.isclose(v, ev.lr, rel_tol=1e-6) for v in lrs):
+        return None
+    return Flag(name="lr", text=f"{ev.lr:g}", eq=True)
+
+
+def _typo(ev: Evidence) -> float | None:
+    """The LR the user presumably meant (`explain.fixes.lr_typo`), or None."""
+    if ev.lr is None:
+        return None
+    typed = _typed_lr(ev, find_flag(ev.argv, "lr", [ev.lr]))
+    return lr_typo(ev.optimizer, typed.value) if typed is not None else None
+
+
+def _times(ratio: float) -> str:
+    """A ratio as a user reads it: `25x`, `1e6x` (not `1e+06x`)."""
+    return f"{ratio:.3g}x" if ratio < 1e3 else f"{number(float(f'{ratio:.2g}'))}x"
 
 
 def _healthy_grad_norm(ev: Evidence, before: int | None = None) -> float | None:
@@ -191,19 +263,24 @@ def _big_update(ev: Evidence) -> dict[str, Any] | None:
 
 
 def _clip_fix(ev: Evidence, healthy: float | None) -> str:
-    """The clipping advice, with the run's healthy grad norm and the script's own clip."""
+    """The clipping advice, with the run's healthy grad norm and the script's own clip (in its
+    flag when one set it); never the clip the script already has."""
+    flag = find_flag(ev.argv, "clip", [ev.clip] if ev.clip is not None else [])
+    off = f" ({flag.now()})" if flag is not None else ""
     if not healthy:
         if ev.clip == 0:
-            return "your script's clip is 0, i.e. clipping is off: clip the grad norm"
+            return f"your script's clip is 0{off}, i.e. clipping is off: clip the grad norm"
         return "clip the grad norm at ~3x its healthy level"
-    to = f"{3 * healthy:.3g}"
-    call = f"`torch.nn.utils.clip_grad_norm_(model.parameters(), {to})`"
+    to = float(f"{3 * healthy:.3g}")
+    call = (flag.set(to) if flag is not None
+            else f"`torch.nn.utils.clip_grad_norm_(model.parameters(), {number(to)})`")
     if ev.clip == 0:
-        return (f"your script's clip is 0, i.e. clipping is off: clip at {to} "
+        return (f"your script's clip is 0{off}, i.e. clipping is off: clip at {number(to)} "
                 f"(3x the healthy grad norm {healthy:.3g}): {call}")
-    if ev.clip is not None and ev.clip > 3 * healthy:
-        return (f"your clip max_norm {ev.clip:g} is far above this run's healthy grad norm "
-                f"{healthy:.3g}: lower it to {to}")
+    if ev.clip is not None and ev.clip > to:
+        now = flag.now() if flag is not None else f"max_norm {ev.clip:g}"
+        return (f"your clip {now} is far above this run's healthy grad norm "
+                f"{healthy:.3g}: lower it to {number(to)}" + (f": {call}" if flag else ""))
     if ev.clip is not None:
         return (f"your clip max_norm {ev.clip:g} already bounds each step's gradient; it "
                 "cannot make a too large LR stable")
@@ -225,6 +302,14 @@ def _decay_blamed(ev: Evidence) -> tuple[float, float] | None:
     if wd <= ORDINARY_DECAY or lr * 0.1 > 1:
         return None
     return wd, abs(1 - lr * wd)
+
+
+def _decay_change(ev: Evidence, wd: float, target: float) -> str:
+    """`weight_decay=5 -> weight_decay=0.01`, in the script's flag when one set it."""
+    flag = find_flag(ev.argv, "weight_decay", [wd])
+    if flag is not None and math.isclose(flag.value, wd, rel_tol=1e-6):
+        return f"{flag.now()} -> {flag.set(target)}"
+    return f"weight_decay={wd:g} -> weight_decay={number(target)}"
 
 
 def optimizer_divergence(ev: Evidence) -> Cause | None:
@@ -296,7 +381,7 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
     # Warned but never non-finite: 0.6. An update that replaced the weights explains the
     # out-of-range input of whatever op overflowed next: ranked above that op's own cause.
     conf = 0.6 if ev.step is None else 0.92 if big else 0.85 if strong else 0.65
-    probe = (ev.preflight or {}).get("lr_probe") or {}
+    probe, probed = (ev.preflight or {}).get("lr_probe") or {}, False
     div, sug = _num(probe.get("diverge_lr"), math.nan), _num(probe.get("suggested_lr"), math.nan)
     if math.isfinite(div) and ev.lr is not None:
         above = ev.lr >= div
@@ -308,7 +393,7 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
         # The probe measured this model's limit: its LR wins over the growth's estimate
         # when the LR is past that limit, else when it is the larger cut.
         if math.isfinite(sug) and 0 < sug < ev.lr and (above or sug < ev.lr / factor):
-            factor = ev.lr / sug
+            factor, probed = ev.lr / sug, True
             basis = f"a tenth of the preflight's divergence point {div:.2g}"
     mom = f" with momentum {ev.momentum:g}" if ev.momentum else ""
     lr = f"lr={ev.lr:g}" if ev.lr is not None else "its LR"
@@ -325,24 +410,24 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
             confidence=max(conf, 0.85),
             evidence=f"{ev.optimizer or 'the optimizer'}{mom} at {lr} amplified the weights "
             "step after step: " + "; ".join(why),
-            fix=f"lower the weight decay (weight_decay={wd:g} -> weight_decay={target:.3g}: "
+            fix=f"lower the weight decay ({_decay_change(ev, wd, target)}: "
             f"lr * weight_decay = {ev.lr * target:.3g}, far below 1; your {lr} is ordinary "
             f"and stays); {_recovery_clause(ev)}",
         ))
-    sched = ""
     if ev.lr is not None:
         onset = jump["from"] if jump is not None else (warn[0]["step"] if warn else None)
-        target, sched = _lr_target(ev, factor, onset)
-        factor = ev.lr / target
-        new_lr = f"lr={target:.3g}"
+        lower = _lower_lr(ev, factor, basis, onset, probed)
     else:
-        new_lr = f"your LR / {factor:.3g}"
-    lower = f"lower the LR ({lr} -> {new_lr}: {factor:.3g}x smaller, {basis}{sched})"
+        lower = f"lower the LR (your LR / {factor:.3g}: {basis})"
     healed = _healed_lr(ev)
-    if healed is not None and ev.lr is not None and healed[1] < ev.lr:
+    if (healed is not None and ev.lr is not None and healed[1] < ev.lr
+            and _typo(ev) is None):
         n, at = healed
+        flag = find_flag(ev.argv, "lr", [ev.lr])
+        start = (flag.set(at) if flag is not None and math.isclose(flag.value, ev.lr)
+                 else f"lr={at:.3g}")
         lower = (f"lower the LR: heal cut it {n} time{'s' if n > 1 else ''} in this run, {lr} "
-                 f"-> lr={at:.3g} ({at / ev.lr:.3g}x); start at or below lr={at:.3g}")
+                 f"-> lr={at:.3g} ({at / ev.lr:.3g}x); start at or below {start}")
     clip = _clip_fix(ev, healthy)
     # A script that turned its own clipping off: turning it back on is the first fix.
     fixes = [clip, lower] if ev.clip == 0 else [lower, clip]

@@ -1,0 +1,12 @@
+"""What a fix proposes, made plausible for the run it is for: an LR in the range the optimizer
+trains with (a typed-in LR 1e5x its default read as a typo), the script's own flag when a value
+came from one, and a bound on a log-variance rather than a softmax's shift (shared/DESIGN.md
+section 10, "Fixes a user would type"). The rules in `explain.rules` word their fixes with it.
+"""
+
+from nanguard.explain.fixes.flags import Flag, find_flag, number
+from nanguard.explain.fixes.lr import LrRange, lr_range, lr_typo, plausible_lr
+from nanguard.explain.fixes.scale import library, log_scale
+
+__all__ = ["Flag", "LrRange", "find_flag", "library", "log_scale", "lr_range", "lr_typo",
+           "number", "plausible_lr"]
