@@ -22,6 +22,11 @@ ALARM_KINDS = (
     "rerun_mismatch",  # a sampled quiet step re-ran differently (`DetectConfig.rerun_every`)
     "eval_nonfinite",  # a metric an evaluation pass logged is NaN/Inf (detect.eval_metrics)
     # (nanguard.watch.loads, under `nanguard run`: recorded, never acted on)
+    "lr_jump",  # the LR went up >= 3x in one step, a resume's first step included
+    # (nanguard.policy.lr_change: recorded, never acted on; `heal` ramps the LR back up)
+    "lr_jump_loss",  # the loss after an LR jump far above the loss before it
+    "resume_loss",  # the loss right after a resume is far above the loss recorded at save
+    # (nanguard.recover.loss_after: recorded, never acted on)
 )
 
 

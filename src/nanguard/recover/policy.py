@@ -29,6 +29,7 @@ from torch import nn
 from nanguard.config import GuardConfig
 from nanguard.detect.alarm import Alarm
 from nanguard.integrations import distributed
+from nanguard.policy.lr_change import LrChanges
 from nanguard.recover.amp import ScalerWatch
 from nanguard.recover.backoff import Backoff, decide
 from nanguard.recover.clip import AdaptiveClipper
@@ -36,6 +37,7 @@ from nanguard.recover.effects import Discard, Effect, FollowPeers, Record, Stop
 from nanguard.recover.heal import Healer
 from nanguard.recover.ring import SnapshotRing
 from nanguard.recover.rollback import GiveUp, Rollback, trouble_start
+from nanguard.watch import loads
 from nanguard.watch.stats import StepStats
 
 
@@ -112,7 +114,14 @@ class Recovery:
         self._spike_samples: dict[int, list[int]] = {}  # step -> fingerprints attribution named
         self.clipper = AdaptiveClipper(cfg.clip) if cfg.clip is not None else None
         self.amp = ScalerWatch(scaler, cfg.amp) if scaler is not None else None
-        self.healer = Healer(cfg.heal, link) if cfg.policy == "heal" else None
+        # The LR of the last step (every policy: an LR jump is an alarm under `observe` too);
+        # the guard feeds it before the update, `heal` ramps from it.
+        self.lr_changes = LrChanges()
+        # `nanguard run` builds a guard at the first step: the optimizer's state was loaded
+        # before it, with the LR the checkpoint was saved at.
+        self.lr_changes.load(loads.loaded_lr(link.optimizer))
+        self.healer = (Healer(cfg.heal, link, self.lr_changes) if cfg.policy == "heal"
+                       else None)
 
     # -- GradScaler
 
@@ -447,6 +456,7 @@ class Recovery:
             "amp": self.amp.state_dict() if self.amp else None,
             "left_out": {str(h): s for h, s in self.left_out.items()},
             "heal": self.healer.state_dict() if self.healer else None,
+            "lr": self.lr_changes.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -455,6 +465,8 @@ class Recovery:
             if obj is not None and state.get(part) is not None:
                 obj.load_state_dict(state[part])
         self.left_out = {int(h): int(s) for h, s in state.get("left_out", {}).items()}
+        if state.get("lr") is not None:  # absent in states saved before it
+            self.lr_changes.load_state_dict(state["lr"])
         if self.rollbacker is not None and not self.rollbacker.snapshot.in_step:
             # The snapshot taken when this guard was built is the state at the step resumed
             # from (the guard's step counter, already loaded), not at step 0.

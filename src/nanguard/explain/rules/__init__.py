@@ -12,8 +12,9 @@ entry point (`Evidence.entry`: a `Guard(...)` option for `api` users, a `nanguar
 zero-code users).
 
 The families: where the value came from (`origin`), an op at a bad point (`ops`), the
-optimizer (`optimizer`), magnitudes and alarms over the run (`dynamics`), faults outside the
-model's math (`faults`); what several of them read is in `common`.
+optimizer (`optimizer`), the LR schedule (`schedule`), magnitudes and alarms over the run
+(`dynamics`), faults outside the model's math (`faults`); what several of them read is in
+`common`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from nanguard.explain.rules.origin import (
     init_nonfinite,
     label_nonfinite,
 )
+from nanguard.explain.rules.schedule import lr_jump
 
 RULES: list[Rule] = [
     checkpoint_nonfinite,
@@ -52,6 +54,7 @@ RULES: list[Rule] = [
     low_precision_overflow,
     optimizer_state_nonfinite,
     optimizer_divergence,
+    lr_jump,
     exploding_init,
     bad_batch,
     vanishing_gradients,
