@@ -36,7 +36,7 @@ restore the run shows in its first steps; later trouble is the detectors' to jud
 RATIO = 2.0
 """A loss at least this many times the level before..."""
 
-SPREAD = 10.0
+SPREAD = 4.0
 """...and more than this many median absolute deviations above it is far above it..."""
 
 STAYED = 1.5
