@@ -285,6 +285,8 @@ class StepPath:
         if not self._lane_known:
             self._lane, self._lane_known = self._make_lane(), True
         lr = _lr(optimizer)
+        if self.recovery.skips.pending is not None:  # the step after a skipped update
+            lr = self.recovery.skips.before_next(lr)
         if lr != self.recovery.lr_changes.last:  # a schedule's step; rarely a jump
             self._lr_changed(lr)
         lane = self._lane
@@ -580,6 +582,7 @@ class StepPath:
         effects, self._skips_in_row = device_skip_effects(
             stats, skips_in_row=self._skips_in_row,
             limit=self.config.recover.max_consecutive_skips)
+        self.recovery.discarded(stats, late=stats.step != self.step - 1)
         self.apply(effects)
 
     def apply(self, effects: list[Effect]) -> None:
@@ -607,6 +610,7 @@ class StepPath:
             for p in self.params:
                 p.grad = None
         stats.skipped = True
+        self.recovery.discarded(stats, late=False)
 
     def _stop(self, stats: StepStats, why: str) -> None:
         """Close the run and raise NanguardError with the report (the `raise` policy's end)."""

@@ -37,6 +37,7 @@ from nanguard.recover.effects import Discard, Effect, FollowPeers, Record, Stop
 from nanguard.recover.heal import Healer
 from nanguard.recover.ring import SnapshotRing
 from nanguard.recover.rollback import GiveUp, Rollback, trouble_start
+from nanguard.recover.skips import SkipLedger
 from nanguard.watch import loads
 from nanguard.watch.stats import StepStats
 
@@ -122,6 +123,8 @@ class Recovery:
         self.lr_changes.load(loads.loaded_lr(link.optimizer))
         self.healer = (Healer(cfg.heal, link, self.lr_changes) if cfg.policy == "heal"
                        else None)
+        self.skips = SkipLedger(scheduler, link.optimizer)  # every discarded update
+        self._rolled_back_at: int | None = None  # a rollback's discard is not a skip
 
     # -- GradScaler
 
@@ -256,6 +259,13 @@ class Recovery:
         for old in [k for k in self._spike_samples if k < stats.step - 1000]:
             del self._spike_samples[old]
 
+    def discarded(self, stats: StepStats, *, late: bool) -> None:
+        """The guard discarded the update of `stats` (`late`: seen after the step ended, a
+        fused optimizer's flag read later): counted; a skip's scheduler step taken back
+        before the next update where it can be (`recover.skips`)."""
+        hold = not late and self._rolled_back_at != stats.step
+        self.skips.skipped(stats.step, stats.lr, hold=hold)
+
     def after_update(self) -> None:
         if self.healer is not None:  # first: its LR was applied on top of any backoff
             self.healer.after_update()
@@ -327,6 +337,7 @@ class Recovery:
         except GiveUp as exc:
             return [Record(stats.step, "give_up", f"{exc} ({why})"), Stop(stats, f"{exc} ({why})")]
         rb.trail.clear(stats.step)
+        self._rolled_back_at = stats.step
         culprits = self._remember_culprits(stats, restored)
         effects: list[Effect] = [] if post else [Discard(stats)]
         stats.skipped = True
@@ -406,6 +417,7 @@ class Recovery:
         """This step's update is discarded because a coupled guard rolled back: restore the
         last good state now (after this optimizer's backward), then make the update a no-op."""
         self._discard_next = False
+        self._rolled_back_at = stats.step  # not a skip: the model goes back with its peers
         effects: list[Effect] = []
         if self._follow_at is not None:
             step, other, factor = self._follow_at
@@ -432,8 +444,10 @@ class Recovery:
         """What rollback cost so far (None without the `rollback` policy): updates undone, the
         LR factor now applied, the host memory the snapshots hold (and how many), the budget;
         under `heal`, `heal`: its own cost and cause (`Healer.cost`)."""
+        skips = {"skips": c} if (c := self.skips.cost()) is not None else {}
         if self.rollbacker is None:
-            return {"heal": self.healer.cost()} if self.healer is not None else None
+            return ({"heal": self.healer.cost(), **skips} if self.healer is not None
+                    else skips or None)
         ring = self.rollbacker.snapshot
         budget = self.link.config.recover.snapshot_budget_mb
         return {"rollbacks": len(self.rollbacker.history),
@@ -445,7 +459,8 @@ class Recovery:
                 "snapshots": len(ring.slots),
                 "snapshot_budget_bytes": None if budget is None else int(budget * 2**20),
                 "snapshot_over_budget": ring.over_budget,
-                **({"heal": self.healer.cost()} if self.healer is not None else {})}
+                **({"heal": self.healer.cost()} if self.healer is not None else {}),
+                **skips}
 
     # -- state
 
@@ -457,6 +472,7 @@ class Recovery:
             "left_out": {str(h): s for h, s in self.left_out.items()},
             "heal": self.healer.state_dict() if self.healer else None,
             "lr": self.lr_changes.state_dict(),
+            "skips": self.skips.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -467,6 +483,8 @@ class Recovery:
         self.left_out = {int(h): int(s) for h, s in state.get("left_out", {}).items()}
         if state.get("lr") is not None:  # absent in states saved before it
             self.lr_changes.load_state_dict(state["lr"])
+        if state.get("skips") is not None:
+            self.skips.load_state_dict(state["skips"])
         if self.rollbacker is not None and not self.rollbacker.snapshot.in_step:
             # The snapshot taken when this guard was built is the state at the step resumed
             # from (the guard's step counter, already loaded), not at step 0.
