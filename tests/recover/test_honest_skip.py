@@ -96,3 +96,17 @@ def test_a_scheduler_the_guard_was_not_given_is_reported_as_advanced(tmp_path):
     assert skips["schedule_advanced"] == [K]
     assert "the LR moved after 1 skipped update(s)" in skips["note"]
     assert "scheduler=" in skips["note"]
+
+
+def test_skip_ledger_state_round_trip():
+    from nanguard.recover.skips import SkipLedger
+
+    class _Opt:
+        param_groups = [{"lr": 0.1}]
+
+    a = SkipLedger(None, _Opt())
+    a.skipped(3, 0.1)
+    a.before_next(0.05)
+    b = SkipLedger(None, _Opt())
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert (b.steps, b.held, b.advanced) == ([3], 0, [3]) == (a.steps, a.held, a.advanced)

@@ -160,3 +160,48 @@ def test_nanguard_run_sees_a_resume_jump_at_its_first_step(checkpoint, tmp_path)
     jump = next(a for a in report["alarms"] if a["kind"] == "lr_jump")
     assert jump["step"] == 0 and "10x at the resume, step 0 (0.003 -> 0.03)" in jump["message"]
     assert "lr_jump" in cp.stderr
+
+
+def test_a_resume_at_the_same_lr_is_quiet(plain, checkpoint, tmp_path):
+    resumed = lm.main(["--steps", "15", "--lr", str(LR), "--resume", str(checkpoint),
+                       "--guard", "observe", "--out", str(tmp_path)])
+    assert max(resumed) < 2 * statistics.median(plain[J - 16:J])  # the plain truth: no spike
+    kinds = {a["kind"] for a in _report(tmp_path)["alarms"]}
+    assert not kinds & {"lr_jump", "lr_jump_loss", "resume_loss"}, kinds
+
+
+def test_lr_and_heal_ramp_state_round_trip():
+    from nanguard.config import HealConfig
+    from nanguard.policy.lr_change import LrChanges
+    from nanguard.recover.heal import Healer
+    from nanguard.recover.loss_after import LossAfter, loss_level
+
+    a = LrChanges()
+    a.see(0, 1e-3)
+    jump = a.see(1, 1e-2)
+    assert jump is not None and jump.factor == pytest.approx(10) and not jump.resumed
+    b = LrChanges()
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert (b.last, b.jumps, b.jump) == (a.last, a.jumps, a.jump)
+    assert b.see(2, 3e-2) is not None and b.jump is not None and b.jump.resumed  # from a save
+
+    class _Opt:
+        param_groups = [{"lr": 1e-2}]
+
+    class _Link:
+        optimizer = _Opt()
+
+    h = Healer(HealConfig(), _Link(), a)
+    h._start_ramp(jump)
+    h2 = Healer(HealConfig(), _Link())
+    h2.load_state_dict(json.loads(json.dumps(h.state_dict())))
+    assert h2.ramp == h.ramp and h2.ramps == h.ramps
+    assert h2._ramp_factor(1 + 50) == pytest.approx(0.1 + 0.9 * 0.5)
+
+    level = loss_level([1.0, 1.1, 0.9, None, float("nan"), 1.0])
+    assert level == {"median": 1.0, "mad": pytest.approx(0.05), "n": 4.0}
+    check = LossAfter.resumed({"loss": level}, 10)
+    assert check is not None
+    assert check.see(10, 5.0, None) is None  # far above: waits for the next step
+    assert check.see(11, 1.0, None) is None  # back down: a bad batch, not the resume
+    assert check.see(12, 5.0, None) is None and check.see(13, 4.0, None) is not None

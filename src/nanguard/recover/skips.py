@@ -62,8 +62,10 @@ class SkipLedger:
         self.steps.append(step)
         sched = self.scheduler
         state = None
-        if hold and sched is not None and getattr(sched, "last_epoch", -1) + self.held >= step:
-            # Stepped once per update so far (an epoch scheduler falls far behind the steps).
+        if (hold and sched is not None and step > 0
+                and getattr(sched, "last_epoch", -1) + self.held >= step):
+            # Stepped once per update so far (an epoch scheduler falls behind the steps from
+            # the second; at the first the two look alike: not held, reported if it moved).
             state = sched.state_dict()
         self.pending = (step, lr, state, [g["lr"] for g in self.optimizer.param_groups])
 
