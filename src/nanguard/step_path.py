@@ -152,7 +152,7 @@ class StepPath:
         if self._loss_after is None or self._loss_after.what != "resume":
             # (a resume's own check names a jump that came with it)
             level = loss_level(s.loss for s in self.log.history)
-            if level is not None:
+            if level is not None or jump.resumed:
                 self._loss_after = LossAfter(level, jump.step, "jump", jump)
 
     def _check_loss_after(self, stats: StepStats) -> None:

@@ -17,7 +17,8 @@
   diagnosis names the jump. `heal` resumed from a state saved under `heal` acts from the first
   step (its statistics came with the state: no 50-step wait).
 - Zero code: `nanguard run` on the resumed script (no guard state in the checkpoint) sees the
-  jump at its first step against the LR the loaded optimizer state carried.
+  jump at its first step against the LR the loaded optimizer state carried, and the loss
+  after it against the loss of that first step.
 """
 
 from __future__ import annotations
@@ -153,13 +154,21 @@ def test_heal_resumed_acts_from_the_first_step(plain, checkpoint, tmp_path):
 
 def test_nanguard_run_sees_a_resume_jump_at_its_first_step(checkpoint, tmp_path):
     cp = run_python(tmp_path, "-m", "nanguard", "run", "--out", str(tmp_path / "run"),
-                    str(SCRIPT), "--steps", "8", "--lr", str(10 * LR), "--resume",
+                    str(SCRIPT), "--steps", "12", "--lr", str(10 * LR), "--resume",
                     str(checkpoint))
     assert cp.returncode == 0, cp.stderr
+    losses = [float(line.split()[3]) for line in cp.stdout.splitlines()
+              if line.startswith("step ")]
     report = _report(tmp_path / "run")
     jump = next(a for a in report["alarms"] if a["kind"] == "lr_jump")
     assert jump["step"] == 0 and "10x at the resume, step 0 (0.003 -> 0.03)" in jump["message"]
     assert "lr_jump" in cp.stderr
+    # No history before the resume: the level is the loss of its first step (its forward ran
+    # on the restored weights), and the spike after it is measured against that.
+    rose = next(a for a in report["alarms"] if a["kind"] == "lr_jump_loss")
+    assert f"({losses[0]:.4g}, the loss of step 0, before any update" in rose["message"]
+    assert report["diagnosis"][0]["cause"] == "lr_jump"
+    assert "`nanguard run --policy heal`" in report["diagnosis"][0]["fix"]
 
 
 def test_a_resume_at_the_same_lr_is_quiet(plain, checkpoint, tmp_path):

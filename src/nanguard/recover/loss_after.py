@@ -66,11 +66,14 @@ class LossAfter:
         alarm is made).
     """
 
-    def __init__(self, level: dict[str, float], step: int, what: str,
+    def __init__(self, level: dict[str, float] | None, step: int, what: str,
                  jump: Jump | None = None) -> None:
-        self.median = float(level["median"])
-        self.mad = float(level.get("mad", 0.0))
-        self.n = int(level.get("n", 0))
+        # No level (a jump at a resume's first step, nothing seen before it: `nanguard run`
+        # on a resumed script): the loss of that first step is the level, its forward ran
+        # on the restored weights before any update at the new LR.
+        self.median = float(level["median"]) if level is not None else math.nan
+        self.mad = float(level.get("mad", 0.0)) if level is not None else 0.0
+        self.n = int(level.get("n", 0)) if level is not None else 0
         self.step = step
         self.what = what
         self.jump = jump
@@ -96,6 +99,12 @@ class LossAfter:
         latest LR jump, named after a resume when it came at or after it)."""
         if loss is None or not math.isfinite(loss):
             loss = math.inf  # a non-finite loss stays far above
+        if self.n == 0:  # no level: this first step's loss is it (see `__init__`)
+            if step == self.step and math.isfinite(loss) and loss > 0:
+                self.median, self.n = loss, 1
+            else:
+                self.step = -WINDOW[self.what]  # done: nothing to compare with
+            return None
         far, self.far = self.far, None
         if far is not None and loss >= STAYED * self.median:
             return self._alarm(step, far, loss, jump)
@@ -107,16 +116,18 @@ class LossAfter:
     def _alarm(self, step: int, far: tuple[int, float], loss: float, jump: Jump | None
                ) -> Alarm:
         ratio = far[1] / self.median
+        level = (f"the median of its last {self.n} steps" if self.n > 1 else
+                 f"the loss of step {self.step}, before any update at the new LR")
         rose = (f"the loss rose to {far[1]:.4g} at step {far[0]} (and was {loss:.4g} at step "
                 f"{step}), {far[0] - self.step} step(s) after")
         if self.what == "jump" and self.jump is not None:
             return Alarm(
                 step=step, kind="lr_jump_loss", signal="loss", value=ratio,
                 message=f"{rose} {self.jump.text()}: {ratio:.3g}x the loss before the jump "
-                f"({self.median:.4g}, the median of its last {self.n} steps)")
+                f"({self.median:.4g}, {level})")
         named = (f"; {jump.text()}" if jump is not None and self.step <= jump.step <= step
                  else "")
         return Alarm(
             step=step, kind="resume_loss", signal="loss", value=ratio,
             message=f"{rose} the resume at step {self.step}: {ratio:.3g}x the loss recorded at "
-            f"save ({self.median:.4g}, the median of its last {self.n} steps){named}")
+            f"save ({self.median:.4g}, {level}){named}")
