@@ -8,7 +8,6 @@ the old LR. Prints `step N loss L lr R` every step; with `--guard POLICY` it tra
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 from torch import nn
@@ -65,6 +64,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     p.add_argument("--resume", default=None, help="resume from this checkpoint")
     p.add_argument("--guard", default=None, help="train under nanguard.Guard(policy=GUARD)")
     p.add_argument("--out", default=None, help="the guard's run folder")
+    p.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ at this (0: off)")
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> list[float]:
             guard.watch(loss=loss, batch=(x, y))
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if args.clip:
+            nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
         losses.append(loss.item())
         print(f"step {step} loss {losses[-1]:.4f} lr {lr:.4g}", flush=True)
@@ -110,7 +112,6 @@ def main(argv: list[str] | None = None) -> list[float]:
                     "guard": guard.state_dict() if guard is not None else None}, args.save)
     if guard is not None:
         guard.close()
-    assert all(math.isfinite(x) for x in losses) or True
     return losses
 
 
