@@ -6,9 +6,10 @@ framework adapters. Its keys, in order, and the part each comes from:
 - `step`: optimizer steps the guard completed (the step path's counter);
 - `detectors`: each detector's own state, in `detect.default_detectors` order;
 - `alarms`, `actions`, `first_nonfinite`, `spikes`: the run log's records (`RunLog.state_dict`);
-- `recovery`: recovery's counters and settings in force (`Recovery.state_dict`); the rollback
-  snapshot is not in it (a full copy of the model): after a resume the last good state is the
-  one the guard was created with;
+- `recovery`: recovery's counters and settings in force (`Recovery.state_dict`; a `heal`
+  guard loading a state saved under another policy starts its statistics from the grad norms
+  of `log`'s steps); the rollback snapshot is not in it (a full copy of the model): after a
+  resume the last good state is the one the guard was created with;
 - `grad_baseline`: each parameter's typical healthy grad norm (what a spike is measured against);
 - `log`: the last steps and the failing step of `Guard.run_log()`, so that a resumed guard
   diagnoses with the history from before the resume;
@@ -58,6 +59,11 @@ def restore(guard: StepPath, detectors: list[Detector], state: Mapping[str, Any]
     guard.log.load_state_dict(state)
     if "recovery" in state:
         guard.recovery.load_state_dict(state["recovery"])
+    healer = guard.recovery.healer
+    if healer is not None and not (state.get("recovery") or {}).get("heal"):
+        # Saved under another policy: heal starts from the grad norms before the save.
+        healer.seed([h.get("grad_norm") for h in (state.get("log") or {}).get("history", [])
+                     if isinstance(h, dict)])
     guard._grad_baseline = GradBaseline({int(i): float(v)
                                          for i, v in state.get("grad_baseline", {}).items()})
     guard._loss_after = LossAfter.resumed(state.get("resume"), guard.step)

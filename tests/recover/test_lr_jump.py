@@ -214,3 +214,19 @@ def test_lr_and_heal_ramp_state_round_trip():
     assert check.see(10, 5.0, None) is None  # far above: waits for the next step
     assert check.see(11, 1.0, None) is None  # back down: a bad batch, not the resume
     assert check.see(12, 5.0, None) is None and check.see(13, 4.0, None) is not None
+
+
+def test_heal_resumed_from_a_state_saved_under_another_policy_starts_warm(checkpoint):
+    from nanguard import Guard, GuardConfig, RecordConfig
+
+    state = lm.torch.load(checkpoint, weights_only=True)["guard"]
+    state["recovery"]["heal"] = None  # as a guard under `observe` saves it
+    norms = [h["grad_norm"] for h in state["log"]["history"]]
+    model = lm.CharLM(32)
+    guard = Guard(model, lm.torch.optim.AdamW(model.parameters()), config=GuardConfig(
+        policy="heal", record=RecordConfig(out="", summary=False)))
+    guard.load_state_dict(state)
+    healer = guard.recovery.healer
+    assert healer is not None and healer.count == len(norms) >= 50  # past its 50-step warm-up
+    assert min(norms) < healer.mean < max(norms)
+    guard.close()

@@ -174,6 +174,16 @@ class Healer:
         self.seconds += time.perf_counter() - started
         return limit
 
+    def seed(self, norms: list[Any]) -> None:
+        """Before the first step, from a resumed state saved without heal's own statistics (a
+        guard under another policy): fold the grad norms of the steps before the save in, as
+        if heal had seen them, so it acts from the first step after the resume."""
+        if self.count:
+            return
+        for x in norms:
+            if isinstance(x, (int, float)) and math.isfinite(x):
+                self._update(float(x))
+
     def _update(self, x: float) -> None:
         ema_update(self, x, self.config.ema, self.config.warmup_steps)
 
