@@ -181,7 +181,14 @@ def test_guard_resumed_from_state_matches_uninterrupted(split, quiet_config):
     second.load_state_dict(state)
     _train(dict.fromkeys(range(split, 300), second), range(split, 300), setup, quiet_config)
     second.close()
-    assert _summary(second) == expected
+    # The resumed guard judges every step as the uninterrupted one did; it also checks the
+    # first steps after the resume against the loss at save (`recover.loss_after`), which
+    # only a resume can: its `resume_loss` alarm is the one difference allowed.
+    got = _summary(second)
+    extra = [a for a in got["alarms"] if a["kind"] == "resume_loss"]
+    got["alarms"] = [a for a in got["alarms"] if a["kind"] != "resume_loss"]
+    assert got == expected
+    assert all(split <= a["step"] < split + 12 for a in extra), extra
 
     # Not loading the state loses the history: the alarms differ.
     setup = make_cascade(SEED)

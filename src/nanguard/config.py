@@ -328,6 +328,10 @@ class HealConfig:
     max_cuts: int = 3
     """At most this many cuts over the run."""
 
+    ramp_steps: int = 100
+    """After an LR jump without warm-up (up >= 3x in one step, a resume included), the LR is
+    ramped back up from its pre-jump value over this many steps (0: no ramp)."""
+
 
 @_strict
 @dataclass(kw_only=True)

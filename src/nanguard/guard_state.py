@@ -6,15 +6,19 @@ framework adapters. Its keys, in order, and the part each comes from:
 - `step`: optimizer steps the guard completed (the step path's counter);
 - `detectors`: each detector's own state, in `detect.default_detectors` order;
 - `alarms`, `actions`, `first_nonfinite`, `spikes`: the run log's records (`RunLog.state_dict`);
-- `recovery`: recovery's counters and settings in force (`Recovery.state_dict`); the rollback
-  snapshot is not in it (a full copy of the model): after a resume the last good state is the
-  one the guard was created with;
+- `recovery`: recovery's counters and settings in force (`Recovery.state_dict`; a `heal`
+  guard loading a state saved under another policy starts its statistics from the grad norms
+  of `log`'s steps); the rollback snapshot is not in it (a full copy of the model): after a
+  resume the last good state is the one the guard was created with;
 - `grad_baseline`: each parameter's typical healthy grad norm (what a spike is measured against);
 - `log`: the last steps and the failing step of `Guard.run_log()`, so that a resumed guard
-  diagnoses with the history from before the resume.
+  diagnoses with the history from before the resume;
+- `resume`: the loss level at save (`recover.loss_after`): the first steps after the resume
+  are compared with it. The LR at save rides in `recovery` (`policy.lr_change`): a resume whose
+  first step runs at 10x it is an LR jump at that step.
 
-Older states may lack `recovery`, `grad_baseline`, `spikes` and `log`; they load with those
-parts left as the new guard has them (`grad_baseline` empty).
+Older states may lack `recovery`, `grad_baseline`, `spikes`, `log` and `resume`; they load with
+those parts left as the new guard has them (`grad_baseline` empty).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 from nanguard.detect.detectors import Detector
 from nanguard.pinpoint.baseline import GradBaseline
 from nanguard.record.runlog import HISTORY
+from nanguard.recover.loss_after import LossAfter, loss_level
 from nanguard.step_path import StepPath
 
 
@@ -39,6 +44,7 @@ def gather(guard: StepPath, detectors: list[Detector],
         "recovery": guard.recovery.state_dict(),
         "grad_baseline": {str(i): v for i, v in guard._grad_baseline.values().items()},
         "log": {"history": plain_log["history"][-HISTORY:], "failing": plain_log["failing"]},
+        "resume": {"loss": loss_level(s.loss for s in guard.log.history)},
     }
 
 
@@ -53,5 +59,11 @@ def restore(guard: StepPath, detectors: list[Detector], state: Mapping[str, Any]
     guard.log.load_state_dict(state)
     if "recovery" in state:
         guard.recovery.load_state_dict(state["recovery"])
+    healer = guard.recovery.healer
+    if healer is not None and not (state.get("recovery") or {}).get("heal"):
+        # Saved under another policy: heal starts from the grad norms before the save.
+        healer.seed([h.get("grad_norm") for h in (state.get("log") or {}).get("history", [])
+                     if isinstance(h, dict)])
     guard._grad_baseline = GradBaseline({int(i): float(v)
                                          for i, v in state.get("grad_baseline", {}).items()})
+    guard._loss_after = LossAfter.resumed(state.get("resume"), guard.step)

@@ -43,6 +43,7 @@ from nanguard.record.rows import step_signals, write_step
 from nanguard.record.runlog import RunLog
 from nanguard.record.store import NullStore
 from nanguard.recover.effects import Discard, Effect, FollowPeers, Record, Stop
+from nanguard.recover.loss_after import LossAfter, loss_level
 from nanguard.recover.policy import Recovery
 from nanguard.recover.verdict import LossWatch
 from nanguard.watch import loads, rng
@@ -91,6 +92,8 @@ class StepPath:
     _last_stats: StepStats | None
     _grad_baseline: GradBaseline
     _losses: LossWatch
+    _loss_after: LossAfter | None
+    """After `load_state_dict`: the loss at save, for the first steps after the resume."""
     _skips_in_row: int
     _watch_calls: int
     _check_loaded: bool
@@ -134,8 +137,34 @@ class StepPath:
         """`load_state_dict` post-hook of the model and the optimizer: loaded values are
         checked for finiteness before the next update, and the line that loaded them kept."""
         self._check_loaded = True
+        if loaded is self.optimizer:  # the LR it was saved at: a resume's first step may jump
+            self.recovery.lr_changes.load(_lr(self.optimizer))
         self._load_site = loads.call_site()
         loads.note(self._load_site, loaded)
+
+    def _lr_changed(self, lr: float | None) -> None:
+        """The LR differs from the last step's (or the one a loaded checkpoint carried): a
+        jump up without warm-up is an `lr_jump` alarm, said at once (`policy.lr_change`)."""
+        jump = self.recovery.lr_changes.see(self.step, lr)
+        if jump is None:
+            return
+        self.log.add_alarm(jump.alarm())
+        if self._loss_after is None or self._loss_after.what != "resume":
+            # (a resume's own check names a jump that came with it)
+            level = loss_level(s.loss for s in self.log.history)
+            if level is not None or jump.resumed:
+                self._loss_after = LossAfter(level, jump.step, "jump", jump)
+
+    def _check_loss_after(self, stats: StepStats) -> None:
+        """One of the first steps after a resume or an LR jump: its loss against the loss
+        before (`recover.loss_after`); one alarm at most."""
+        check = self._loss_after
+        assert check is not None
+        alarm = check.see(stats.step, stats.loss, self.recovery.lr_changes.jump)
+        if alarm is not None or check.done(stats.step + 1):
+            self._loss_after = None
+        if alarm is not None:  # recorded, not a detector's: the step is judged as before
+            self.log.add_alarm(alarm)
 
     def _loaded_finding(self, step: int, names: list[str], flags: list[float]) -> None:
         """The first non-finite finding for loaded state (phase `checkpoint`)."""
@@ -255,6 +284,11 @@ class StepPath:
             self._write_params()
         if not self._lane_known:
             self._lane, self._lane_known = self._make_lane(), True
+        lr = _lr(optimizer)
+        if self.recovery.skips.pending is not None:  # the step after a skipped update
+            lr = self.recovery.skips.before_next(lr)
+        if lr != self.recovery.lr_changes.last:  # a schedule's step; rarely a jump
+            self._lr_changed(lr)
         lane = self._lane
         if (lane is not None and not self._check_loaded and not self._pending
                 and self.recovery.amp is None
@@ -262,7 +296,7 @@ class StepPath:
                 and self.params[0].device.type == "cpu"
                 and (lane.every == 0 or self.step % lane.every)):
             # The quiet lane (`watch.lane`): under `observe` nothing to read before the update.
-            cur = self._current = lane.begin(self.step, _lr(optimizer), self._loss,
+            cur = self._current = lane.begin(self.step, lr, self._loss,
                                              self._step_rng)
             self._loss = None
             self._watch_calls = 0
@@ -278,7 +312,7 @@ class StepPath:
                 # Said at load time (`report_mismatch`'s line, with why): not said twice.
                 self.log.add_alarm(loads.mismatch_alarm(self.step, mismatch), said=True)
         self._current, grads = self.steps.begin(
-            self.step, _lr(optimizer), self._device, self._loss, self.recovery.scale_tensor(),
+            self.step, lr, self._device, self._loss, self.recovery.scale_tensor(),
             loaded, flags, self._step_rng)
         pre = self._current.pre
         self._loss = None
@@ -548,6 +582,7 @@ class StepPath:
         effects, self._skips_in_row = device_skip_effects(
             stats, skips_in_row=self._skips_in_row,
             limit=self.config.recover.max_consecutive_skips)
+        self.recovery.discarded(stats, late=stats.step != self.step - 1)
         self.apply(effects)
 
     def apply(self, effects: list[Effect]) -> None:
@@ -575,6 +610,7 @@ class StepPath:
             for p in self.params:
                 p.grad = None
         stats.skipped = True
+        self.recovery.discarded(stats, late=False)
 
     def _stop(self, stats: StepStats, why: str) -> None:
         """Close the run and raise NanguardError with the report (the `raise` policy's end)."""
@@ -630,6 +666,8 @@ class StepPath:
         finding = log.finding
         self._losses.observe(stats.loss, stats.skipped,
                              troubled=finding is not None or log.recovered_from)
+        if self._loss_after is not None:
+            self._check_loss_after(stats)
         signals = stats._signals if stats._signals is not None else stats.nonfinite_signals()
         if not stats.alarms and not signals:
             # Each parameter's typical grad norm on healthy steps: the baseline of a spike,

@@ -117,6 +117,7 @@ def step_state(guard: StepPath) -> None:
     guard._watch_calls = 0  # watch(loss=...) calls since the last optimizer step
     guard._skips_in_row = 0  # consecutive updates the `skip` policy discarded
     guard._losses = LossWatch()  # the loss level before any trouble, and since
+    guard._loss_after = None  # a loaded state's loss at save, for the steps after the resume
     guard._in_hook = None  # `pre` / `post` while a step hook runs
     guard._agreed = False  # that hook took part in its cross-rank agreement
     guard._rerun_rank = None  # the agreement asked for a cross-rank re-run

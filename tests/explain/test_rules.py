@@ -124,6 +124,18 @@ CASES = [
         Evidence(),
     ),
     (
+        R.lr_jump,
+        Evidence(alarms=[
+            {"step": 100, "kind": "lr_jump", "signal": "lr", "value": 10.0,
+             "message": "the LR went 10x at step 100 (0.001 -> 0.01) without warm-up: ..."},
+            {"step": 104, "kind": "spike", "signal": "grad_norm", "value": 40.0}]),
+        # The same jump with trouble only before it (a warm restart the run took in stride).
+        Evidence(alarms=[
+            {"step": 90, "kind": "spike", "signal": "grad_norm", "value": 40.0},
+            {"step": 100, "kind": "lr_jump", "signal": "lr", "value": 10.0,
+             "message": "the LR went 10x at step 100 (0.001 -> 0.01) without warm-up: ..."}]),
+    ),
+    (
         R.vanishing_gradients,
         Evidence(
             alarms=[

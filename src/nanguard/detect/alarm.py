@@ -24,6 +24,11 @@ ALARM_KINDS = (
     "buffer_nonfinite",  # a buffer training does not read (BatchNorm running statistics in
     # training mode) went NaN/Inf: evaluation will read it (nanguard.watch.unread; a warning)
     # (nanguard.watch.loads, under `nanguard run`: recorded, never acted on)
+    "lr_jump",  # the LR went up >= 3x in one step, a resume's first step included
+    # (nanguard.policy.lr_change: recorded, never acted on; `heal` ramps the LR back up)
+    "lr_jump_loss",  # the loss after an LR jump far above the loss before it
+    "resume_loss",  # the loss right after a resume is far above the loss recorded at save
+    # (nanguard.recover.loss_after: recorded, never acted on)
 )
 
 

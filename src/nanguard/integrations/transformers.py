@@ -20,7 +20,9 @@ What the Trainer hides and how the callback gets it:
   -> `guard.after_update()`.
 - Skipping. The Trainer has no skip flag; `skip` removes the gradients in `on_pre_optimizer_step`,
   so the coming `optimizer.step()` changes nothing (no update, no Adam step count); the LR
-  scheduler steps as usual, and the gradients are given back before `zero_grad`.
+  scheduler steps as usual, and the guard (given the Trainer's scheduler) takes that step
+  back before the next update (`recover.skips`); the gradients are given back before
+  `zero_grad`.
 - The logs. `on_log` adds the last recorded step's signals (`nanguard/loss`, `nanguard/grad_norm`,
   ..., NaN kept where `logging_nan_inf_filter` hides the loss's) and `nanguard/alarms` (alarms
   since the last log) to the logs and to that entry of `state.log_history`. Reporting

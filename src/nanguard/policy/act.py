@@ -11,6 +11,7 @@ from __future__ import annotations
 from nanguard.policy.stage import Decision
 from nanguard.recover.effects import Discard, Effect, Record, Stop
 from nanguard.recover.policy import Recovery
+from nanguard.recover.skips import batch_note
 from nanguard.watch.stats import StepStats
 
 
@@ -23,13 +24,13 @@ def effects_of(d: Decision, stats: StepStats, *, recovery: Recovery, post: bool,
     has restored the model by the time this returns; the rest happens when the guard applies
     the effects."""
     if d.action == "skip":
-        return [Discard(stats),
-                Record(stats.step, "skip", f"update discarded ({d.why})")], skips_in_row + 1
+        return [Discard(stats), Record(stats.step, "skip", f"update discarded ({d.why})"
+                                       f"{batch_note(stats)}")], skips_in_row + 1
     if d.action == "discard_spike":
         # The spike was seen before its update: no rollback, no LR change, nothing counted.
         return [Discard(stats), Record(stats.step, "skip", (
             f"update discarded ({d.why}): the state before it is still good, no rollback "
-            "needed"))], skips_in_row
+            f"needed{batch_note(stats)}"))], skips_in_row
     if d.action == "rollback":
         return recovery.rollback(stats, d.why, post), skips_in_row
     if d.action == "escalate":
@@ -62,7 +63,7 @@ def device_skip_effects(stats: StepStats, *, skips_in_row: int, limit: int
     skips_in_row += 1
     why = ", ".join(stats.seal()) or "non-finite gradient norm"
     effects: list[Effect] = [Record(stats.step, "skip",
-                                    f"update discarded on the device ({why})")]
+                                    f"update discarded on the device ({why}){batch_note(stats)}")]
     if skips_in_row > limit:
         detail = (f"{limit} updates discarded in a row and the next was bad too ({why}); "
                   "skipping does not heal this run: stopped")

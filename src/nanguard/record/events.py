@@ -26,7 +26,8 @@ EVENT_TYPES = ("alarm", "action", "finding", "episode_end", "step", "close")
 
 # How grave each alarm kind is: an episode's line repeats only when it gets graver.
 SEVERITY = {
-    "vanishing": 1, "saturation": 1, "amp_collapse": 2, "spike": 2, "divergence": 3,
+    "vanishing": 1, "saturation": 1, "lr_jump": 1, "amp_collapse": 2, "resume_loss": 2,
+    "lr_jump_loss": 2,     "spike": 2, "divergence": 3,
     "cascade": 3, "forecast": 4, "overflow": 5, "replica_divergence": 5, "nonfinite": 6,
 }
 # Actions that are routine bookkeeping (the GradScaler's own overflow skips): logged at DEBUG.

@@ -25,7 +25,7 @@ from nanguard.watch.stats import StepStats
 HISTORY = 64
 """Steps kept for the summary and the diagnosis (the last ones up to the failure)."""
 
-RECOVERING = ("skip", "rollback", "heal_clip", "wd_cut", "lr_cut")
+RECOVERING = ("skip", "rollback", "heal_clip", "wd_cut", "lr_cut", "lr_ramp")
 """Actions after which the run is recovering: the report says whether the model came back."""
 
 

@@ -22,6 +22,12 @@ before the update:
   weight decay is cut (x `HealConfig.cut_factor`); otherwise the LR is (x `cut_factor`, on top
   of the scheduler's value, every step from then on). Each cut is an action with the run's own
   numbers; at most `HealConfig.max_cuts` cuts.
+- **An LR jump** (`policy.lr_change`: the LR went up >= 3x in one step, a resume included): the
+  cause is the jump, not the LR it went to. From the jump's step the LR is ramped back up from
+  the pre-jump value, linearly over `HealConfig.ramp_steps` steps (x old/new at the jump,
+  x 1 at its end, on top of the scheduler's value): the warm-up the schedule left out. Spikes
+  during the ramp are clipped, never answered with an LR cut (the cut would halve the LR for
+  the rest of the run for a cause the ramp already answers).
 
 Every action is returned to the guard as a `Record` effect (report.json `actions`); `cost()` gives
 `run.recovery.heal`: precursors, updates clipped, the cuts, the LR / WD factors now applied and
@@ -38,6 +44,7 @@ from typing import Any, Protocol
 import torch
 
 from nanguard.config import HealConfig
+from nanguard.policy.lr_change import Jump, LrChanges
 from nanguard.recover.clip import ema_update
 from nanguard.recover.effects import Record
 from nanguard.watch.stats import StepStats
@@ -54,11 +61,16 @@ class Healer:
     """Args:
     config: thresholds and the cause correction (`HealConfig`).
     link: the guard's recovery link (its optimizer).
+    changes: the guard's LR changes (`policy.lr_change`), fed before the update.
     """
 
-    def __init__(self, config: HealConfig, link: _Link) -> None:
+    def __init__(self, config: HealConfig, link: _Link, changes: LrChanges | None = None
+                 ) -> None:
         self.config = config
         self.link = link
+        self.changes = changes if changes is not None else LrChanges()
+        self.ramp: Jump | None = None  # the jump being ramped over, until its ramp ends
+        self.ramps: list[dict[str, Any]] = []  # every ramp (the report's `run.recovery.heal`)
         self.mean = 0.0
         self.var = 0.0
         self.count = 0
@@ -88,10 +100,15 @@ class Healer:
             if limit is not None:
                 seen = self._clip(stats, norm, limit)
             self._update(seen)
-        if self.lr_factor != 1.0:
+        jump = self.changes.jump
+        if jump is not None and jump.step == stats.step and self.config.ramp_steps > 0:
+            self._start_ramp(jump)
+        factor = self.lr_factor if self.ramp is None else self.lr_factor * self._ramp_factor(
+            stats.step)
+        if factor != 1.0:
             self._saved_lrs = [g["lr"] for g in self.link.optimizer.param_groups]
             for g in self.link.optimizer.param_groups:
-                g["lr"] = g["lr"] * self.lr_factor
+                g["lr"] = g["lr"] * factor
         records, self._records = self._records, []
         return records
 
@@ -102,6 +119,27 @@ class Healer:
         for g, lr in zip(self.link.optimizer.param_groups, self._saved_lrs, strict=True):
             g["lr"] = lr
         self._saved_lrs = None
+
+    def _start_ramp(self, jump: Jump) -> None:
+        self.ramp = jump
+        n = self.config.ramp_steps
+        self.ramps.append({"step": jump.step, "old_lr": jump.old, "new_lr": jump.new,
+                           "factor": jump.factor, "steps": n})
+        self._records.append(Record(
+            jump.step, "lr_ramp",
+            f"{jump.text()}: LR ramped back up from {jump.old:.3g}, linearly over {n} steps "
+            f"(steps {jump.step}..{jump.step + n - 1}), instead of cut"))
+
+    def _ramp_factor(self, step: int) -> float:
+        """The ramp's factor on the scheduler's LR at `step`: old/new at the jump, growing
+        linearly to 1 over `ramp_steps` steps (then the ramp ends)."""
+        assert self.ramp is not None
+        t, n = step - self.ramp.step, self.config.ramp_steps
+        if t >= n or t < 0:
+            self.ramp = None
+            return 1.0
+        low = 1.0 / self.ramp.factor
+        return low + (1.0 - low) * t / n
 
     def _precursor_limit(self, norm: float) -> float | None:
         """The norm to clip to when `norm` is a precursor (the rolling mean), else None."""
@@ -136,6 +174,16 @@ class Healer:
         self.seconds += time.perf_counter() - started
         return limit
 
+    def seed(self, norms: list[Any]) -> None:
+        """Before the first step, from a resumed state saved without heal's own statistics (a
+        guard under another policy): fold the grad norms of the steps before the save in, as
+        if heal had seen them, so it acts from the first step after the resume."""
+        if self.count:
+            return
+        for x in norms:
+            if isinstance(x, (int, float)) and math.isfinite(x):
+                self._update(float(x))
+
     def _update(self, x: float) -> None:
         ema_update(self, x, self.config.ema, self.config.warmup_steps)
 
@@ -150,8 +198,14 @@ class Healer:
     # -- the cause
 
     def _correct(self, step: int) -> None:
-        """Precursors recur: cut the weight decay when the evidence names LR x WD, else the LR."""
+        """Precursors recur: cut the weight decay when the evidence names LR x WD, else the LR;
+        while an LR jump is ramped over, nothing (the jump is the cause, the ramp its answer)."""
         cfg = self.config
+        if self.ramp is not None:
+            self.cause = (f"{self.ramp.text()}; {len(self.precursors)} grad-norm spikes "
+                          "while the LR was ramped back up (clipped, no cut)")
+            self.precursors.clear()
+            return
         groups = self.link.optimizer.param_groups
         lr = float(groups[0].get("lr", 0.0)) * self.lr_factor
         # The largest group's: a no-decay group (biases, norms) often comes first.
@@ -196,13 +250,15 @@ class Healer:
         return {"precursors": self.total, "updates_clipped": self.total, "steps_lost": 0,
                 "cuts": list(self.cuts), "lr_factor": self.lr_factor,
                 "weight_decay_factor": self.wd_factor, "cause": self.cause,
-                "seconds": round(self.seconds, 6)}
+                "lr_ramps": list(self.ramps), "seconds": round(self.seconds, 6)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"mean": self.mean, "var": self.var, "count": self.count,
                 "lr_factor": self.lr_factor, "wd_factor": self.wd_factor, "total": self.total,
                 "precursors": list(self.precursors), "cuts": list(self.cuts),
-                "cause": self.cause, "seconds": self.seconds}
+                "cause": self.cause, "seconds": self.seconds, "ramps": list(self.ramps),
+                "ramp": None if self.ramp is None else [self.ramp.step, self.ramp.old,
+                                                        self.ramp.new, self.ramp.resumed]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.mean, self.var, self.count = (float(state["mean"]), float(state["var"]),
@@ -212,4 +268,8 @@ class Healer:
         self.precursors = deque(int(s) for s in state["precursors"])
         self.cuts = list(state["cuts"])
         self.cause = state["cause"]
-        self.seconds = float(state.get("seconds", 0.0))  # absent in states saved before it
+        # Absent in states saved before them:
+        self.seconds = float(state.get("seconds", 0.0))
+        self.ramps = list(state.get("ramps", []))
+        r = state.get("ramp")
+        self.ramp = None if not r else Jump(int(r[0]), float(r[1]), float(r[2]), bool(r[3]))

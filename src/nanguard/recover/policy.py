@@ -29,6 +29,7 @@ from torch import nn
 from nanguard.config import GuardConfig
 from nanguard.detect.alarm import Alarm
 from nanguard.integrations import distributed
+from nanguard.policy.lr_change import LrChanges
 from nanguard.recover.amp import ScalerWatch
 from nanguard.recover.backoff import Backoff, decide
 from nanguard.recover.clip import AdaptiveClipper
@@ -36,6 +37,8 @@ from nanguard.recover.effects import Discard, Effect, FollowPeers, Record, Stop
 from nanguard.recover.heal import Healer
 from nanguard.recover.ring import SnapshotRing
 from nanguard.recover.rollback import GiveUp, Rollback, trouble_start
+from nanguard.recover.skips import SkipLedger
+from nanguard.watch import loads
 from nanguard.watch.stats import StepStats
 
 
@@ -112,7 +115,16 @@ class Recovery:
         self._spike_samples: dict[int, list[int]] = {}  # step -> fingerprints attribution named
         self.clipper = AdaptiveClipper(cfg.clip) if cfg.clip is not None else None
         self.amp = ScalerWatch(scaler, cfg.amp) if scaler is not None else None
-        self.healer = Healer(cfg.heal, link) if cfg.policy == "heal" else None
+        # The LR of the last step (every policy: an LR jump is an alarm under `observe` too);
+        # the guard feeds it before the update, `heal` ramps from it.
+        self.lr_changes = LrChanges()
+        # `nanguard run` builds a guard at the first step: the optimizer's state was loaded
+        # before it, with the LR the checkpoint was saved at.
+        self.lr_changes.load(loads.loaded_lr(link.optimizer))
+        self.healer = (Healer(cfg.heal, link, self.lr_changes) if cfg.policy == "heal"
+                       else None)
+        self.skips = SkipLedger(scheduler, link.optimizer)  # every discarded update
+        self._rolled_back_at: int | None = None  # a rollback's discard is not a skip
 
     # -- GradScaler
 
@@ -247,6 +259,13 @@ class Recovery:
         for old in [k for k in self._spike_samples if k < stats.step - 1000]:
             del self._spike_samples[old]
 
+    def discarded(self, stats: StepStats, *, late: bool) -> None:
+        """The guard discarded the update of `stats` (`late`: seen after the step ended, a
+        fused optimizer's flag read later): counted; a skip's scheduler step taken back
+        before the next update where it can be (`recover.skips`)."""
+        hold = not late and self._rolled_back_at != stats.step
+        self.skips.skipped(stats.step, stats.lr, hold=hold)
+
     def after_update(self) -> None:
         if self.healer is not None:  # first: its LR was applied on top of any backoff
             self.healer.after_update()
@@ -318,6 +337,7 @@ class Recovery:
         except GiveUp as exc:
             return [Record(stats.step, "give_up", f"{exc} ({why})"), Stop(stats, f"{exc} ({why})")]
         rb.trail.clear(stats.step)
+        self._rolled_back_at = stats.step
         culprits = self._remember_culprits(stats, restored)
         effects: list[Effect] = [] if post else [Discard(stats)]
         stats.skipped = True
@@ -397,6 +417,7 @@ class Recovery:
         """This step's update is discarded because a coupled guard rolled back: restore the
         last good state now (after this optimizer's backward), then make the update a no-op."""
         self._discard_next = False
+        self._rolled_back_at = stats.step  # not a skip: the model goes back with its peers
         effects: list[Effect] = []
         if self._follow_at is not None:
             step, other, factor = self._follow_at
@@ -423,8 +444,10 @@ class Recovery:
         """What rollback cost so far (None without the `rollback` policy): updates undone, the
         LR factor now applied, the host memory the snapshots hold (and how many), the budget;
         under `heal`, `heal`: its own cost and cause (`Healer.cost`)."""
+        skips = {"skips": c} if (c := self.skips.cost()) is not None else {}
         if self.rollbacker is None:
-            return {"heal": self.healer.cost()} if self.healer is not None else None
+            return ({"heal": self.healer.cost(), **skips} if self.healer is not None
+                    else skips or None)
         ring = self.rollbacker.snapshot
         budget = self.link.config.recover.snapshot_budget_mb
         return {"rollbacks": len(self.rollbacker.history),
@@ -436,7 +459,8 @@ class Recovery:
                 "snapshots": len(ring.slots),
                 "snapshot_budget_bytes": None if budget is None else int(budget * 2**20),
                 "snapshot_over_budget": ring.over_budget,
-                **({"heal": self.healer.cost()} if self.healer is not None else {})}
+                **({"heal": self.healer.cost()} if self.healer is not None else {}),
+                **skips}
 
     # -- state
 
@@ -447,6 +471,8 @@ class Recovery:
             "amp": self.amp.state_dict() if self.amp else None,
             "left_out": {str(h): s for h, s in self.left_out.items()},
             "heal": self.healer.state_dict() if self.healer else None,
+            "lr": self.lr_changes.state_dict(),
+            "skips": self.skips.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -455,6 +481,10 @@ class Recovery:
             if obj is not None and state.get(part) is not None:
                 obj.load_state_dict(state[part])
         self.left_out = {int(h): int(s) for h, s in state.get("left_out", {}).items()}
+        if state.get("lr") is not None:  # absent in states saved before it
+            self.lr_changes.load_state_dict(state["lr"])
+        if state.get("skips") is not None:
+            self.skips.load_state_dict(state["skips"])
         if self.rollbacker is not None and not self.rollbacker.snapshot.in_step:
             # The snapshot taken when this guard was built is the state at the step resumed
             # from (the guard's step counter, already loaded), not at step 0.

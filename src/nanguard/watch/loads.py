@@ -54,6 +54,9 @@ _files: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
 _data_files: list[str] = []
 """Files read with NumPy under `track()`: the data a batch value may have come from."""
 _mismatches: list[dict[str, Any]] = []
+_loaded_lr: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+"""Each optimizer whose state was loaded -> its first group's LR right after the load (the LR
+the checkpoint was saved at; `policy.lr_change`: a resume's first step may jump from it)."""
 """Loaded checkpoints that differ from their manifests, not yet recorded by a guard."""
 
 
@@ -81,6 +84,10 @@ def note(site: str | None, loaded: Any = None) -> None:
     tensors."""
     global _last, _any
     _any = True
+    if isinstance(loaded, torch.optim.Optimizer) and loaded.param_groups:
+        lr = loaded.param_groups[0].get("lr")
+        if isinstance(lr, (int, float)):
+            _loaded_lr[loaded] = float(lr)
     if site is not None:
         _last = site
         for t in _tensors_of(loaded):
@@ -100,6 +107,12 @@ def site_of(t: torch.Tensor) -> str | None:
     """The line whose `load_state_dict` wrote `t`, when one did."""
     hit = _sites.get(id(t))
     return hit[1] if hit is not None and hit[0]() is t else None
+
+
+def loaded_lr(optimizer: Any) -> float | None:
+    """The LR `optimizer` had right after its state was last loaded (a load seen by `track()`
+    or a guard's hooks), else None."""
+    return _loaded_lr.get(optimizer)
 
 
 def load_seen(whole_script: bool) -> bool | None:

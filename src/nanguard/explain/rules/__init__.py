@@ -12,8 +12,8 @@ entry point (`Evidence.entry`: a `Guard(...)` option for `api` users, a `nanguar
 zero-code users).
 
 The families: where the value came from (`origin`), an op at a bad point (`ops`,
-`division`, and the rest of the op table in `semantics`), the
-optimizer (`optimizer`), magnitudes and alarms over the run (`dynamics`), faults outside the
+`division`, and the rest of the op table in `semantics`), the optimizer (`optimizer`), the LR
+schedule (`schedule`), magnitudes and alarms over the run (`dynamics`), faults outside the
 model's math (`faults`); what several of them read is in `common`.
 """
 
@@ -38,6 +38,7 @@ from nanguard.explain.rules.origin import (
     init_nonfinite,
     label_nonfinite,
 )
+from nanguard.explain.rules.schedule import lr_jump
 from nanguard.explain.rules.semantics import (
     arithmetic_overflow,
     cast_overflow,
@@ -62,6 +63,7 @@ RULES: list[Rule] = [
     low_precision_overflow,
     optimizer_state_nonfinite,
     optimizer_divergence,
+    lr_jump,
     exploding_init,
     bad_batch,
     vanishing_gradients,
