@@ -18,6 +18,9 @@ from typing import Any
 
 import pytest
 
+# A benchmark's smoke test: left out of the default run, CI runs it (-m bench).
+pytestmark = pytest.mark.bench
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

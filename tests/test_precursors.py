@@ -288,6 +288,7 @@ def test_an_error_of_the_probe_turns_it_off_and_training_goes_on(
     assert column(tmp_path, "attn_logit_max") == [None] * 4
 
 
+@pytest.mark.bench  # a benchmark's smoke test: CI runs it (-m bench)
 def test_attention_cost_benchmark_runs(tmp_path: Path) -> None:
     """benchmarks/attention_cost.py end to end, one block per configuration (no timing
     asserted: the output's shape, and no run folder left behind)."""

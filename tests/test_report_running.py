@@ -8,6 +8,8 @@ for `nanguard run`, whose record lies in a part folder until the script ends.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 
 from helpers import ROOT
+from nanguard.cli.main import main
 from nanguard.record.process import alive, identity
 from nanguard.record.report import Report, load_report
 
@@ -70,9 +73,12 @@ def _settled(folder: Path, steps: int, timeout: float = 30) -> Report:
 
 
 def _report(folder: Path) -> tuple[int, str]:
-    proc = subprocess.run([sys.executable, "-m", "nanguard", "report", str(folder)],
-                          env=_env(), capture_output=True, text=True, timeout=120)
-    return proc.returncode, proc.stdout + proc.stderr
+    """`nanguard report FOLDER` in this process (the training runs in another): its exit code
+    and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["report", str(folder)])
+    return code, out.getvalue() + err.getvalue()
 
 
 def _check(tmp_path: Path, cmd: list[str], folder: Path) -> None:

@@ -258,6 +258,7 @@ def test_writing_after_close_raises(tmp_path):
     assert store.error is None
 
 
+@pytest.mark.bench  # a benchmark's smoke test: CI runs it (-m bench)
 def test_store_benchmark_runs(tmp_path):
     """benchmarks/store.py end to end on a few steps (its output's shape, no timing)."""
     import os

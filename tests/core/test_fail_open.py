@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import nanguard
+from nanguard.cli.main import main
 from nanguard.record.report import OK_STATUSES, STATUSES, load_report
 
 
@@ -170,7 +171,10 @@ def _start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], Path]:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(_SCRIPT))
     out = tmp_path / f"run-{mode}"
-    proc = subprocess.Popen([sys.executable, str(script), str(out), mode],
+    src = str(Path(__file__).resolve().parents[2] / "src")  # nanguard need not be installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.Popen([sys.executable, str(script), str(out), mode], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
@@ -188,8 +192,7 @@ def test_every_ordinary_ending_writes_an_honest_report(tmp_path: Path, mode: str
     report = json.loads((out / "report.json").read_text())
     assert report["status"] == status, report
     assert report["steps"] >= 4
-    code = subprocess.run([sys.executable, "-m", "nanguard", "report", str(out)],
-                          capture_output=True, text=True).returncode
+    code = main(["report", str(out)])  # `nanguard report`, in this process
     assert code == (0 if status in OK_STATUSES else 1)
 
 
@@ -205,8 +208,7 @@ def test_sigkill_leaves_a_died_run(tmp_path: Path) -> None:
     assert not (out / "report.json").exists()
     report = load_report(out)
     assert report.status == "died" and report.steps >= 4
-    code = subprocess.run([sys.executable, "-m", "nanguard", "report", str(out)],
-                          capture_output=True, text=True).returncode
+    code = main(["report", str(out)])  # `nanguard report`, in this process
     assert code == 1
 
 

@@ -4,21 +4,49 @@ check, `torch.multinomial`, `clip_grad_norm_(error_if_nonfinite=True)`), a NaN b
 update, Hogwild workers and DataLoader workers, SIGTERM, gradient accumulation with a real
 optimizer (never watched twice), the merged summary of a GAN, a model input computed in the
 step (not bad data) and a script that ends by `os._exit`. Several optimizers in one script:
-test_run_optimizers.py."""
+test_run_optimizers.py.
+
+The runner runs in this process (`runner.run`, what `nanguard run` calls, with the closing
+summary on), its output read with capsys: a subprocess per run cost an interpreter start and a
+torch import each. Only what needs a process of its own runs as one: `os._exit` (the command
+then exits the hard way itself) and Hogwild's worker processes."""
 
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
+import runpy
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
+import pytest
 import torch
-from _run import EXAMPLES, env, nanguard_run, report
+from _run import EXAMPLES, nanguard_run, report
 
 from nanguard.integrations.runner import RunOptions, run
+
+
+class Ran(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def run_here(capsys: pytest.CaptureFixture[str],
+             monkeypatch: pytest.MonkeyPatch) -> Callable[..., Ran]:
+    """`nanguard run --out OUT SCRIPT ARGS` in this process, from OUT's parent folder (as the
+    subprocesses ran): its exit code and what it and the script printed."""
+
+    def go(out: Path, script: Path, *args: str, policy: str = "observe") -> Ran:
+        monkeypatch.chdir(out.parent)
+        capsys.readouterr()  # what came before is not this run's
+        rc = run(RunOptions(script=str(script), args=list(args), out=str(out), policy=policy))
+        captured = capsys.readouterr()
+        return Ran(rc, captured.out, captured.err)
+
+    return go
 
 MANUAL_SGD = """
 import torch
@@ -39,6 +67,8 @@ print("done")
 
 
 def test_manual_sgd_is_watched_and_stopped_at_its_third_batch(tmp_path: Path) -> None:
+    # Subprocesses: a run of hand-written updates leaves a torch function mode behind in its
+    # process (test_a_manual_step_run_leaves_no_mode_behind below).
     script = tmp_path / "manual.py"
     script.write_text(MANUAL_SGD)
     healthy = tmp_path / "healthy"
@@ -57,6 +87,23 @@ def test_manual_sgd_is_watched_and_stopped_at_its_third_batch(tmp_path: Path) ->
     assert (first["step"], first["phase"], first["samples"]) == (2, "data", [5])
     assert rep["run"]["replay"]["status"] == "found"  # the re-run counted the same boundaries
     assert first["source"].endswith("manual.py:11") and first["reproduced"] is True
+
+
+@pytest.mark.xfail(strict=True, reason="a healthy run of hand-written updates leaves the "
+                   "attention probe's TorchFunctionMode on the stack of the process that ran it")
+def test_a_manual_step_run_leaves_no_mode_behind(tmp_path: Path) -> None:
+    """An in-process run (runner.run, a notebook) removes what it installed: a mode left
+    behind wraps every later torch call of the process (the next run there then calls the
+    script's own `binary_cross_entropy` error "a nanguard bug")."""
+    script = tmp_path / "manual.py"
+    script.write_text(MANUAL_SGD)
+    before = torch._C._len_torch_function_stack()
+    try:
+        assert run(RunOptions(script=str(script), out=str(tmp_path / "r"), summary=False)) == 0
+        assert torch._C._len_torch_function_stack() == before
+    finally:
+        while torch._C._len_torch_function_stack() > before:  # the rest of this process
+            torch._C._pop_torch_function_stack()
 
 
 RAW_TENSORS = """
@@ -143,20 +190,22 @@ print("done")
 """
 
 
-def test_lbfgs_closure_float64(tmp_path: Path) -> None:
+def test_lbfgs_closure_float64(tmp_path: Path, run_here: Callable[..., Ran],
+                               capsys: pytest.CaptureFixture[str],
+                               monkeypatch: pytest.MonkeyPatch) -> None:
     script = tmp_path / "lbfgs.py"
     script.write_text(LBFGS)
     healthy = tmp_path / "healthy"
-    r = nanguard_run(healthy, script)
+    r = run_here(healthy, script)
     assert r.returncode == 0, r.stderr
     rep = report(healthy)
     assert (rep["status"], rep["steps"]) == ("healthy", 5)
-    plain = subprocess.run([sys.executable, str(script)], env=env(), capture_output=True,
-                           text=True, timeout=60)
-    assert r.stdout == plain.stdout
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    runpy.run_path(str(script), run_name="__main__")  # the script alone prints the same
+    assert r.stdout == capsys.readouterr().out == "done\n"
 
     bad = tmp_path / "poisoned"
-    r = nanguard_run(bad, script, "--poison")
+    r = run_here(bad, script, "--poison")
     assert r.returncode == 1, r.stderr
     rep = report(bad)
     first = rep["first_nonfinite"]
@@ -187,11 +236,12 @@ for step in range(6):
 """
 
 
-def test_bce_error_after_a_nan_is_a_numerical_failure(tmp_path: Path) -> None:
+def test_bce_error_after_a_nan_is_a_numerical_failure(
+        tmp_path: Path, run_here: Callable[..., Ran]) -> None:
     script = tmp_path / "bce.py"
     script.write_text(BCE_AFTER_NAN)
     out = tmp_path / "run"
-    r = nanguard_run(out, script)
+    r = run_here(out, script)
     assert r.returncode == 1
     assert "all elements of input should be between 0 and 1" in r.stderr
     assert "bce.py failed with an error after non-finite values appeared" in r.stderr
@@ -250,11 +300,12 @@ opt.step()
 """
 
 
-def test_nan_before_any_update_is_not_healthy(tmp_path: Path) -> None:
+def test_nan_before_any_update_is_not_healthy(tmp_path: Path,
+                                             run_here: Callable[..., Ran]) -> None:
     script = tmp_path / "first.py"
     script.write_text(FIRST_BATCH)
     out = tmp_path / "run"
-    r = nanguard_run(out, script)
+    r = run_here(out, script)
     assert r.returncode == 1  # the script's own exit code
     rep = report(out)
     first = rep["first_nonfinite"]
@@ -300,6 +351,8 @@ def test_hogwild_workers_are_unwatched_never_healthy(tmp_path: Path) -> None:
 
 
 SLOW = """
+import os
+import signal
 import sys
 import time
 import torch
@@ -315,45 +368,38 @@ for step in range(10_000):
     opt.zero_grad()
     if step == 4:
         print("started", flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's time limit, mid-training
     time.sleep(0.05)
+print("never reached")
 """
 
 
-def _terminate_after_start(out: Path, script: Path, *args: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "nanguard", "run", "--out", str(out), str(script), *args]
-    proc = subprocess.Popen(cmd, cwd=out.parent, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.stdout.readline().strip() != "started":
-        pass
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
-    return proc
-
-
-def test_sigterm_writes_an_honest_report(tmp_path: Path) -> None:
+def test_sigterm_writes_an_honest_report(tmp_path: Path,
+                                         run_here: Callable[..., Ran]) -> None:
+    """SIGTERM while the script trains (the process signals itself at step 4, as a
+    scheduler would from outside): the script unwinds, the report says interrupted."""
     script = tmp_path / "slow.py"
     script.write_text(SLOW)
     out = tmp_path / "run"
-    proc = _terminate_after_start(out, script)
-    assert proc.returncode == 143
+    r = run_here(out, script)
+    assert r.returncode == 143 and "started" in r.stdout and "never reached" not in r.stdout
     rep = report(out)
-    assert rep["status"] == "interrupted" and rep["steps"] >= 5
+    assert rep["status"] == "interrupted" and rep["steps"] == 5
     assert rep["run"]["script"]["message"] == "SIGTERM"
 
     bad = tmp_path / "poisoned"
-    proc = _terminate_after_start(bad, script, "--poison")
-    assert proc.returncode == 143
+    r = run_here(bad, script, "--poison")
+    assert r.returncode == 143
     rep = report(bad)
     assert rep["status"] == "failed" and rep["first_nonfinite"]["step"] == 2
     assert rep["run"]["replay"]["status"] == "skipped"
 
 
-def test_gan_merged_summary_shows_source_and_every_part(tmp_path: Path) -> None:
+def test_gan_merged_summary_shows_source_and_every_part(
+        tmp_path: Path, run_here: Callable[..., Ran]) -> None:
     out = tmp_path / "gan"
-    r = nanguard_run(out, EXAMPLES / "gan_two_optimizers.py", "--steps", "20",
-                     "--poison-step", "12")
+    r = run_here(out, EXAMPLES / "gan_two_optimizers.py", "--steps", "20",
+                 "--poison-step", "12")
     assert r.returncode == 1, r.stderr
     assert "gan_two_optimizers.py:45" in r.stderr  # the origin's source line
     assert "optimizer-0 (" in r.stderr and "optimizer-1 (" in r.stderr  # a table per part
@@ -387,14 +433,15 @@ for x, k, y in dl:
 """
 
 
-def test_clip_error_after_a_nan_is_the_scripts_not_nanguards(tmp_path: Path) -> None:
+def test_clip_error_after_a_nan_is_the_scripts_not_nanguards(
+        tmp_path: Path, run_here: Callable[..., Ran]) -> None:
     """`clip_grad_norm_(error_if_nonfinite=True)` raising through nanguard run's wrapper of it
     is the script's numerical failure (it was called "a nanguard bug", the run `unwatched`);
     a DataLoader's worker processes are not "training inside worker processes"."""
     script = tmp_path / "masked.py"
     script.write_text(MASKED_CLIP)
     out = tmp_path / "run"
-    r = nanguard_run(out, script)
+    r = run_here(out, script)
     assert r.returncode == 1
     assert "nanguard bug" not in r.stderr and "error_if_nonfinite" in r.stderr
     rep = report(out)
@@ -409,7 +456,7 @@ def test_clip_error_after_a_nan_is_the_scripts_not_nanguards(tmp_path: Path) -> 
         "aten._softmax", None, f"masked.py:{line + 1}")
     assert rep["diagnosis"][0]["cause"] == "masked_softmax"
     early = tmp_path / "early"
-    r = nanguard_run(early, script, "--exit")
+    r = run_here(early, script, "--exit")
     assert r.returncode == 1 and report(early)["status"] == "unwatched"
     assert "worker process" not in r.stderr, r.stderr
 

@@ -9,7 +9,7 @@ import statistics
 from pathlib import Path
 
 import pytest
-from _run import nanguard_run, report
+from _run import report
 
 from nanguard.integrations.runner import RunOptions, run
 
@@ -87,7 +87,8 @@ for i in range(3):
 """
 
 
-def test_optimizers_rebuilt_each_epoch_are_one_chain(tmp_path: Path) -> None:
+def test_optimizers_rebuilt_each_epoch_are_one_chain(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A script that builds a new optimizer every epoch over the same parameters: the merged
     headline counts the chain's steps (16, not one part's 4), the record names the chain, the
     summary says what it costs (fresh detectors each epoch) and how to keep one run, and
@@ -95,16 +96,16 @@ def test_optimizers_rebuilt_each_epoch_are_one_chain(tmp_path: Path) -> None:
     script = tmp_path / "epochs.py"
     script.write_text(NEW_OPTIMIZER_EACH_EPOCH)
     out = tmp_path / "run"
-    r = nanguard_run(out, script)
-    assert r.returncode == 0, r.stderr
+    assert run(RunOptions(script=str(script), out=str(out))) == 0  # in this process
+    r = capsys.readouterr()  # the closing summary, on stderr (r.err)
     rep = report(out)
     assert rep["status"] == "healthy" and rep["steps"] == 16
     assert rep["run"]["optimizer_chains"] == [[f"optimizer-{i}" for i in range(4)]]
-    assert "healthy after 16 steps" in r.stderr
+    assert "healthy after 16 steps" in r.err
     assert ("optimizer-0 .. optimizer-3: 4 optimizers over the same parameters, one after "
-            "the other (16 steps in all, ~4 each): one training") in r.stderr
-    assert "optimizer-3 (" in r.stderr and "optimizer-4 (" in r.stderr  # tables shown
-    assert "optimizer-0 (" not in r.stderr and "optimizer-2 (" not in r.stderr
+            "the other (16 steps in all, ~4 each): one training") in r.err
+    assert "optimizer-3 (" in r.err and "optimizer-4 (" in r.err  # tables shown
+    assert "optimizer-0 (" not in r.err and "optimizer-2 (" not in r.err
 
 
 EPOCH_SPIKE = """

@@ -1,13 +1,21 @@
-"""`nanguard run` on unmodified scripts, in real subprocesses: the plain loop (its own guard
-too), argparse + LR scheduler, a GAN with two optimizers; the script's stdout and exit code
-kept; a script's own failure reported as the script's; a missing script; the re-run's budget."""
+"""`nanguard run` on unmodified scripts: the plain loop (its own guard too), argparse + LR
+scheduler, a GAN with two optimizers; the script's stdout and exit code kept; a script's own
+failure reported as the script's; a missing script; the re-run's budget.
+
+The command as a user types it, in real subprocesses, where its output, exit code and error
+lines are the point; the rest through `runner.run` in this process (what the command calls),
+sparing an interpreter start each."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+import pytest
 from _run import EXAMPLES, nanguard_run, report, run
+
+from nanguard.integrations.runner import RunOptions
+from nanguard.integrations.runner import run as run_here
 
 
 def test_plain_loop_nan_row_found_and_pinpointed(tmp_path: Path) -> None:
@@ -43,13 +51,14 @@ def test_argparse_scheduler_healthy_keeps_stdout_and_exit_code(tmp_path: Path) -
     assert "replay" not in rep["run"]
 
 
-def test_argparse_scheduler_poisoned_batch(tmp_path: Path) -> None:
+def test_argparse_scheduler_poisoned_batch(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "poisoned"
-    r = nanguard_run(out, EXAMPLES / "scheduler_argparse.py", "--steps", "30",
-                     "--poison-step", "17", "--poison-sample", "9",
-                     options=("--replay-budget", "0"))
-    assert r.returncode == 1, r.stderr
-    assert "done: 30 steps" in r.stdout
+    rc = run_here(RunOptions(script=str(EXAMPLES / "scheduler_argparse.py"),
+                             args=["--steps", "30", "--poison-step", "17", "--poison-sample", "9"],
+                             out=str(out), replay_budget=0, summary=False))
+    assert rc == 1
+    assert "done: 30 steps" in capsys.readouterr().out
     first = report(out)["first_nonfinite"]
     assert (first["step"], first["phase"], first["samples"], first["rank"]) == (17, "data", [9], 0)
     assert report(out)["run"]["replay"]["status"] == "skipped"
@@ -57,8 +66,9 @@ def test_argparse_scheduler_poisoned_batch(tmp_path: Path) -> None:
 
 def test_gan_two_optimizers(tmp_path: Path) -> None:
     healthy = tmp_path / "healthy"
-    r = nanguard_run(healthy, EXAMPLES / "gan_two_optimizers.py", "--steps", "30")
-    assert r.returncode == 0, r.stderr
+    gan = str(EXAMPLES / "gan_two_optimizers.py")
+    assert run_here(RunOptions(script=gan, args=["--steps", "30"], out=str(healthy),
+                               summary=False)) == 0
     rep = report(healthy)
     assert rep["status"] == "healthy" and rep["first_nonfinite"] is None
     assert set(rep["run"]["parts"]) == {"optimizer-0", "optimizer-1"}
@@ -67,9 +77,8 @@ def test_gan_two_optimizers(tmp_path: Path) -> None:
         assert report(healthy / part)["steps"] == 30
 
     bad = tmp_path / "poisoned"
-    r = nanguard_run(bad, EXAMPLES / "gan_two_optimizers.py", "--steps", "30",
-                     "--poison-step", "12")
-    assert r.returncode == 1, r.stderr
+    assert run_here(RunOptions(script=gan, args=["--steps", "30", "--poison-step", "12"],
+                               out=str(bad), summary=False)) == 1
     rep = report(bad)
     first = rep["first_nonfinite"]
     # The discriminator (first to step) read the bad real batch; the generator only saw its

@@ -1,5 +1,6 @@
 """benchmarks/host_cost.py and benchmarks/batch_probe.py run and print their JSON line (smoke
-tests: no timing asserted)."""
+tests: no timing asserted; marker `bench`, out of the default run, CI runs them), and the
+host-cost floor computes what the guard records (in the default run)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def _load(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return mod
 
 
+@pytest.mark.bench
 def test_host_cost_quick(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -66,6 +68,7 @@ def test_op_floor_computes_what_the_guard_records(
     assert stats.nonfinite_samples == [3] and stats.nonfinite_tensors == [0]
 
 
+@pytest.mark.bench
 def test_batch_probe_quick(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -77,6 +80,7 @@ def test_batch_probe_quick(
         assert row["before_ms"] > 0 and row["now_ms"] > 0 and row["forward_ms"] > 0
 
 
+@pytest.mark.bench
 def test_ab_inprocess_quick(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

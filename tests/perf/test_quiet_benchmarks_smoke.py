@@ -1,5 +1,6 @@
 """benchmarks/norm_native.py and benchmarks/gate_cost.py run and print their JSON line (smoke
-tests: no timing asserted)."""
+tests: no timing asserted; norm_native behind the marker `bench`, which CI runs; gate_cost
+checks that the gate takes a healthy series' steps, in the default run)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def _load(name: str, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return mod
 
 
+@pytest.mark.bench
 def test_norm_native_quick(capsys: pytest.CaptureFixture[str],
                            monkeypatch: pytest.MonkeyPatch) -> None:
     mod = _load("norm_native", monkeypatch)

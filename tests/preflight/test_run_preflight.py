@@ -4,10 +4,16 @@ later diagnosis uses the measurement; an LR above the probe's divergence point i
 healthy MLP, CNN and transformer-LM scripts get no error-level finding; sigmoid -> BCELoss and
 log(softmax) are found by running the forward; a preflight that cannot run says why and
 training goes on; the CI gate's exit codes; and the run with --preflight trains bit for bit
-what the run without it trains (parameters, optimizer state, every RNG stream)."""
+what the run without it trains (parameters, optimizer state, every RNG stream).
+
+`nanguard run` goes through `runner.run` in the test's process (what the command calls), its
+output captured: a subprocess per run cost an interpreter start and a torch import each. The
+plain run the bitwise test compares against keeps its own process."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import sqlite3
@@ -20,6 +26,8 @@ import preflight_scripts as scripts
 import pytest
 import torch
 
+from nanguard.integrations.runner import RunOptions, run
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -31,15 +39,27 @@ def _env() -> dict[str, str]:
     return e
 
 
+_FLAGS = {"--preflight": "preflight", "--preflight-only": "preflight_only"}
+
+
 def _run(tmp: Path, source: str, *options: str, args: tuple[str, ...] = (),
          name: str = "train.py", out: str = "run", replay: int = 0
          ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """`nanguard run --out OUT --replay-budget R OPTIONS SCRIPT ARGS` from `tmp`, in this
+    process: its exit code, what it and the script printed, and the report."""
     script = tmp / name
     script.write_text(source)
-    proc = subprocess.run(
-        [sys.executable, "-m", "nanguard", "run", "--out", str(tmp / out), "--replay-budget",
-         str(replay), *options, str(script), *args],
-        cwd=tmp, env=_env(), capture_output=True, text=True, timeout=240)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    os.chdir(tmp)
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = run(RunOptions(script=str(script), args=list(args), out=str(tmp / out),
+                                  replay_budget=replay, **{_FLAGS[o]: True for o in options}))
+    finally:
+        os.chdir(here)
+    proc = subprocess.CompletedProcess(["nanguard", "run", *options, str(script), *args], code,
+                                       stdout.getvalue(), stderr.getvalue())
     report = json.loads((tmp / out / "report.json").read_text())
     return proc, report
 
