@@ -67,8 +67,8 @@ print("done")
 
 
 def test_manual_sgd_is_watched_and_stopped_at_its_third_batch(tmp_path: Path) -> None:
-    # Subprocesses: a run of hand-written updates leaves a torch function mode behind in its
-    # process (test_a_manual_step_run_leaves_no_mode_behind below).
+    # Subprocesses: the exit code and stdout of a whole `nanguard run` (an in-process run of
+    # hand-written updates is test_a_manual_step_run_leaves_no_mode_behind below).
     script = tmp_path / "manual.py"
     script.write_text(MANUAL_SGD)
     healthy = tmp_path / "healthy"
@@ -89,8 +89,6 @@ def test_manual_sgd_is_watched_and_stopped_at_its_third_batch(tmp_path: Path) ->
     assert first["source"].endswith("manual.py:11") and first["reproduced"] is True
 
 
-@pytest.mark.xfail(strict=True, reason="a healthy run of hand-written updates leaves the "
-                   "attention probe's TorchFunctionMode on the stack of the process that ran it")
 def test_a_manual_step_run_leaves_no_mode_behind(tmp_path: Path) -> None:
     """An in-process run (runner.run, a notebook) removes what it installed: a mode left
     behind wraps every later torch call of the process (the next run there then calls the

@@ -155,6 +155,11 @@ class AttentionProbe:
             self._exit_mode()
 
     def _enter(self, *_: Any) -> None:
+        if not self._enabled:
+            # Disabled by an earlier pre-hook of this same forward (a hand-written update's
+            # step boundary is found there): torch still calls the hooks it listed when the
+            # forward began, but `_leave` is gone, so a mode entered now would never be left.
+            return
         self._depth += 1
         if (self._depth > 1 or self._mode is not None or self.broken
                 or not torch.is_grad_enabled() or torch.compiler.is_compiling()):
