@@ -99,6 +99,21 @@ class DetectConfig:
     spike_hard_ratio: float = 30.0
     """A grad norm this many times the recent median is a spike whatever its z-score."""
 
+    spike_strong_z: float = 10.0
+    """A grad norm or a loss this many robust standard deviations above its recent level is a
+    spike from `spike_min_ratio` x that level on, well below `spike_ratio`. The level is the
+    median of the last `spike_level_steps` healthy values and the deviation is taken from
+    step-to-step changes (`detect.detectors._trend_z`), so a slow trend (the initial descent,
+    a growing grad norm) neither widens the yardstick nor shifts the level: a bad batch's loss
+    at 1.6x its level is 20 sigma out where the loss's noise is a few %."""
+
+    spike_min_ratio: float = 1.5
+    """...and at least this many times its recent level (a one-step jump that matters)."""
+
+    spike_level_steps: int = 16
+    """How many of the latest healthy values make a signal's recent level for
+    `spike_strong_z`."""
+
     level_floor: float = 0.1
     """Spikes and cascades must also reach this fraction of the highest typical (median) level
     the signal has had in the run. Once a model has converged and its gradients have fallen by

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from nanguard.config import GuardConfig
-from nanguard.detect import Alarm
+from nanguard.detect import Alarm, bad_batch
 from nanguard.detect.detectors import Detector
 from nanguard.detect.gate import QuietGate
 from nanguard.errors import NanguardError
@@ -602,6 +602,7 @@ class StepPath:
             amp=self.recovery.amp is not None)
         if alarm.kind != "spike":  # an overflow the spike detector could not see (step 0)
             found["alarm"] = alarm.kind
+        found.update(bad_batch.spike_entry(stats, alarm, found))
         self.log.add_spike(stats.step, found)
         alarm.message += pinpoint.spike_note(found)
 

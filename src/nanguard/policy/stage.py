@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from nanguard.detect import Alarm
+from nanguard.detect import Alarm, bad_batch
 from nanguard.watch.stats import StepStats
 
 Action = Literal["none", "skip", "discard_spike", "rollback", "escalate", "cannot_skip",
@@ -65,6 +65,7 @@ def reason(stats: StepStats, alarms: list[Alarm]) -> str:
     """`kind:signal` of the alarms (else the non-finite signals), and the rank that showed a
     non-finite value first under torch.distributed."""
     why = ", ".join(sorted({f"{a.kind}:{a.signal}" for a in alarms})) or ", ".join(stats.seal())
+    why += bad_batch.describe(stats, alarms)
     if stats.agreed_bad_rank is not None:
         return f"{why or 'agreed'}; non-finite first on rank {stats.agreed_bad_rank}"
     return why or "another rank's alarm"

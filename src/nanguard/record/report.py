@@ -46,7 +46,7 @@ from nanguard.record.store import dec, open_run, step_count
 
 REPORT_NAME = files.REPORT_NAME
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """The version of report.schema.json this code writes. Add 1 whenever a key is added (and
 add the key to the schema: the suite validates every report it writes against it)."""
 

@@ -22,6 +22,9 @@ before the update:
   weight decay is cut (x `HealConfig.cut_factor`); otherwise the LR is (x `cut_factor`, on top
   of the scheduler's value, every step from then on). Each cut is an action with the run's own
   numbers; at most `HealConfig.max_cuts` cuts.
+- **A bad batch** (a spike the detectors traced to its batch: `detect.bad_batch`) is clipped
+  the same way, whatever heal's own thresholds say, and never counted as a precursor: the
+  data was the cause, so the LR and the weight decay are left alone.
 
 Every action is returned to the guard as a `Record` effect (report.json `actions`); `cost()` gives
 `run.recovery.heal`: precursors, updates clipped, the cuts, the LR / WD factors now applied and
@@ -38,6 +41,7 @@ from typing import Any, Protocol
 import torch
 
 from nanguard.config import HealConfig
+from nanguard.detect.bad_batch import describe, is_bad_batch
 from nanguard.recover.clip import ema_update
 from nanguard.recover.effects import Record
 from nanguard.watch.stats import StepStats
@@ -66,6 +70,8 @@ class Healer:
         self.wd_factor = 1.0
         self.precursors: deque[int] = deque()  # steps of the precursors within `window`
         self.total = 0  # precursors acted on over the run
+        self.total_bad = 0  # bad batches' updates clipped (never counted as precursors)
+        self.bad_batches: deque[int] = deque(maxlen=100)  # steps of the latest bad batches
         self.cuts: list[dict[str, Any]] = []
         self.cause: str | None = None
         self._saved_lrs: list[float] | None = None
@@ -83,10 +89,13 @@ class Healer:
         the guard to record."""
         norm = stats.grad_norm if not stats.nonfinite_grads else math.nan
         if math.isfinite(norm):
-            limit = self._precursor_limit(norm)
-            seen = norm
-            if limit is not None:
-                seen = self._clip(stats, norm, limit)
+            if stats.alarms and is_bad_batch(stats.alarms):
+                seen = self._clip_bad_batch(stats, norm)
+            else:
+                limit = self._precursor_limit(norm)
+                seen = norm
+                if limit is not None:
+                    seen = self._clip(stats, norm, limit)
             self._update(seen)
         if self.lr_factor != 1.0:
             self._saved_lrs = [g["lr"] for g in self.link.optimizer.param_groups]
@@ -135,6 +144,29 @@ class Healer:
             self._correct(step)
         self.seconds += time.perf_counter() - started
         return limit
+
+    def _clip_bad_batch(self, stats: StepStats, norm: float) -> float:
+        """A spike the detectors traced to its batch (`detect.bad_batch`): scale its gradients
+        down to the rolling mean like a precursor's, but it is no evidence against the LR or
+        the weight decay: not counted towards a correction. Returns the norm the statistics
+        see (the clipped one: a bad batch never raises the bar)."""
+        self.bad_batches.append(stats.step)
+        if not (self.count and self.mean > 0 and norm > self.mean):
+            return norm
+        started = time.perf_counter()
+        grads = [p.grad for g in self.link.optimizer.param_groups for p in g["params"]
+                 if p.grad is not None]
+        scale = self.mean / norm
+        torch._foreach_mul_(grads, scale)
+        self.total_bad += 1
+        self._records.append(Record(
+            stats.step, "heal_clip",
+            f"grad norm {norm:.3g} is {norm / self.mean:.1f}x its rolling mean "
+            f"{self.mean:.3g}{describe(stats, stats.alarms)}; gradients scaled by "
+            f"{scale:.3g} to the typical norm before the update (no step lost, no LR or "
+            "weight decay cut: the data is the cause)"))
+        self.seconds += time.perf_counter() - started
+        return self.mean
 
     def _update(self, x: float) -> None:
         ema_update(self, x, self.config.ema, self.config.warmup_steps)
@@ -193,7 +225,8 @@ class Healer:
 
     def cost(self) -> dict[str, Any]:
         """`run.recovery.heal`: what the policy did and why."""
-        return {"precursors": self.total, "updates_clipped": self.total, "steps_lost": 0,
+        return {"precursors": self.total, "updates_clipped": self.total + self.total_bad,
+                "steps_lost": 0, "bad_batches": list(self.bad_batches),
                 "cuts": list(self.cuts), "lr_factor": self.lr_factor,
                 "weight_decay_factor": self.wd_factor, "cause": self.cause,
                 "seconds": round(self.seconds, 6)}
@@ -202,7 +235,8 @@ class Healer:
         return {"mean": self.mean, "var": self.var, "count": self.count,
                 "lr_factor": self.lr_factor, "wd_factor": self.wd_factor, "total": self.total,
                 "precursors": list(self.precursors), "cuts": list(self.cuts),
-                "cause": self.cause, "seconds": self.seconds}
+                "cause": self.cause, "seconds": self.seconds, "total_bad": self.total_bad,
+                "bad_batches": list(self.bad_batches)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.mean, self.var, self.count = (float(state["mean"]), float(state["var"]),
@@ -213,3 +247,5 @@ class Healer:
         self.cuts = list(state["cuts"])
         self.cause = state["cause"]
         self.seconds = float(state.get("seconds", 0.0))  # absent in states saved before it
+        self.total_bad = int(state.get("total_bad", 0))  # (and these before bad batches)
+        self.bad_batches = deque((int(s) for s in state.get("bad_batches", ())), maxlen=100)
