@@ -593,6 +593,9 @@ class DivergenceDetector(_SeriesDetector):
         super().__init__(config)
         self.recent: deque[float] = deque(maxlen=config.divergence_steps)
         self.first: float | None = None  # the run's first finite loss: its initial scale
+        # A non-stationary objective (on-policy RL, a GAN: `detect.objective`): the loss
+        # moves without anything going wrong; the windows still follow it, nothing fires.
+        self.nonstationary = False
 
     def _early(self, stats: StepStats, x: float) -> list[Alarm] | None:
         """Before the statistics have history: the loss and the one before it both at least
@@ -619,7 +622,15 @@ class DivergenceDetector(_SeriesDetector):
         hist = self.history["loss"]
         alarms: list[Alarm] = []
         diverging = False
-        early_regime = len(hist) < max(self.config.warmup_steps, 2 * self.config.divergence_steps)
+        need = max(self.config.warmup_steps, 2 * self.config.divergence_steps)
+        if self.nonstationary:
+            if self.first is None:
+                self.first = x
+            if len(hist) >= need and len(self.recent) == self.recent.maxlen:
+                self._note_level("loss", hist.median())
+            hist.append(x)
+            return []
+        early_regime = len(hist) < need
         if early_regime and (early := self._early(stats, x)) is not None:
             return early  # not added to the history: a divergence never becomes the baseline
         if self.first is None:

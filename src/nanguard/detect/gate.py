@@ -201,15 +201,16 @@ class QuietGate:
             hist = dv.history["loss"].sorted
             need = max(cfg.warmup_steps, 2 * cfg.divergence_steps)
             note = None
+            quiet = dv.nonstationary  # its loss-trend tests are off: nothing can fire
             if len(hist) < need:
                 first = dv.first
-                if (first is not None and len(new) >= 2 and first > 0
+                if (not quiet and first is not None and len(new) >= 2 and first > 0
                         and min(new[-2:]) >= cfg.early_loss_ratio * first):
                     return None
             elif len(new) == recent.maxlen:
                 k = len(hist)
                 med = hist[k // 2] if k % 2 else (hist[k // 2 - 1] + hist[k // 2]) / 2
-                if med > 0 and min(new) >= cfg.divergence_ratio * med:
+                if not quiet and med > 0 and min(new) >= cfg.divergence_ratio * med:
                     return None
                 note = med
             plan[3] = (loss, note, len(hist))
