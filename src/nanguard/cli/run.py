@@ -34,7 +34,7 @@ from __future__ import annotations
 import argparse
 
 from nanguard.cli.main import add_command
-from nanguard.config import POLICIES
+from nanguard.config import OBJECTIVES, POLICIES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -75,6 +75,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "rerun_mismatch alarm (a flipped bit, a faulty device, a "
                         "non-deterministic kernel); one more forward and backward every N "
                         "steps (default 0: off)")
+    p.add_argument("--objective", default="auto", choices=list(OBJECTIVES),
+                   help="is the loss a stationary series? auto (default): yes unless the run "
+                        "shows on-policy RL or a GAN, whose loss moves without anything going "
+                        "wrong (then its trend alarms are off; gradient and non-finite ones "
+                        "stay); stationary: trend alarms always on; nonstationary: off")
     p.add_argument("--preflight", action="store_true",
                    help="check init, loss numerics and LR on copies at the first optimizer "
                         "step, print the verdict, then train on")
@@ -115,5 +120,5 @@ def run(args: argparse.Namespace) -> int:
         replay_budget=args.replay_budget, fork_every=args.fork_every, merge_wait=args.merge_wait,
         preflight=args.preflight, preflight_only=args.preflight_only,
         activations_every=args.activations_every, rerun_every=args.rerun_every,
-        exit_hard=True,
+        objective=args.objective, exit_hard=True,
     ))

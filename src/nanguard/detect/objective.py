@@ -17,8 +17,9 @@ How the guard knows, without a setting (`DetectConfig.objective` = `auto`):
   brings none new; a random-crop loader never reuses any). Read from the samples' fingerprints
   the guard takes anyway, on the first `Rollouts.steps` steps only.
 - **An RL environment library** loaded in the process (gymnasium, gym, stable-baselines3, ...).
-- **Another guard stepping on another model** in the process (a GAN's generator and
-  discriminator, an actor and a critic with optimizers of their own): coupled objectives.
+- **Another guard stepping on another model** in the process, its steps between this one's
+  (a GAN's generator and discriminator, an actor and a critic with optimizers of their own):
+  coupled objectives. A guard left open by an earlier experiment, no longer stepping, is not.
 
 `DetectConfig.objective` = `stationary` / `nonstationary` settles it for a program that shows
 none of these. The decision is one action in the report (`loss_trend_off`, with its evidence).
@@ -26,6 +27,7 @@ none of these. The decision is one action in the report (`loss_trend_off`, with 
 
 from __future__ import annotations
 
+import itertools
 import sys
 import weakref
 from typing import Any
@@ -42,6 +44,10 @@ _REUSED = 0.9
 
 _STEPPING: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 """Open watches by the id of the model their guard trains (a GAN's two guards: two models)."""
+
+_TICKS = itertools.count(1)
+"""Steps observed by every watch of the process, in order: a peer counts only when it stepped
+between two steps of this guard (a guard left open by an earlier experiment does not)."""
 
 
 class Rollouts:
@@ -94,6 +100,7 @@ class Objective:
         self.model_id = id(model)
         self.why: str | None = None
         self.rollouts = Rollouts()
+        self.tick = self.prev_tick = 0  # `_TICKS` at this guard's latest step, the one before
         self.watching = setting == "auto"
         if setting == "nonstationary":
             self._set("DetectConfig.objective is 'nonstationary'")
@@ -104,9 +111,12 @@ class Objective:
         """One step (pre-update, its values read): the evidence when the objective was just
         found non-stationary (the caller records it), else None."""
         step = stats.step
+        self.prev_tick, self.tick = self.tick, next(_TICKS)
         why = None
-        if step == 0 or step % 50 == 0:  # cheap, and a library or a peer shows early
-            why = self._library() or self._peer()
+        if step % 50 == 0:  # a library shows from the start
+            why = self._library()
+        if why is None and len(_STEPPING) > 1:
+            why = self._peer()
         if why is None:
             why = self.rollouts.observe(step, list(stats.sample_hashes))
         if why is not None:
@@ -123,8 +133,7 @@ class Objective:
 
     def _set(self, why: str) -> None:
         self.why = why
-        self.watching = False
-        _STEPPING.pop(self, None)
+        self.watching = False  # (still a peer of the others until it closes: they may ask)
         for d in self.detectors:
             d.nonstationary = True
 
@@ -134,7 +143,11 @@ class Objective:
         return f"{found[0]} is loaded: reinforcement learning" if found else None
 
     def _peer(self) -> str | None:
-        others = {m for w, m in list(_STEPPING.items()) if w is not self and m != self.model_id}
+        if not self.prev_tick:
+            return None  # this guard's first step: nothing stepped "between" yet
+        lo, hi = self.prev_tick, self.tick
+        others = {m for w, m in list(_STEPPING.items())
+                  if w is not self and m != self.model_id and lo < w.tick < hi}
         if not others:
             return None
         return ("another guard trains another model in this process (a GAN's generator and "
