@@ -5,7 +5,8 @@ symbol) when its *own* loss is an outlier: the loss of a step is computed by the
 that step's batch with the parameters the previous update left, before this step's update.
 If that loss is far above its recent level while
 
-- the step before was quiet (no spike: the parameters that computed it were healthy), and
+- the step before was quiet (no spike, its grad norm under 3x its recent level: the update
+  that made the parameters which computed this loss was an ordinary one), and
 - the LR is the one of the step before (within `_LR_STEADY`: a schedule's slow drift, not a
   jump, a restart or a resume without warm-up, which are causes of their own),
 
@@ -34,6 +35,12 @@ _LR_STEADY = 0.1
 moves it by far less per step; a warm-up's first steps or a 10x jump by far more)."""
 
 
+_PRECURSOR = 3.0
+"""A grad norm this many times its recent level on the step before is a precursor that may
+have made this step's loss (heal's own precursor ratio, `HealConfig.ratio`); below it, small
+batches' gradients jump 1.5-2x too often to rule the batch out."""
+
+
 @dataclass(frozen=True)
 class LossOutlier:
     """The step's loss against its recent level (`SpikeDetector`'s loss test)."""
@@ -44,7 +51,7 @@ class LossOutlier:
 
 
 def judge(step: int, outlier: LossOutlier | None, *, lr: float | None, last_lr: float | None,
-          last_spike: int | None) -> str | None:
+          last_spike: int | None, before_jump: float | None = None) -> str | None:
     """Why the spike at `step` happened, as a sentence, when the batch is the cause; None when
     the evidence does not rule the model and the optimizer out (see the module docstring).
 
@@ -54,11 +61,16 @@ def judge(step: int, outlier: LossOutlier | None, *, lr: float | None, last_lr: 
             None.
         lr: the step's LR; `last_lr`: the LR of the step the detector saw before it.
         last_spike: the step of the spike before this one (either signal), if any.
+        before_jump: the step before's grad norm over its recent level (None: unknown); at
+            `_PRECURSOR` or more, that step's update may have made this loss (an unstable
+            optimizer's precursor that raised no alarm).
     """
     if outlier is None:
         return None
     if last_spike is not None and last_spike >= step - 1:
         return None  # the parameters that computed this loss came from a spiking step
+    if before_jump is not None and before_jump >= _PRECURSOR:
+        return None  # ...or from a step whose gradient had already jumped
     if lr is not None and last_lr is not None and last_lr > 0 and math.isfinite(lr):
         if abs(lr / last_lr - 1.0) > _LR_STEADY:
             return None  # the LR moved: a cause of its own
@@ -79,6 +91,16 @@ def batch_fingerprint(hashes: list[int]) -> str | None:
     for h in hashes:
         acc = (acc + (h * 0x9E3779B97F4A7C15 >> 12)) & ((1 << 52) - 1)
     return f"{acc:013x}"
+
+
+def actionable(alarm: Any) -> bool:
+    """Whether a policy may act on `alarm` for what it is: a loss spike acts only when its
+    batch is the cause. Otherwise the loss spiked because the step before's update moved the
+    weights (an unstable optimizer, an LR jump): discarding this step's update undoes nothing,
+    and skipping every other step of a runaway hides its growth from the cascade detector
+    that measures it (`recover.backoff` cuts the LR by it). Recorded, not acted on."""
+    return not (alarm.kind == "spike" and alarm.signal == "loss"
+                and getattr(alarm, "cause", None) != BAD_BATCH)
 
 
 def is_bad_batch(alarms: list[Any]) -> bool:

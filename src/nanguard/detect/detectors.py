@@ -328,12 +328,17 @@ class SpikeDetector(_SeriesDetector):
         self.last_spike: int | None = None  # the step of the last spike (either signal)
 
     def check(self, stats: StepStats) -> list[Alarm]:
+        grads = self.history["grad_norm"]
+        before = grads[-1] if grads else None  # the step before's grad norm, if it was healthy
         alarms, spiked = self._check_grad(stats)
         found, outlier = self._check_loss(stats)
         if spiked or outlier is not None:
             alarms += found
+            jump = None  # how far the step before's grad norm stood over its level
+            if before is not None:
+                jump = 10 ** (before - recent_level(grads, self.config.spike_level_steps))
             cause = judge(stats.step, outlier, lr=stats.lr, last_lr=self.last_lr,
-                          last_spike=self.last_spike)
+                          last_spike=self.last_spike, before_jump=jump)
             if cause is not None:
                 for a in alarms:
                     a.cause = BAD_BATCH

@@ -46,7 +46,8 @@ def wants_to_act(stats: StepStats, alarms: list[Alarm], acting_on: tuple[str, ..
 
     Non-finite values count when `nonfinite` is acted on (after the update: only in the
     parameters or optimizer state, which the update produced); alarms count by kind. A NaN
-    batch row whose step the GradScaler already skipped (`data`) leaves nothing to act on.
+    batch row whose step the GradScaler already skipped (`data`) leaves nothing to act on,
+    nor does a loss spike whose batch is not its cause (`detect.bad_batch.actionable`).
     """
     sealed = stats.seal()
     if not sealed and not alarms:
@@ -58,7 +59,7 @@ def wants_to_act(stats: StepStats, alarms: list[Alarm], acting_on: tuple[str, ..
         if signals:
             return True
     return any(a.kind in acting_on and (a.kind, a.signal) != ("nonfinite", "data")
-               for a in alarms)
+               and bad_batch.actionable(a) for a in alarms)
 
 
 def reason(stats: StepStats, alarms: list[Alarm]) -> str:
