@@ -7,7 +7,8 @@ prints `BAD_BATCH step S rows R` for each: the truth, established without nangua
 
 - `skip`: each bad step and no other raises spike alarms with `cause: bad_batch`, has its update
   discarded with the batch named in the action, and a `spikes` entry with the batch's
-  fingerprint and exactly the corrupted rows; the status is `recovered`, not `healthy`.
+  fingerprint and exactly the corrupted rows; the status is `recovered`, not `healthy`; the
+  diagnosis names the bad batches, not the optimizer.
 - `heal`: each bad step is clipped as a bad batch; no LR or weight-decay cut.
 - the clean run (no flag): no alarm, no action, `healthy`.
 """
@@ -59,6 +60,9 @@ def test_bad_batches_named_skipped_clipped_and_the_clean_run_quiet(tmp_path: Pat
         assert spikes[step]["cause"] == "bad_batch"
         assert re.fullmatch(r"[0-9a-f]{13}", spikes[step]["batch"])
         assert spikes[step]["rows"] == rows, (step, spikes[step])
+
+    causes = [d["cause"] for d in rep["diagnosis"]]
+    assert causes[0] == "bad_batch" and "optimizer_divergence" not in causes, causes
 
     rep = heal.report
     assert rep["status"] != "healthy"
