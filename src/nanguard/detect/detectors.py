@@ -286,9 +286,11 @@ def _trend_z(lx: float, hist: Window, k: int, floor: float) -> tuple[float, floa
 
 
 def recent_level(hist: Window, k: int) -> float:
-    """The median of the latest `k` values of `hist` (not empty): a signal's recent level."""
-    n = len(hist)
-    return median(hist[i] for i in range(max(n - max(k, 1), 0), n))
+    """The median of the latest `k` values of `hist` (not empty): a signal's recent level
+    (`statistics.median`'s expression; read from the right end of the deque, in C)."""
+    last = sorted(islice(reversed(hist), max(k, 1)))
+    i = len(last) // 2
+    return last[i] if len(last) % 2 else (last[i - 1] + last[i]) / 2
 
 
 def trend_jump(lx: float, hist: Window, config: DetectConfig) -> bool:
@@ -298,8 +300,10 @@ def trend_jump(lx: float, hist: Window, config: DetectConfig) -> bool:
     n = len(hist)
     if n < config.warmup_steps or not n:
         return False
-    return lx - recent_level(hist, config.spike_level_steps) >= math.log10(
-        config.spike_min_ratio)
+    jump = math.log10(config.spike_min_ratio)
+    if lx - hist.sorted[0] < jump:
+        return False  # the level is at least the window's least value: O(1), most steps
+    return lx - recent_level(hist, config.spike_level_steps) >= jump
 
 
 class SpikeDetector(_SeriesDetector):
