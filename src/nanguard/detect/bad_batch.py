@@ -110,8 +110,9 @@ def is_bad_batch(alarms: list[Any]) -> bool:
 
 def rows_of(found: dict[str, Any]) -> list[int]:
     """The batch rows a spike's explanation blamed (`pinpoint.live.explain_spike`: samples
-    whose own gradient norm is an outlier; known with a replay), in row order."""
-    return sorted(int(d["index"]) for d in found.get("samples") or [])
+    whose own loss or gradient norm is an outlier; known with a replay), in row order."""
+    return sorted({int(d["index"]) for key in ("samples", "loss_samples")
+                   for d in found.get(key) or []})
 
 
 def spike_entry(stats: Any, alarm: Any, found: dict[str, Any]) -> dict[str, Any]:
