@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 from typing import Any
 
 import pytest
@@ -169,24 +170,35 @@ def test_gate_same_alarms_and_state_as_full_pass(phases: tuple[str, ...]) -> Non
         total += len(trace) * len(phases)
         fired += len(full.alarms)
         kinds |= {a[1] for a in full.alarms}
-    # Not vacuous: the gate took most steps, and the traces raise every kind of alarm.
-    assert passed > 0.5 * total
+    # Not vacuous: the gate took a large share of the steps, and the traces raise every kind
+    # of alarm. (The traces are random walks with up to 30% noise per step: their loss and
+    # grad norm often stand 1.5x over the median of their latest steps, where the trend test
+    # of the spike detector needs the full pass; real runs' noise sits around a level.)
+    assert passed > 0.4 * total
     assert fired > 100
     assert {"nonfinite", "spike", "cascade", "forecast", "divergence", "vanishing"} <= kinds
 
 
 def test_gate_takes_healthy_steps() -> None:
     """A healthy run with default settings: the gate takes every step, those whose gradient
-    norm grew 1.5x over the last one included (a growth run too short to be a cascade)."""
+    norm grew 1.5x over the last one included (a growth run too short to be a cascade), but
+    the few where the grad norm (a random walk here) stands 1.5x over the median of its
+    latest 16 values, which the spike detector's trend test looks at in full."""
     r = random.Random(0)
     path = _Path(DetectConfig(), True, ("both",))
     g, loss = 1.0, 2.0
+    gs: list[float] = []
+    over = 0
     for step in range(1000):
         g *= math.exp(r.gauss(0, 0.1))
         loss *= math.exp(r.gauss(-0.001, 0.03))
+        if len(gs) >= 20 and g >= 1.5 * statistics.median(gs[-16:]):
+            over += 1
+        gs.append(g)
         path.step({"step": step, "g": g, "loss": loss, "act": 3.0 + r.random(), "mom": g / 2,
                    "param": 10.0, "nonfinite": False})
-    assert path.gate is not None and path.gate.passed == 1000 and not path.alarms
+    assert not path.alarms
+    assert path.gate is not None and path.gate.passed == 1000 - over and over < 60
 
 
 def test_gate_off_for_other_detector_sets() -> None:

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 POLICIES = ("observe", "raise", "skip", "rollback", "heal")
+OBJECTIVES = ("auto", "stationary", "nonstationary")
+"""`DetectConfig.objective`: is the loss a stationary series (`nanguard.detect.objective`)."""
+
 ALARM_KINDS = ("nonfinite", "overflow", "spike", "cascade", "forecast", "divergence",
                "vanishing", "amp_collapse")
 """Every alarm kind a detector can raise: the valid names for `GuardConfig.act_on`."""
@@ -98,6 +101,28 @@ class DetectConfig:
 
     spike_hard_ratio: float = 30.0
     """A grad norm this many times the recent median is a spike whatever its z-score."""
+
+    spike_strong_z: float = 10.0
+    """A grad norm or a loss this many robust standard deviations above its recent level is a
+    spike from `spike_min_ratio` x that level on, well below `spike_ratio`. The level is the
+    median of the last `spike_level_steps` healthy values and the deviation is taken from
+    step-to-step changes (`detect.detectors._trend_z`), so a slow trend (the initial descent,
+    a growing grad norm) neither widens the yardstick nor shifts the level: a bad batch's loss
+    at 1.6x its level is 20 sigma out where the loss's noise is a few %."""
+
+    spike_min_ratio: float = 1.5
+    """...and at least this many times its recent level (a one-step jump that matters)."""
+
+    objective: str = "auto"
+    """Is the loss a stationary series? `auto`: yes, unless the run shows otherwise (a rollout
+    buffer refilled in its batches, an RL environment library loaded, another guard training
+    another model: on-policy RL, a GAN; `nanguard.detect.objective`); then the loss-trend
+    alarms (divergence, loss spikes) are off, and gradient, non-finite, cascade and forecast
+    alarms keep watching. `stationary`: always on; `nonstationary`: off from the start."""
+
+    spike_level_steps: int = 16
+    """How many of the latest healthy values make a signal's recent level for
+    `spike_strong_z`."""
 
     level_floor: float = 0.1
     """Spikes and cascades must also reach this fraction of the highest typical (median) level
@@ -191,6 +216,11 @@ class DetectConfig:
 
     spike_cooldown: int = 5
     """Steps before another spike alarm may fire."""
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"unknown detect.objective {self.objective!r}; "
+                             f"use one of: {', '.join(OBJECTIVES)}")
 
 
 @_strict

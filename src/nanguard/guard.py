@@ -358,6 +358,8 @@ class Guard(StepPath):
         self._ended = ending.settle(ended, error)
         self._closed = True
         self.detach()
+        if (objective := getattr(self, "_objective", None)) is not None:
+            objective.close()  # no longer a peer of other guards (`detect.objective`)
         atexit.unregister(self._atexit)
         ending.release()
         if self.error is None:

@@ -25,9 +25,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from nanguard.config import GuardConfig
-from nanguard.detect import Alarm
+from nanguard.detect import Alarm, bad_batch, objective
 from nanguard.detect.detectors import Detector
 from nanguard.detect.gate import QuietGate
+from nanguard.detect.objective import Objective
 from nanguard.errors import NanguardError
 from nanguard.integrations import distributed
 from nanguard.pinpoint import live as pinpoint
@@ -79,6 +80,7 @@ class StepPath:
     _by_phase: dict[str, list[Detector]]
     _rerun_every: int
     _gate: QuietGate
+    _objective: Objective
     _current: Pending | LaneStep | None
     _pending: list[Pending]
     _stashed_grads: list[torch.Tensor | None] | None
@@ -493,6 +495,8 @@ class StepPath:
                                      if math.isfinite(v)}
                 stats._signals = None
         signals = stats.seal()  # final for this phase (decoding unseals): scan once
+        if self._objective.watching and phase != "post":
+            self._watch_objective(stats)
         if not self._gate.passes(stats, phase):  # passed: the quiet step's state applied
             for d in self._by_phase[phase]:
                 alarms += d.check(stats)
@@ -514,6 +518,14 @@ class StepPath:
             stats.alarms += alarms
             self.log.add_alarms(alarms)
         return alarms
+
+    def _watch_objective(self, stats: StepStats) -> None:
+        """While it is undecided whether the loss is a stationary series (`detect.objective`):
+        one step's evidence; a non-stationary one turns the loss-trend alarms off, said as an
+        action with its evidence."""
+        why = self._objective.observe(stats)
+        if why is not None:
+            self.log.add_action(stats.step, "loss_trend_off", objective.message(why))
 
     @property
     def _agree_device(self) -> torch.device:
@@ -638,6 +650,7 @@ class StepPath:
             amp=self.recovery.amp is not None)
         if alarm.kind != "spike":  # an overflow the spike detector could not see (step 0)
             found["alarm"] = alarm.kind
+        found.update(bad_batch.spike_entry(stats, alarm, found))
         self.log.add_spike(stats.step, found)
         alarm.message += pinpoint.spike_note(found)
 

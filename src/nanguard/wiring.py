@@ -28,6 +28,7 @@ from nanguard.config import GuardConfig
 from nanguard.detect import default_detectors
 from nanguard.detect.detectors import Detector
 from nanguard.detect.gate import QuietGate
+from nanguard.detect.objective import Objective
 from nanguard.pinpoint.baseline import GradBaseline
 from nanguard.record.events import Events, Listener
 from nanguard.record.runlog import RunLog
@@ -94,6 +95,8 @@ def watch_stage(guard: StepPath) -> list[Detector]:
     post = [d for d in detectors if d.phase == "post"]
     guard._by_phase = {"pre": pre, "post": post, "both": pre + post}
     guard._gate = QuietGate(detectors)  # steps no detector could alarm on: state updates only
+    # Is the loss a stationary series (on-policy RL, a GAN: no)? Its trend alarms follow.
+    guard._objective = Objective(cfg.detect.objective, detectors, model)
     guard._rerun_every = cfg.detect.rerun_every
     return detectors
 

@@ -1,6 +1,7 @@
 """The `heal` policy (`nanguard.recover.heal`) on real tiny training.
 
-- A planted precursor (one batch scaled 40x: a grad-norm jump) under SGD: in the plain run the
+- A planted precursor (one step's gradients scaled 40x after backward while its batch's loss
+  stays at its level: the signature of an unstable optimizer) under SGD: in the plain run the
   update of that step makes the next loss jump (checked on the plain run itself, without
   nanguard); under `heal` the step is clipped before its update (action `heal_clip` at that
   step, with the ratio to the rolling mean that triggered it), the next loss stays at its level,
@@ -10,6 +11,9 @@
   measured by the test, not by nanguard): the weight decay is cut and `run.recovery.heal.cause`
   names LR x weight decay with the run's own lr, weight decay and weight norms; without weight
   decay the LR is cut instead.
+- Recurring *bad batches* (batches scaled 40x: their own loss is the outlier, before any
+  update): each is clipped and named, and neither the LR nor the weight decay is cut
+  (issue 40: the data is the cause).
 """
 
 from __future__ import annotations
@@ -30,8 +34,17 @@ from nanguard.show.summary import heal_line
 K = 120  # the planted step (past the 50 warm-up steps of the statistics)
 
 
+def _jump(model: nn.Module) -> None:
+    """A precursor as an unstable optimizer makes it: the gradients jump 40x while the batch
+    (and its loss) is an ordinary one."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(40)
+
+
 def _run(batches, *, guard_policy: str | None, opt_kind: str = "sgd", wd: float = 0.0,
-         planted: tuple[int, ...] = (K,), out=None, norms: list[float] | None = None):
+         planted: tuple[int, ...] = (K,), out=None, norms: list[float] | None = None,
+         bad_batches: bool = False):
     model = make_model(0)
     if opt_kind == "sgd":
         opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -44,13 +57,15 @@ def _run(batches, *, guard_policy: str | None, opt_kind: str = "sgd", wd: float 
         guard = Guard(model, opt, config=cfg)
     losses = []
     for i, (x, y) in enumerate(batches):
-        if i in planted:
+        if i in planted and bad_batches:
             x, y = x * 40, y * 40
         loss = nn.functional.mse_loss(model(x), y)
         if guard is not None:
             guard.watch(loss=loss, batch=(x, y))
         opt.zero_grad()
         loss.backward()
+        if i in planted and not bad_batches:
+            _jump(model)
         opt.step()
         losses.append(loss.item())
         if norms is not None:
@@ -137,12 +152,12 @@ def test_heal_state_survives_a_resume():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     guard = Guard(model, opt, config=quiet("heal"))
     for i, (x, y) in enumerate(batches):
-        if i in (150, 250):
-            x, y = x * 40, y * 40
         loss = nn.functional.mse_loss(model(x), y)
         guard.watch(loss=loss)
         opt.zero_grad()
         loss.backward()
+        if i in (150, 250):
+            _jump(model)
         opt.step()
     state = guard.state_dict()
     before = guard.recovery.healer.state_dict()
@@ -166,15 +181,39 @@ def test_correct_setting_picks_the_cut(correct, cut):
         policy="heal", record=RecordConfig(out="", summary=False),
         heal=HealConfig(correct=correct)))
     for i, (x, y) in enumerate(batches):
-        if i in (150, 250):
-            x, y = x * 40, y * 40
         loss = nn.functional.mse_loss(model(x), y)
         guard.watch(loss=loss)
         opt.zero_grad()
         loss.backward()
+        if i in (150, 250):
+            _jump(model)
         opt.step()
     report = guard.close()
     cuts = [a["action"] for a in report.actions if a["action"].endswith("_cut")]
     assert cuts == ([cut] if cut else [])
     assert sum(a["action"] == "heal_clip" for a in report.actions) == 2
     assert opt.param_groups[0]["weight_decay"] == (0.005 if cut == "wd_cut" else 0.01)
+
+
+def test_bad_batches_clipped_and_named_no_cut():
+    # The same AdamW with weight decay whose recurring precursors earn a cut above, but the
+    # jumps come from the batches themselves (scaled 40x: their own loss is the outlier).
+    batches = make_batches(400, seed=1)
+    planted = (150, 250, 330)
+    _, plain, _ = _run(batches, guard_policy=None, opt_kind="adamw", wd=2.0, planted=planted,
+                       bad_batches=True)
+    # Independent of nanguard: each planted batch's own loss stands far above the step before.
+    assert all(plain[k] > 20 * plain[k - 1] for k in planted)
+    _, _, report = _run(batches, guard_policy="heal", opt_kind="adamw", wd=2.0,
+                        planted=planted, bad_batches=True)
+    assert not [a for a in report.actions if a["action"].endswith("_cut")]
+    clips = [a for a in report.actions if a["action"] == "heal_clip"]
+    assert [a["step"] for a in clips] == list(planted)
+    assert all("a bad batch (batch " in a["detail"] and "no LR or weight decay cut" in a["detail"]
+               for a in clips)
+    heal = report.run["recovery"]["heal"]
+    assert heal["bad_batches"] == list(planted) and heal["precursors"] == 0
+    assert heal["lr_factor"] == 1.0 and heal["weight_decay_factor"] == 1.0
+    named = [(a["step"], a["signal"]) for a in report.alarms if a.get("cause") == "bad_batch"]
+    assert {s for s, _ in named} == set(planted)
+    assert report.status != "healthy"

@@ -36,7 +36,7 @@ import shutil
 from pathlib import Path
 
 from nanguard.cli.main import add_command
-from nanguard.config import POLICIES
+from nanguard.config import OBJECTIVES, POLICIES
 from nanguard.errors import UserError
 
 # What a run leaves in its folder (record/store.py, integrations/run_reports.py): replaced by
@@ -86,6 +86,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "rerun_mismatch alarm (a flipped bit, a faulty device, a "
                         "non-deterministic kernel); one more forward and backward every N "
                         "steps (default 0: off)")
+    p.add_argument("--objective", default="auto", choices=list(OBJECTIVES),
+                   help="is the loss a stationary series? auto (default): yes unless the run "
+                        "shows on-policy RL or a GAN, whose loss moves without anything going "
+                        "wrong (then its trend alarms are off; gradient and non-finite ones "
+                        "stay); stationary: trend alarms always on; nonstationary: off")
     p.add_argument("--preflight", action="store_true",
                    help="check init, loss numerics and LR on copies at the first optimizer "
                         "step, print the verdict, then train on")
@@ -137,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         replay_budget=args.replay_budget, fork_every=args.fork_every, merge_wait=args.merge_wait,
         preflight=args.preflight, preflight_only=args.preflight_only,
         activations_every=args.activations_every, rerun_every=args.rerun_every,
-        exit_hard=True,
+        objective=args.objective, exit_hard=True,
     ))
 
 

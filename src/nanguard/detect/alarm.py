@@ -46,6 +46,12 @@ class Alarm:
     """The value that raised it (for a forecast: the steps left)."""
     message: str
     """One line a user can read."""
+    cause: str | None = None
+    """What drove it where the evidence names it (`bad_batch`: `detect.bad_batch`); absent
+    from report.json otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d["cause"] is None:
+            del d["cause"]
+        return d

@@ -12,11 +12,13 @@ import math
 from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Iterable
+from itertools import islice
 from statistics import median
 from typing import Any
 
 from nanguard.config import DetectConfig
 from nanguard.detect.alarm import Alarm
+from nanguard.detect.bad_batch import BAD_BATCH, LossOutlier, judge
 from nanguard.watch.stats import StepStats
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -267,39 +269,123 @@ class _SeriesDetector(Detector):
         self.peak = dict(state.get("peak", {}))
 
 
+def _trend_z(lx: float, hist: Window, k: int, floor: float) -> tuple[float, float]:
+    """Trend-robust z-score of `lx` (a log10 value) against `hist`: (z, level).
+
+    The level is the median of the latest `k` values (a slow trend moves it with the run).
+    The scale is the larger of two robust deviations, neither of which a slow trend inflates:
+    that of the step-to-step changes over the whole window (1.4826 MAD of the differences /
+    sqrt(2): the noise of values scattered about a level), and that of the latest `2k` values
+    about their least-squares line (a series that wanders like a random walk strays from any
+    level by more than one step's change). The window's own MAD, on an initial descent, would
+    span the whole descent. Called only once the cheap test passed (it sorts).
+    """
+    level = recent_level(hist, k)
+    diffs = [abs(b - a) for a, b in zip(hist, islice(hist, 1, None), strict=False)]
+    steps = 1.4826 * median(diffs) / math.sqrt(2) if diffs else 0.0
+    n = len(hist)
+    latest = [hist[i] for i in range(max(n - 2 * max(k, 1), 0), n)]
+    m = len(latest)
+    wander = 0.0
+    if m >= 3:
+        xm, ym = (m - 1) / 2, sum(latest) / m
+        slope = (sum((i - xm) * (y - ym) for i, y in enumerate(latest))
+                 / sum((i - xm) ** 2 for i in range(m)))
+        wander = 1.4826 * median(abs(y - ym - slope * (i - xm)) for i, y in enumerate(latest))
+    return (lx - level) / max(steps, wander, floor), level
+
+
+def recent_level(hist: Window, k: int) -> float:
+    """The median of the latest `k` values of `hist` (not empty): a signal's recent level
+    (`statistics.median`'s expression; read from the right end of the deque, in C)."""
+    last = sorted(islice(reversed(hist), max(k, 1)))
+    i = len(last) // 2
+    return last[i] if len(last) % 2 else (last[i - 1] + last[i]) / 2
+
+
+def trend_jump(lx: float, hist: Window, config: DetectConfig) -> bool:
+    """The cheap, necessary condition of `SpikeDetector`'s trend test: enough history and `lx`
+    at least `spike_min_ratio` x its recent level (`recent_level`). The quiet gate asks the
+    same."""
+    n = len(hist)
+    if n < config.warmup_steps or not n:
+        return False
+    jump = math.log10(config.spike_min_ratio)
+    if lx - hist.sorted[0] < jump:
+        return False  # the level is at least the window's least value: O(1), most steps
+    return lx - recent_level(hist, config.spike_level_steps) >= jump
+
+
 class SpikeDetector(_SeriesDetector):
-    """A grad norm far above its recent history: robust z of log10(norm) AND a ratio to median."""
+    """A grad norm or a loss far above its recent history.
+
+    Grad norm: robust z of log10(norm) over the window AND `spike_ratio` x its median (or
+    `spike_hard_ratio` x whatever the z). Both signals: `spike_strong_z` trend-robust sigma
+    above the recent level and at least `spike_min_ratio` x it (`_trend_z`): a bad batch's
+    1.6-3x is far below 10x yet tens of sigma out. The loss test is off on a non-stationary
+    objective (`nonstationary`, set by the guard: on-policy RL, a GAN), where a new rollout
+    or the other network moves the loss without anything going wrong; the gradient test stays.
+
+    A spike whose batch's own loss is an outlier after a quiet step, at an unchanged LR, is
+    named a bad batch (`detect.bad_batch`): its alarms carry `cause="bad_batch"`.
+    """
 
     phase = "pre"
-    signals = ("grad_norm",)
+    signals = ("grad_norm", "loss")
 
     def __init__(self, config: DetectConfig) -> None:
         super().__init__(config)
         # A spike is a discrete event, not a state: each new one is news.
         self.cooldown = config.spike_cooldown
+        self.nonstationary = False
+        self.last_lr: float | None = None  # the LR of the step seen before
+        self.last_spike: int | None = None  # the step of the last spike (either signal)
 
     def check(self, stats: StepStats) -> list[Alarm]:
+        grads = self.history["grad_norm"]
+        before = grads[-1] if grads else None  # the step before's grad norm, if it was healthy
+        alarms, spiked = self._check_grad(stats)
+        found, outlier = self._check_loss(stats)
+        if spiked or outlier is not None:
+            alarms += found
+            jump = None  # how far the step before's grad norm stood over its level
+            if before is not None:
+                jump = 10 ** (before - recent_level(grads, self.config.spike_level_steps))
+            cause = judge(stats.step, outlier, lr=stats.lr, last_lr=self.last_lr,
+                          last_spike=self.last_spike, before_jump=jump)
+            if cause is not None:
+                for a in alarms:
+                    a.cause = BAD_BATCH
+                    a.message += f"; {cause}"
+            self.last_spike = stats.step
+        self.last_lr = stats.lr
+        return alarms
+
+    def _check_grad(self, stats: StepStats) -> tuple[list[Alarm], bool]:
+        """The grad norm's tests: (alarms, whether it spiked: an alarm a cooldown silenced
+        still keeps the value out of the window)."""
         x = stats.grad_norm
         hist = self.history["grad_norm"]
         if not math.isfinite(x) or x <= 0 or stats.nonfinite_grads:
-            return []
+            return [], False
         lx = math.log10(x)
+        cfg = self.config
         alarms: list[Alarm] = []
         is_spike = False
         med = hist.median() if hist else math.nan
         if hist:
             self._note_level("grad_norm", 10 ** med)
-        if len(hist) >= self.config.warmup_steps:
+        if len(hist) >= cfg.warmup_steps:
             ratio = 10 ** (lx - med)
             # The z-score adapts to noisy histories; a jump of `spike_hard_ratio` x the median
             # is a spike however noisy the history was (unless it stays far below the run's scale).
             # It only matters once the ratio test passed: computed then (its MAD sorts).
             z = math.nan
             if (
-                ratio >= self.config.spike_ratio  # the cheap test first: no side effects
+                ratio >= cfg.spike_ratio  # the cheap test first: no side effects
                 and self._reaches_level("grad_norm", x)
-                and ((z := _robust_z(lx, hist, floor=0.05)[0]) >= self.config.spike_z
-                     or ratio >= self.config.spike_hard_ratio)
+                and ((z := _robust_z(lx, hist, floor=0.05)[0]) >= cfg.spike_z
+                     or ratio >= cfg.spike_hard_ratio)
             ):
                 is_spike = True
                 alarms = self._fire(
@@ -310,7 +396,15 @@ class SpikeDetector(_SeriesDetector):
                     f"grad norm {x:.3g} is {ratio:.3g}x its recent median {10**med:.3g} "
                     f"(robust z {z:.1f})",
                 )
-        elif (hist and 10 ** (lx - med) >= self.config.early_spike_ratio
+            elif trend_jump(lx, hist, cfg) and self._reaches_level("grad_norm", x):
+                tz, level = _trend_z(lx, hist, cfg.spike_level_steps, floor=1e-3)
+                if tz >= cfg.spike_strong_z and lx - level >= math.log10(cfg.spike_min_ratio):
+                    is_spike = True
+                    alarms = self._fire(
+                        stats, "spike", "grad_norm", x,
+                        f"grad norm {x:.3g} is {10 ** (lx - level):.3g}x its recent level "
+                        f"{10 ** level:.3g} ({tz:.0f} sigma of its step-to-step changes)")
+        elif (hist and 10 ** (lx - med) >= cfg.early_spike_ratio
               and 10 ** (lx - hist.largest()) >= _EARLY_OVER_LARGEST):
             # Too little history for statistics: only the unmistakable case, a jump far above
             # the typical healthy step so far and well above every one of them (the cascade's
@@ -327,7 +421,38 @@ class SpikeDetector(_SeriesDetector):
             )
         if not is_spike:
             hist.append(lx)
-        return alarms
+        return alarms, is_spike
+
+    def _check_loss(self, stats: StepStats) -> tuple[list[Alarm], LossOutlier | None]:
+        """The loss's trend test: (alarms, the outlier when the loss spiked)."""
+        x = stats.loss
+        if x is None or not math.isfinite(x) or x <= 0:
+            return [], None
+        hist = self.history["loss"]
+        lx = math.log10(x)
+        cfg = self.config
+        if hist:
+            self._note_level("loss", 10 ** hist.median())
+        if (not self.nonstationary and trend_jump(lx, hist, cfg)
+                and self._reaches_level("loss", x)):
+            tz, level = _trend_z(lx, hist, cfg.spike_level_steps, floor=1e-3)
+            if tz >= cfg.spike_strong_z and lx - level >= math.log10(cfg.spike_min_ratio):
+                outlier = LossOutlier(x, 10 ** level, tz)
+                return self._fire(
+                    stats, "spike", "loss", x,
+                    f"loss {x:.4g} is {x / outlier.level:.3g}x its recent level "
+                    f"{outlier.level:.4g} ({tz:.0f} sigma of its step-to-step changes)"
+                ), outlier
+        hist.append(lx)
+        return [], None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "last_lr": self.last_lr, "last_spike": self.last_spike}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.last_lr = state.get("last_lr")  # absent in states saved before the loss test
+        self.last_spike = state.get("last_spike")
 
 
 class CascadeDetector(_SeriesDetector):
@@ -487,6 +612,9 @@ class DivergenceDetector(_SeriesDetector):
         super().__init__(config)
         self.recent: deque[float] = deque(maxlen=config.divergence_steps)
         self.first: float | None = None  # the run's first finite loss: its initial scale
+        # A non-stationary objective (on-policy RL, a GAN: `detect.objective`): the loss
+        # moves without anything going wrong; the windows still follow it, nothing fires.
+        self.nonstationary = False
 
     def _early(self, stats: StepStats, x: float) -> list[Alarm] | None:
         """Before the statistics have history: the loss and the one before it both at least
@@ -513,7 +641,15 @@ class DivergenceDetector(_SeriesDetector):
         hist = self.history["loss"]
         alarms: list[Alarm] = []
         diverging = False
-        early_regime = len(hist) < max(self.config.warmup_steps, 2 * self.config.divergence_steps)
+        need = max(self.config.warmup_steps, 2 * self.config.divergence_steps)
+        if self.nonstationary:
+            if self.first is None:
+                self.first = x
+            if len(hist) >= need and len(self.recent) == self.recent.maxlen:
+                self._note_level("loss", hist.median())
+            hist.append(x)
+            return []
+        early_regime = len(hist) < need
         if early_regime and (early := self._early(stats, x)) is not None:
             return early  # not added to the history: a divergence never becomes the baseline
         if self.first is None:

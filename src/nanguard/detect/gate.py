@@ -12,7 +12,8 @@ the same float expressions) and answers True.
 What it guarantees: after a step it passed, every detector's state is exactly what `check`
 would have left (same `state_dict`), and `check` would have returned no alarm. The bounds are
 conservative: each firing test of a detector needs one necessary condition (a spike needs its
-ratio to the median at or over `spike_ratio`, a cascade a run of `cascade_steps` growths, a
+ratio to the median at or over `spike_ratio`, or a grad norm or loss `spike_min_ratio` x the
+lowest of its latest values (`detectors.trend_jump`), a cascade a run of `cascade_steps` growths, a
 forecast `cascade_steps + 1` growing values, a divergence every recent loss at
 `divergence_ratio` x the median, a vanishing alarm `vanishing_steps` small steps, a
 non-finite one a non-finite value); the gate passes only when each such condition is false.
@@ -41,6 +42,7 @@ from nanguard.detect.detectors import (
     SpikeDetector,
     VanishingDetector,
     Window,
+    trend_jump,
 )
 from nanguard.watch.stats import StepStats
 
@@ -114,6 +116,7 @@ class QuietGate:
         plan: list[Any] = [None, None, None, None, None]
         if pre:
             sp = self._spike
+            grad = None
             if _isfinite(g) and g > 0 and not stats.nonfinite_grads:
                 cfg = sp.config
                 lx = _log10(g)
@@ -122,12 +125,25 @@ class QuietGate:
                 # `Window.median`, inline (the same expression; one call less per median)
                 med = (s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2) if n else math.nan
                 if n >= cfg.warmup_steps:
-                    if 10 ** (lx - med) >= cfg.spike_ratio:
+                    if (10 ** (lx - med) >= cfg.spike_ratio
+                            or trend_jump(lx, sp.history["grad_norm"], cfg)):
                         return None
                 elif (n and 10 ** (lx - med) >= cfg.early_spike_ratio
                       and 10 ** (lx - s[-1]) >= _EARLY_OVER_LARGEST):
                     return None
-                plan[0] = (lx, 10 ** med if n else None, n)
+                grad = (lx, 10 ** med if n else None, n)
+            loss = stats.loss
+            lost = None
+            if loss is not None and _isfinite(loss) and loss > 0:
+                hl = sp.history["loss"]
+                llx = _log10(loss)
+                if not sp.nonstationary and trend_jump(llx, hl, sp.config):
+                    return None  # the loss's spike test: the full pass decides
+                s = hl.sorted
+                n = len(s)
+                med = (s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2) if n else None
+                lost = (llx, None if med is None else 10 ** med, n)
+            plan[0] = (grad, lost)
         if not post:
             return plan
         acts = stats.activations  # `act_max`, inline (no call on a step without activations)
@@ -185,15 +201,16 @@ class QuietGate:
             hist = dv.history["loss"].sorted
             need = max(cfg.warmup_steps, 2 * cfg.divergence_steps)
             note = None
+            quiet = dv.nonstationary  # its loss-trend tests are off: nothing can fire
             if len(hist) < need:
                 first = dv.first
-                if (first is not None and len(new) >= 2 and first > 0
+                if (not quiet and first is not None and len(new) >= 2 and first > 0
                         and min(new[-2:]) >= cfg.early_loss_ratio * first):
                     return None
             elif len(new) == recent.maxlen:
                 k = len(hist)
                 med = hist[k // 2] if k % 2 else (hist[k // 2 - 1] + hist[k // 2]) / 2
-                if med > 0 and min(new) >= cfg.divergence_ratio * med:
+                if not quiet and med > 0 and min(new) >= cfg.divergence_ratio * med:
                     return None
                 note = med
             plan[3] = (loss, note, len(hist))
@@ -212,11 +229,15 @@ class QuietGate:
         adds: list[tuple[Window, float]] = []
         spike, runs, recents, div, count = plan
         if spike is not None:
-            lx, v, n = spike
             sp = self._spike
-            if n >= _LEVEL_MIN_STEPS:  # `_note_level` on the history before this step
-                sp.peak["grad_norm"] = max(sp.peak.get("grad_norm", v), v)
-            adds.append((sp.history["grad_norm"], lx))
+            for signal, part in zip(("grad_norm", "loss"), spike, strict=True):
+                if part is None:
+                    continue
+                lx, v, n = part
+                if n >= _LEVEL_MIN_STEPS:  # `_note_level` on the history before this step
+                    sp.peak[signal] = max(sp.peak.get(signal, v), v)
+                adds.append((sp.history[signal], lx))
+            sp.last_lr = stats.lr
         levels = []
         if runs is not None:
             ca = self._cascade

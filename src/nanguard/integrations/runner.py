@@ -119,6 +119,8 @@ class RunOptions:
     rerun_every: int = 0
     """`DetectConfig.rerun_every`: re-run one quiet step every N steps and compare bit for
     bit (0: off)."""
+    objective: str = "auto"
+    """`DetectConfig.objective`: is the loss a stationary series (`detect.objective`)."""
     summary: bool = True
     preflight: bool = False
     """Run the preflight at the script's first optimizer step, then train on."""
@@ -149,7 +151,8 @@ def run(opts: RunOptions) -> int:
     disc = Discovery(lambda i: folder / f"optimizer-{i}", policy=opts.policy,
                      config=GuardConfig(
                          record=RecordConfig(summary=False),
-                         detect=DetectConfig(rerun_every=opts.rerun_every),
+                         detect=DetectConfig(rerun_every=opts.rerun_every,
+                                                     objective=opts.objective),
                          watch=WatchConfig(activations=opts.activations_every > 0,
                                            activations_every=max(1, opts.activations_every))),
                      preflight=live if live is not None and not live.done else None)

@@ -187,7 +187,8 @@ def spike_sources(
     max_samples: int = 64,
 ) -> dict[str, Any]:
     """A spike without a NaN, before its update: the layers whose gradient norm is far above
-    their own healthy level, and the samples whose per-sample gradient norm is an outlier.
+    their own healthy level, the samples whose per-sample gradient norm is an outlier and
+    (`loss_samples`, every one) those whose own loss is.
 
     Layers come from the step's measured per-parameter norms (no extra work). Samples cost one
     forward and backward per sample (at most `max_samples`), only on a spike alarm; gradients
@@ -203,6 +204,7 @@ def spike_sources(
                            "norm": v, "baseline": base, "ratio": v / base})
     layers.sort(key=lambda d: -float(d["ratio"]))
     norms: list[float] = []
+    losses: list[float] = []  # each sample's own loss (a bad batch's rows stand out in it)
     trainable = [p for p in params if p.requires_grad]
     now = rng.capture()
     keep = _KeepBuffers(model) if batch_size else None
@@ -213,16 +215,21 @@ def spike_sources(
                 if step_rng is not None:
                     rng.restore(step_rng)
                 loss = compute_loss(_slice(batch, i))
+                losses.append(float(loss.detach()))
                 grads = torch.autograd.grad(loss, trainable, allow_unused=True)
                 sq = sum(float(g.detach().double().pow(2).sum()) for g in grads if g is not None)
                 norms.append(math.sqrt(sq))
     except Exception as exc:  # noqa: BLE001 - e.g. BatchNorm cannot run one sample in train mode
-        norms, error = [], f"per-sample gradients failed: {type(exc).__name__}: {exc}"
+        norms, losses = [], []
+        error = f"per-sample gradients failed: {type(exc).__name__}: {exc}"
     finally:
         if keep is not None:
             keep.__exit__()
         rng.restore(now)
     found: dict[str, Any] = {"layers": layers[:8], "samples": _outliers(norms, sample_z)[:8]}
+    if len(losses) == len(norms) and losses and min(losses) > 0:
+        found["loss_samples"] = [{"index": d["index"], "loss": d["norm"], "z": d["z"]}
+                                 for d in _outliers(losses, sample_z)]
     if error:
         found["error"] = error
     return found

@@ -37,7 +37,8 @@ def alarms_to_explain(alarms: list[Any]) -> list[Any]:
     step 0 the spike detector has no history, so a 1e37x gradient (a flipped top exponent bit)
     raises only the overflow: without it, the fault of the first step got no verdict and its
     cascade was diagnosed as the LR's."""
-    spikes = [a for a in alarms if a.kind == "spike"]
+    # One per step: a step whose grad norm and loss both spiked is one event (one replay).
+    spikes = [a for a in alarms if a.kind == "spike"][:1]
     return spikes or [a for a in alarms if a.kind == "overflow" and a.signal == "grad_norm"][:1]
 
 

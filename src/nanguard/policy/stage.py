@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from nanguard.detect import Alarm
+from nanguard.detect import Alarm, bad_batch
 from nanguard.watch.stats import StepStats
 
 Action = Literal["none", "skip", "discard_spike", "rollback", "escalate", "cannot_skip",
@@ -46,7 +46,8 @@ def wants_to_act(stats: StepStats, alarms: list[Alarm], acting_on: tuple[str, ..
 
     Non-finite values count when `nonfinite` is acted on (after the update: only in the
     parameters or optimizer state, which the update produced); alarms count by kind. A NaN
-    batch row whose step the GradScaler already skipped (`data`) leaves nothing to act on.
+    batch row whose step the GradScaler already skipped (`data`) leaves nothing to act on,
+    nor does a loss spike whose batch is not its cause (`detect.bad_batch.actionable`).
     """
     sealed = stats.seal()
     if not sealed and not alarms:
@@ -58,13 +59,14 @@ def wants_to_act(stats: StepStats, alarms: list[Alarm], acting_on: tuple[str, ..
         if signals:
             return True
     return any(a.kind in acting_on and (a.kind, a.signal) != ("nonfinite", "data")
-               for a in alarms)
+               and bad_batch.actionable(a) for a in alarms)
 
 
 def reason(stats: StepStats, alarms: list[Alarm]) -> str:
     """`kind:signal` of the alarms (else the non-finite signals), and the rank that showed a
     non-finite value first under torch.distributed."""
     why = ", ".join(sorted({f"{a.kind}:{a.signal}" for a in alarms})) or ", ".join(stats.seal())
+    why += bad_batch.describe(stats, alarms)
     if stats.agreed_bad_rank is not None:
         return f"{why or 'agreed'}; non-finite first on rank {stats.agreed_bad_rank}"
     return why or "another rank's alarm"

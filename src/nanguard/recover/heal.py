@@ -28,6 +28,9 @@ before the update:
   x 1 at its end, on top of the scheduler's value): the warm-up the schedule left out. Spikes
   during the ramp are clipped, never answered with an LR cut (the cut would halve the LR for
   the rest of the run for a cause the ramp already answers).
+- **A bad batch** (a spike the detectors traced to its batch: `detect.bad_batch`) is clipped
+  the same way, whatever heal's own thresholds say, and never counted as a precursor: the
+  data was the cause, so the LR and the weight decay are left alone.
 
 Every action is returned to the guard as a `Record` effect (report.json `actions`); `cost()` gives
 `run.recovery.heal`: precursors, updates clipped, the cuts, the LR / WD factors now applied and
@@ -44,6 +47,7 @@ from typing import Any, Protocol
 import torch
 
 from nanguard.config import HealConfig
+from nanguard.detect.bad_batch import describe, is_bad_batch
 from nanguard.policy.lr_change import Jump, LrChanges
 from nanguard.recover.clip import ema_update
 from nanguard.recover.effects import Record
@@ -78,6 +82,8 @@ class Healer:
         self.wd_factor = 1.0
         self.precursors: deque[int] = deque()  # steps of the precursors within `window`
         self.total = 0  # precursors acted on over the run
+        self.total_bad = 0  # bad batches' updates clipped (never counted as precursors)
+        self.bad_batches: deque[int] = deque(maxlen=100)  # steps of the latest bad batches
         self.cuts: list[dict[str, Any]] = []
         self.cause: str | None = None
         self._saved_lrs: list[float] | None = None
@@ -95,10 +101,13 @@ class Healer:
         the guard to record."""
         norm = stats.grad_norm if not stats.nonfinite_grads else math.nan
         if math.isfinite(norm):
-            limit = self._precursor_limit(norm)
-            seen = norm
-            if limit is not None:
-                seen = self._clip(stats, norm, limit)
+            if stats.alarms and is_bad_batch(stats.alarms):
+                seen = self._clip_bad_batch(stats, norm)
+            else:
+                limit = self._precursor_limit(norm)
+                seen = norm
+                if limit is not None:
+                    seen = self._clip(stats, norm, limit)
             self._update(seen)
         jump = self.changes.jump
         if jump is not None and jump.step == stats.step and self.config.ramp_steps > 0:
@@ -184,6 +193,29 @@ class Healer:
             if isinstance(x, (int, float)) and math.isfinite(x):
                 self._update(float(x))
 
+    def _clip_bad_batch(self, stats: StepStats, norm: float) -> float:
+        """A spike the detectors traced to its batch (`detect.bad_batch`): scale its gradients
+        down to the rolling mean like a precursor's, but it is no evidence against the LR or
+        the weight decay: not counted towards a correction. Returns the norm the statistics
+        see (the clipped one: a bad batch never raises the bar)."""
+        self.bad_batches.append(stats.step)
+        if not (self.count and self.mean > 0 and norm > self.mean):
+            return norm
+        started = time.perf_counter()
+        grads = [p.grad for g in self.link.optimizer.param_groups for p in g["params"]
+                 if p.grad is not None]
+        scale = self.mean / norm
+        torch._foreach_mul_(grads, scale)
+        self.total_bad += 1
+        self._records.append(Record(
+            stats.step, "heal_clip",
+            f"grad norm {norm:.3g} is {norm / self.mean:.1f}x its rolling mean "
+            f"{self.mean:.3g}{describe(stats, stats.alarms)}; gradients scaled by "
+            f"{scale:.3g} to the typical norm before the update (no step lost, no LR or "
+            "weight decay cut: the data is the cause)"))
+        self.seconds += time.perf_counter() - started
+        return self.mean
+
     def _update(self, x: float) -> None:
         ema_update(self, x, self.config.ema, self.config.warmup_steps)
 
@@ -247,7 +279,8 @@ class Healer:
 
     def cost(self) -> dict[str, Any]:
         """`run.recovery.heal`: what the policy did and why."""
-        return {"precursors": self.total, "updates_clipped": self.total, "steps_lost": 0,
+        return {"precursors": self.total, "updates_clipped": self.total + self.total_bad,
+                "steps_lost": 0, "bad_batches": list(self.bad_batches),
                 "cuts": list(self.cuts), "lr_factor": self.lr_factor,
                 "weight_decay_factor": self.wd_factor, "cause": self.cause,
                 "lr_ramps": list(self.ramps), "seconds": round(self.seconds, 6)}
@@ -256,7 +289,8 @@ class Healer:
         return {"mean": self.mean, "var": self.var, "count": self.count,
                 "lr_factor": self.lr_factor, "wd_factor": self.wd_factor, "total": self.total,
                 "precursors": list(self.precursors), "cuts": list(self.cuts),
-                "cause": self.cause, "seconds": self.seconds, "ramps": list(self.ramps),
+                "cause": self.cause, "seconds": self.seconds, "total_bad": self.total_bad,
+                "bad_batches": list(self.bad_batches), "ramps": list(self.ramps),
                 "ramp": None if self.ramp is None else [self.ramp.step, self.ramp.old,
                                                         self.ramp.new, self.ramp.resumed]}
 
@@ -273,3 +307,5 @@ class Healer:
         self.ramps = list(state.get("ramps", []))
         r = state.get("ramp")
         self.ramp = None if not r else Jump(int(r[0]), float(r[1]), float(r[2]), bool(r[3]))
+        self.total_bad = int(state.get("total_bad", 0))  # absent before bad batches
+        self.bad_batches = deque((int(s) for s in state.get("bad_batches", ())), maxlen=100)

@@ -153,8 +153,10 @@ def _untrained_loss(ev: Evidence) -> float | None:
 
 
 def bad_batch(ev: Evidence) -> Cause | None:
-    """Needs: a spike alarm on a run that never went non-finite. Ruled out: any non-finite
-    value (the rules above explain it)."""
+    """Needs: a spike alarm on a run that never went non-finite; confident when the detectors
+    named its batch the cause (`cause: bad_batch`: the batch's own loss an outlier after a
+    quiet step at an unchanged LR, `detect.bad_batch`). Ruled out: any non-finite value (the
+    rules above explain it)."""
     if ev.first_nonfinite is not None:
         return None
     spikes = [a for a in ev.alarms if a["kind"] == "spike"]
@@ -173,6 +175,19 @@ def bad_batch(ev: Evidence) -> Cause | None:
             "run.db, table `batches`) and scan the data (`nanguard scan`) for extreme values "
             "or labels",
         )
+    named = sorted({a["step"] for a in spikes if a.get("cause") == "bad_batch"})
+    if named:
+        return _weigh_verdict(ev, Cause(
+            cause="bad_batch",
+            confidence=0.9,
+            evidence=f"the spikes at steps {named[:6]} came from their batches: each batch's "
+            "own loss, computed before its update after a quiet step at an unchanged LR, stood "
+            "far above its recent level: the data, not the model or the optimizer",
+            fix="find those batches (report.json `spikes`: each one's fingerprint `batch` and "
+            "the `rows` that stand out; run.db table `batches`) and clean that data (`nanguard "
+            "scan`); the LR and the weight decay need no change; `--policy skip` or `heal` keep "
+            "such batches' updates out meanwhile",
+        ))
     steps = sorted({a["step"] for a in spikes})
     return _weigh_verdict(ev, Cause(
         cause="bad_batch",

@@ -312,6 +312,14 @@ def _decay_change(ev: Evidence, wd: float, target: float) -> str:
     return f"weight_decay={wd:g} -> weight_decay={number(target)}"
 
 
+def _only_bad_batches(ev: Evidence) -> bool:
+    """Every warning of a run without a NaN is a spike whose batch was named its cause
+    (`detect.bad_batch`)."""
+    warn = [a for a in ev.alarms if a["kind"] != "nonfinite"]
+    return bool(warn) and all(a["kind"] == "spike" and a.get("cause") == "bad_batch"
+                              for a in warn)
+
+
 def optimizer_divergence(ev: Evidence) -> Cause | None:
     """Needs, after at least one update (step >= 1): spike / cascade / forecast / overflow
     alarms shortly before the failure, or the loss / grad norm jumping >= 100x in one step,
@@ -332,6 +340,8 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
     """
     if ev.phase in ("data", "checkpoint") or ev.step == 0:
         return None
+    if ev.first_nonfinite is None and _only_bad_batches(ev):
+        return None  # spikes the detectors traced to their batches: not the optimizer's
     warn = ev.warnings_before(_CASCADE)
     jump = _jump(ev)
     top = ev.magnitude

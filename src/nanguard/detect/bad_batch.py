@@ -1,0 +1,133 @@
+"""Is this spike a bad batch? The cause of a spike, from what the spike detector already saw.
+
+A batch is bad (a corrupted region of the data, rows of the wrong encoding, a repeated
+symbol) when its *own* loss is an outlier: the loss of a step is computed by the forward of
+that step's batch with the parameters the previous update left, before this step's update.
+If that loss is far above its recent level while
+
+- the step before was quiet (no spike, its grad norm under 3x its recent level: the update
+  that made the parameters which computed this loss was an ordinary one), and
+- the LR is the one of the step before (within `_LR_STEADY`: a schedule's slow drift, not a
+  jump, a restart or a resume without warm-up, which are causes of their own),
+
+then nothing in the model or the optimizer changed between a healthy step and this one but the
+batch: the batch is the cause. The fix is about that batch (discard or clip its update, name
+it and its rows), never the LR or the weight decay.
+
+A gradient spike whose batch's loss stays at its level is not called a bad batch: that is the
+signature of an unstable optimizer (the update of the step before pushed the weights to where
+any batch's gradient is large; its loss spike comes one step later), which `heal` corrects.
+
+`judge` runs only on a step where the spike detector fired: the quiet step pays nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+BAD_BATCH = "bad_batch"
+"""The cause named on a spike alarm (`Alarm.cause`) and its report.json `spikes` entry."""
+
+_LR_STEADY = 0.1
+"""An LR within this share of the previous step's counts as unchanged (a cosine schedule
+moves it by far less per step; a warm-up's first steps or a 10x jump by far more)."""
+
+
+_PRECURSOR = 3.0
+"""A grad norm this many times its recent level on the step before is a precursor that may
+have made this step's loss (heal's own precursor ratio, `HealConfig.ratio`); below it, small
+batches' gradients jump 1.5-2x too often to rule the batch out."""
+
+
+@dataclass(frozen=True)
+class LossOutlier:
+    """The step's loss against its recent level (`SpikeDetector`'s loss test)."""
+
+    loss: float
+    level: float
+    z: float
+
+
+def judge(step: int, outlier: LossOutlier | None, *, lr: float | None, last_lr: float | None,
+          last_spike: int | None, before_jump: float | None = None) -> str | None:
+    """Why the spike at `step` happened, as a sentence, when the batch is the cause; None when
+    the evidence does not rule the model and the optimizer out (see the module docstring).
+
+    Args:
+        step: the spiking step.
+        outlier: the batch's own loss when it is an outlier (a loss spike on this step), else
+            None.
+        lr: the step's LR; `last_lr`: the LR of the step the detector saw before it.
+        last_spike: the step of the spike before this one (either signal), if any.
+        before_jump: the step before's grad norm over its recent level (None: unknown); at
+            `_PRECURSOR` or more, that step's update may have made this loss (an unstable
+            optimizer's precursor that raised no alarm).
+    """
+    if outlier is None:
+        return None
+    if last_spike is not None and last_spike >= step - 1:
+        return None  # the parameters that computed this loss came from a spiking step
+    if before_jump is not None and before_jump >= _PRECURSOR:
+        return None  # ...or from a step whose gradient had already jumped
+    if lr is not None and last_lr is not None and last_lr > 0 and math.isfinite(lr):
+        if abs(lr / last_lr - 1.0) > _LR_STEADY:
+            return None  # the LR moved: a cause of its own
+        lr_note = f"LR unchanged ({lr:.3g})"
+    else:
+        lr_note = "no LR change seen"
+    return (f"a bad batch: its own loss {outlier.loss:.4g} is {outlier.loss / outlier.level:.3g}x "
+            f"its recent level {outlier.level:.4g} ({outlier.z:.0f} sigma) before its update, "
+            f"after a quiet step, {lr_note}: the data, not the model or the optimizer")
+
+
+def batch_fingerprint(hashes: list[int]) -> str | None:
+    """One 52-bit fingerprint of a whole batch from its samples' (order-independent: the same
+    rows in another order are the same batch), as 13 hex digits; None for an unseen batch."""
+    if not hashes:
+        return None
+    acc = 0
+    for h in hashes:
+        acc = (acc + (h * 0x9E3779B97F4A7C15 >> 12)) & ((1 << 52) - 1)
+    return f"{acc:013x}"
+
+
+def actionable(alarm: Any) -> bool:
+    """Whether a policy may act on `alarm` for what it is: a loss spike acts only when its
+    batch is the cause. Otherwise the loss spiked because the step before's update moved the
+    weights (an unstable optimizer, an LR jump): discarding this step's update undoes nothing,
+    and skipping every other step of a runaway hides its growth from the cascade detector
+    that measures it (`recover.backoff` cuts the LR by it). Recorded, not acted on."""
+    return not (alarm.kind == "spike" and alarm.signal == "loss"
+                and getattr(alarm, "cause", None) != BAD_BATCH)
+
+
+def is_bad_batch(alarms: list[Any]) -> bool:
+    """Whether the spike detector named this step's batch the cause of its spike."""
+    return any(getattr(a, "cause", None) == BAD_BATCH for a in alarms)
+
+
+def rows_of(found: dict[str, Any]) -> list[int]:
+    """The batch rows a spike's explanation blamed (`pinpoint.live.explain_spike`: samples
+    whose own loss or gradient norm is an outlier; known with a replay), in row order."""
+    return sorted({int(d["index"]) for key in ("samples", "loss_samples")
+                   for d in found.get(key) or []})
+
+
+def spike_entry(stats: Any, alarm: Any, found: dict[str, Any]) -> dict[str, Any]:
+    """What a report.json `spikes` entry gains when the batch is the cause of the spike
+    `alarm` of step `stats`: `cause`, `batch` (its fingerprint, `batch_fingerprint`) and
+    `rows`. Empty otherwise."""
+    if getattr(alarm, "cause", None) != BAD_BATCH:
+        return {}
+    return {"cause": BAD_BATCH, "batch": batch_fingerprint(list(stats.sample_hashes)),
+            "rows": rows_of(found)}
+
+
+def describe(stats: Any, alarms: list[Any]) -> str:
+    """`; a bad batch (batch FP)` for an action's detail when the batch is the cause."""
+    if not is_bad_batch(alarms):
+        return ""
+    fp = batch_fingerprint(list(stats.sample_hashes))
+    return f"; a bad batch{f' (batch {fp})' if fp else ''}: LR and weight decay left alone"

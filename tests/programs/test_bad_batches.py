@@ -1,0 +1,75 @@
+"""Bad batches are named and answered for what they are (issue 40 items 1-2).
+
+`bad_rows_lm.py` reads its batches through a DataLoader; `--corrupt-at` makes the loader fill
+8 of the 32 rows of those steps' batches from a corrupted region (random bytes). The script
+prints `BAD_BATCH step S rows R` for each: the truth, established without nanguard. Under
+`nanguard run` (its replay names rows from per-sample gradients):
+
+- `skip`: each bad step and no other raises spike alarms with `cause: bad_batch`, has its update
+  discarded with the batch named in the action, and a `spikes` entry with the batch's
+  fingerprint and exactly the corrupted rows; the status is `recovered`, not `healthy`; the
+  diagnosis names the bad batches, not the optimizer.
+- `heal`: each bad step is clipped as a bad batch; no LR or weight-decay cut.
+- the clean run (no flag): no alarm, no action, `healthy`.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from programs_support import Guarded, guarded
+
+SCRIPT = "bad_rows_lm.py"
+BAD = "70,110,140"
+
+
+def _truth(run: Guarded) -> dict[int, list[int]]:
+    """The script's own prints: bad step -> its corrupted rows."""
+    found = re.findall(r"BAD_BATCH step (\d+) rows ([\d,]+)", run.proc.stderr)
+    return {int(s): [int(r) for r in rows.split(",")] for s, rows in found}
+
+
+def _runs(tmp_path: Path) -> tuple[Guarded, Guarded, Guarded]:
+    dirs = [tmp_path / d for d in ("skip", "heal", "clean")]
+    for d in dirs:
+        d.mkdir()
+    with ThreadPoolExecutor(3) as pool:
+        skip = pool.submit(guarded, dirs[0], SCRIPT, "--corrupt-at", BAD, policy="skip")
+        heal = pool.submit(guarded, dirs[1], SCRIPT, "--corrupt-at", BAD, policy="heal")
+        clean = pool.submit(guarded, dirs[2], SCRIPT)
+        return skip.result(), heal.result(), clean.result()
+
+
+def test_bad_batches_named_skipped_clipped_and_the_clean_run_quiet(tmp_path: Path) -> None:
+    skip, heal, clean = _runs(tmp_path)
+    truth = _truth(skip)
+    assert sorted(truth) == [70, 110, 140] and _truth(heal) == truth
+
+    rep = skip.report
+    assert rep["status"] == "recovered", skip.explain()
+    assert {a["step"] for a in rep["alarms"]} == set(truth), skip.explain()
+    assert all(a.get("cause") == "bad_batch" for a in rep["alarms"])
+    skips = [a for a in rep["actions"] if a["action"] == "skip"]
+    assert [a["step"] for a in skips] == sorted(truth)
+    assert all("a bad batch (batch " in a["detail"] for a in skips)
+    spikes = {s["step"]: s for s in rep["spikes"]}
+    assert set(spikes) == set(truth)
+    for step, rows in truth.items():
+        assert spikes[step]["cause"] == "bad_batch"
+        assert re.fullmatch(r"[0-9a-f]{13}", spikes[step]["batch"])
+        assert spikes[step]["rows"] == rows, (step, spikes[step])
+
+    causes = [d["cause"] for d in rep["diagnosis"]]
+    assert causes[0] == "bad_batch" and "optimizer_divergence" not in causes, causes
+
+    rep = heal.report
+    assert rep["status"] != "healthy"
+    assert not [a for a in rep["actions"] if a["action"] in ("lr_cut", "wd_cut")], heal.explain()
+    h = rep["run"]["recovery"]["heal"]
+    assert h["bad_batches"] == sorted(truth) and h["lr_factor"] == 1.0 and not h["cuts"]
+
+    rep = clean.report
+    assert rep["status"] == "healthy" and not rep["alarms"] and not rep["actions"], \
+        clean.explain()
