@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import blocks  # noqa: E402
-import shell  # noqa: E402
+import doc_blocks as blocks  # noqa: E402
+import doc_shell as shell  # noqa: E402
 
 
 def produce(block: blocks.Block, folder: Path) -> str:

@@ -11,11 +11,11 @@ from torch import nn
 class MLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
-                                 nn.Linear(64, 10))
+        self.net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                                 nn.Linear(128, 10))
         for layer in self.net:
             if isinstance(layer, nn.Linear):
-                nn.init.normal_(layer.weight, std=1.0)  # the mistake: Kaiming would be ~0.2
+                nn.init.normal_(layer.weight, std=1.0)  # the mistake: Kaiming would be ~0.1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

@@ -85,3 +85,19 @@ def frameworks() -> dict[str, Any]:
                              report_to=[], use_cpu=True, save_strategy="no", logging_steps=1)
     return {"torch": torch, "nanguard": nanguard, "lightning": lightning, "Trainer": Trainer,
             "model": model, "args": args, "ds": ds}
+
+
+def ddp() -> dict[str, Any]:
+    """`loop()` under torch.distributed, as torchrun would start it but with one process (gloo,
+    world size 1): `ddp_model` is the model wrapped in DistributedDataParallel. The snippet's
+    caller destroys the process group (`close_ddp`)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = loop()
+    if not dist.is_initialized():
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    names["ddp_model"] = DistributedDataParallel(names["model"])
+    names["close_ddp"] = dist.destroy_process_group
+    return names

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "docs"))
 
-import blocks  # noqa: E402
+import doc_blocks as blocks  # noqa: E402
 
 _DOTTED = re.compile(r"(?<![\w./-])nanguard(?:\.[A-Za-z_]\w*)+")
 _FROM = re.compile(r"from (nanguard(?:\.\w+)*) import ([\w, ()]+)")

@@ -1,12 +1,12 @@
 """Every fenced block of README.md and docs/ runs as written, or says visibly why it cannot.
 
-The collector (docs/blocks.py) reads each page's blocks and the markers above them. Per page,
+The collector (docs/doc_blocks.py) reads each page's blocks and the markers above them. Per page,
 the `python` blocks are executed and the `bash` / `console` blocks run command by command in
 a terminal, in one folder holding a copy of examples/ (so a later block reads the run an
 earlier one recorded, as a reader's folder would); every transcript (`text` block under
 `<!-- transcript: COMMAND -->`) is compared with a fresh run of its command, so none can go
 stale (`python docs/transcripts.py` rewrites them). A training command is run once per test
-process and shared between pages (docs/shell.py).
+process and shared between pages (docs/doc_shell.py).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "docs"))
 
-import blocks  # noqa: E402
-import shell  # noqa: E402
+import doc_blocks as blocks  # noqa: E402
+import doc_shell as shell  # noqa: E402
 import transcripts  # noqa: E402
 
 PAGES = {page: blocks.parse(page) for page in blocks.pages()}
@@ -79,6 +79,8 @@ def _exec_python(block: blocks.Block, work: Path) -> None:
             if isinstance(value, nanguard.Guard):
                 with contextlib.suppress(ValueError):  # closed already, as the snippet said
                     value.close()
+        if callable(names.get("close_ddp")):  # the process group `run with: ddp` made
+            names["close_ddp"]()
         os.chdir(old)
 
 

@@ -80,7 +80,8 @@ def environment() -> dict[str, str]:
 def run(command: str, cwd: Path, *, tty: bool = False, timeout: float = TIMEOUT) -> Result:
     """Run one command line of the docs in `cwd`; `tty=True` gives it a terminal (as a reader's
     terminal shows it: nanguard's live lines are formatted for a terminal)."""
-    key = (command, tty)
+    # The same command with another comment is the same run (pages comment it differently).
+    key = (" ".join(shlex.split(command, comments=True)), tty)
     if command.startswith(_TRAINS) and key in _memo:
         result, saved, made = _memo[key]
         if not any((cwd / name).exists() for name in made):
