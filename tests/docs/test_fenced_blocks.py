@@ -115,3 +115,24 @@ def test_transcript_is_what_the_command_prints(block: blocks.Block, tmp_path: Pa
                                           "committed", "fresh run", lineterm=""))
     assert fresh == committed, (f"{block.where} is stale: run `python docs/transcripts.py`\n"
                                 f"{diff}")
+
+
+def test_the_collector_refuses_a_block_neither_run_nor_marked(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("```text\nsome output\n```\n\n<!-- not run: serves until Ctrl-C -->\n"
+                    "```bash\nnanguard dashboard runs/\n```\n\n"
+                    "<!-- not run (line 2): two GPUs -->\n"
+                    "```bash\nnanguard report runs/x  # shown\ntorchrun x.py\n```\n"
+                    "<!-- transcript: nanguard demo (first 3 lines) -->\n```text\n$ x\n```\n")
+    bare, marked, partly, transcript = blocks.parse(page)
+    assert bare.errors and "neither run nor marked" in bare.errors[0]
+    assert not marked.errors and not marked.runs and marked.not_run == "serves until Ctrl-C"
+    assert partly.runs and blocks.commands(partly) == ["nanguard report runs/x  # shown"]
+    assert transcript.transcript == "nanguard demo" and transcript.first_lines == 3
+
+
+def test_normalising_a_transcript_keeps_what_matters() -> None:
+    a = "nanguard: failed after 30 steps — record in nanguard_runs/20261206-030354 (4.2 s)"
+    b = "nanguard: failed after 30 steps — record in nanguard_runs/20261207-110000 (0.9 s)"
+    assert shell.normalise(a) == shell.normalise(b)
+    assert shell.normalise(a) != shell.normalise(a.replace("30 steps", "29 steps"))
