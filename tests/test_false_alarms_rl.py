@@ -48,14 +48,16 @@ def test_healthy_ppo_and_gan_raise_no_alarm(tmp_path: Path) -> None:
     rep = ppo_run.report
     assert rep["status"] == "healthy" and not rep["alarms"], ppo_run.explain()
     off = [a for a in rep["actions"] if a["action"] == "loss_trend_off"]
-    assert len(off) == 1 and "rollout buffer" in off[0]["detail"] and off[0]["step"] < 40
+    # Said once, when it first mattered: at the first loss-trend alarm it kept from being raised.
+    assert len(off) == 1 and "rollout buffer" in off[0]["detail"]
     # The same run, its loss taken as stationary: the loss-trend detectors fire.
     kinds = {(a["kind"], a["signal"]) for a in control_run.report["alarms"]}
     assert kinds & {("divergence", "loss"), ("spike", "loss")}, control_run.explain()
     rep = gan_run.report
     assert rep["status"] == "healthy" and not rep["alarms"], gan_run.explain()
-    assert any(a["action"] == "loss_trend_off" and "another model" in a["detail"]
-               for a in rep["actions"])
+    # Decided only when a loss-trend alarm would have fired; when it was, the peer is why.
+    assert all("another model" in a["detail"] for a in rep["actions"]
+               if a["action"] == "loss_trend_off")
 
 
 def _supervised(loader: str, objective: str = "auto", jump_at: int | None = None):

@@ -495,11 +495,14 @@ class StepPath:
                                      if math.isfinite(v)}
                 stats._signals = None
         signals = stats.seal()  # final for this phase (decoding unseals): scan once
-        if self._objective.watching and phase != "post":
-            self._watch_objective(stats)
+        if (self._objective.watching and phase != "post"
+                and (why := self._objective.observe(stats)) is not None):
+            self.log.add_action(stats.step, "loss_trend_off", objective.message(why))
         if not self._gate.passes(stats, phase):  # passed: the quiet step's state applied
             for d in self._by_phase[phase]:
                 alarms += d.check(stats)
+            if self._objective.watching and any(map(objective.loss_trend, alarms)):
+                alarms = self._settle_objective(stats, alarms)
         if alarms:
             for a in alarms_to_explain(alarms):  # spikes; an overflow at step 0
                 self._explain_spike(stats, a)
@@ -519,13 +522,15 @@ class StepPath:
             self.log.add_alarms(alarms)
         return alarms
 
-    def _watch_objective(self, stats: StepStats) -> None:
-        """While it is undecided whether the loss is a stationary series (`detect.objective`):
-        one step's evidence; a non-stationary one turns the loss-trend alarms off, said as an
-        action with its evidence."""
-        why = self._objective.observe(stats)
-        if why is not None:
-            self.log.add_action(stats.step, "loss_trend_off", objective.message(why))
+    def _settle_objective(self, stats: StepStats, alarms: list[Alarm]) -> list[Alarm]:
+        """A loss-trend alarm while the objective is undecided: read the fingerprints kept so
+        far; if they show a rollout renewed, the loss-trend alarms are off from here (this
+        step's dropped, said as the `loss_trend_off` action)."""
+        why = self._objective.settle()
+        if why is None:
+            return alarms
+        self.log.add_action(stats.step, "loss_trend_off", objective.message(why))
+        return [a for a in alarms if not objective.loss_trend(a)]
 
     @property
     def _agree_device(self) -> torch.device:

@@ -32,6 +32,8 @@ import sys
 import weakref
 from typing import Any
 
+from nanguard.watch.stats import HASHES_SLOT, combined_hashes
+
 RL_LIBRARIES = ("gymnasium", "gym", "stable_baselines3", "pettingzoo", "dm_env", "envpool",
                 "brax", "procgen", "minigrid", "torchrl", "tianshou", "sample_factory",
                 "rl_games", "skrl")
@@ -63,6 +65,21 @@ class Rollouts:
         self.max_rows = max_rows
         self.seen: set[int] = set()
         self.reused_at: int | None = None  # the last step whose batch was reused rows
+        self.pending: list[tuple[int, Any]] = []  # (step, fingerprints as kept), not yet read
+
+    def keep(self, step: int, kept: Any) -> None:
+        """One step's fingerprints as the step holds them (`watch.stats.HASHES_SLOT`): no
+        read now, `settle` reads them when a decision is needed."""
+        self.pending.append((step, kept))
+
+    def settle(self) -> str | None:
+        """Read the kept steps in order; the evidence when a rollout was renewed among them."""
+        pending, self.pending = self.pending, []
+        for step, kept in pending:
+            why = self.observe(step, combined_hashes(kept))
+            if why is not None:
+                return why
+        return None
 
     def observe(self, step: int, hashes: list[int]) -> str | None:
         """Take one step's fingerprints; the evidence when a rollout was renewed, else None."""
@@ -108,27 +125,42 @@ class Objective:
             _STEPPING[self] = self.model_id
 
     def observe(self, stats: Any) -> str | None:
-        """One step (pre-update, its values read): the evidence when the objective was just
-        found non-stationary (the caller records it), else None."""
-        step = stats.step
+        """One step (pre-update, its values read): its tick and its fingerprints as they are
+        kept (no read). Decides only when the watch ends; the evidence when the objective was
+        then found non-stationary (the caller records it), else None."""
         self.prev_tick, self.tick = self.tick, next(_TICKS)
-        why = None
-        if step % 50 == 0:  # a library shows from the start
-            why = self._library()
+        step = stats.step
+        # The fingerprints as the step holds them: no read, no call (a quiet step's cost).
+        self.rollouts.pending.append((step, stats.__dict__.get(HASHES_SLOT, [])))
+        if step < self.rollouts.steps:
+            return None
+        why = self.settle()
+        if why is None:
+            self.watching = False
+            _STEPPING.pop(self, None)
+        return why
+
+    def settle(self) -> str | None:
+        """Decide now (a loss-trend alarm is about to be raised while the objective is
+        undecided, or the watch ends): an RL library loaded, a peer guard stepping between
+        this one's steps, or the fingerprints kept so far showing a rollout renewed. The
+        evidence when the objective is non-stationary (the caller drops the loss-trend alarms
+        and records it), else None. Deciding only when it matters keeps the quiet step free of
+        reads and the report free of a decision that changed nothing."""
+        if not self.watching:
+            return None
+        why = self._library()
         if why is None and len(_STEPPING) > 1:
             why = self._peer()
         if why is None:
-            why = self.rollouts.observe(step, list(stats.sample_hashes))
+            why = self.rollouts.settle()
         if why is not None:
             self._set(why)
-            return why
-        if self.rollouts.done(step):
-            self.watching = False
-            _STEPPING.pop(self, None)
-        return None
+        return why
 
     def close(self) -> None:
         self.watching = False
+        self.rollouts.pending = []
         _STEPPING.pop(self, None)
 
     def _set(self, why: str) -> None:
@@ -152,6 +184,11 @@ class Objective:
             return None
         return ("another guard trains another model in this process (a GAN's generator and "
                 "discriminator, an actor and a critic): each loss moves with the other")
+
+
+def loss_trend(alarm: Any) -> bool:
+    """Whether an alarm is one of the loss-trend tests a non-stationary objective turns off."""
+    return alarm.kind == "divergence" or (alarm.kind == "spike" and alarm.signal == "loss")
 
 
 def message(why: str) -> str:

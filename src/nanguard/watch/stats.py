@@ -62,6 +62,17 @@ class _Hashes:
         obj.__dict__["_hashes"] = list(value)
 
 
+HASHES_SLOT = "_hashes"
+"""Where a `StepStats` holds its sample fingerprints as they are (`_Hashes`): a caller that
+may need them later keeps `stats.__dict__.get(HASHES_SLOT, [])` (no read, no call on the quiet
+path) and gives it to `combined_hashes` when it does."""
+
+
+def combined_hashes(kept: list[int] | RawHashes) -> list[int]:
+    """The fingerprints of a value kept from `HASHES_SLOT` (combined here if not yet)."""
+    return combine_sums(kept) if isinstance(kept, tuple) else list(kept)
+
+
 @dataclass(kw_only=True)
 class StepStats:
     """Host-side statistics of one optimizer step. NaN / inf are kept as they are."""
