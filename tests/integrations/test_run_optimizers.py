@@ -145,6 +145,10 @@ def test_a_spike_early_in_an_epoch_is_judged_against_the_epochs_before(tmp_path:
     norms = json.loads(norms_file.read_text())
     ratio = norms[29] / statistics.median(norms[:29])
     assert 10 <= ratio < 20  # a spike by the full rule, not by the early one
-    spikes = [a for a in report(out)["alarms"] if a["kind"] == "spike"]
-    assert [(a["part"], a["step"]) for a in spikes] == [("optimizer-3", 5)], spikes
+    alarms = [a for a in report(out)["alarms"] if a["kind"] == "spike"]
+    spikes = [a for a in alarms if a["signal"] == "grad_norm"]
+    assert [(a["part"], a["step"]) for a in spikes] == [("optimizer-3", 5)], alarms
     assert abs(spikes[0]["value"] - norms[29]) <= 1e-3 * norms[29]
+    # The batch's own loss (labels 10x) spikes with it: the spike is that batch's.
+    assert {(a["part"], a["step"], a["signal"], a.get("cause")) for a in alarms} == {
+        ("optimizer-3", 5, "grad_norm", "bad_batch"), ("optimizer-3", 5, "loss", "bad_batch")}
