@@ -94,7 +94,7 @@ def test_nanguard_run_rerun_every(tmp_path, capsys):
 
     root = Path(__file__).resolve().parents[1]
     script = root / "tests" / "programs" / "scripts" / "flipped_mlp.py"
-    env = {"PYTHONPATH": str(root / "src"), "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": str(root / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "nanguard", "run", "--rerun-every", "1",
                         "--out", str(out), str(script), "--flip-at", "15"],

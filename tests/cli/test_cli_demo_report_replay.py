@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _nanguard(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "COLUMNS": "160"}
+    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "COLUMNS": "160",
+           "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [sys.executable, "-m", "nanguard", *args],
         capture_output=True,

@@ -71,7 +71,7 @@ def test_to_wandb_offline(recorded, tmp_path, monkeypatch, capsys):
     (["export", "{tmp}", "--to", "neptune"], "invalid choice"),
 ])
 def test_bad_input_one_line(tmp_path, args, says):
-    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "nanguard",
                            *(a.format(tmp=tmp_path) for a in args)],
                           capture_output=True, text=True, timeout=120, env=env)
