@@ -10,6 +10,7 @@ ours; the user's `loss.item()` is outside the step). Default mode: one read per 
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ READS = (
 
 
 class ReadCounter:
-    """Counts host reads made from nanguard's code while `active`.
+    """Counts host reads made from nanguard's code on the training thread while `active`.
 
     `StepWatch.read`, the guard's one read, counts once: on the CPU it takes the step's packet
     value by value (host memory already, no device to wait for; on CUDA it reads one tensor,
@@ -43,6 +44,7 @@ class ReadCounter:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.active = False
+        self.thread = threading.get_ident()  # the training thread (the test's)
         self.calls: list[str] = []
         self._inside_read = False
         for name in READS:
@@ -63,7 +65,11 @@ class ReadCounter:
 
     def _wrap(self, name, original):
         def counted(tensor, *args, **kwargs):
-            if self.active and not self._inside_read and _called_from_nanguard():
+            # The training thread's reads only: the run store's writer thread combines the
+            # steps' fingerprint sums off the step (that is where they belong), at times of
+            # its own; counting them made this test fail at random.
+            if (self.active and not self._inside_read
+                    and threading.get_ident() == self.thread and _called_from_nanguard()):
                 self.calls.append(name)
             return original(tensor, *args, **kwargs)
 
