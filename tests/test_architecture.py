@@ -94,10 +94,10 @@ def test_only_the_guard_and_adapters_import_the_guard() -> None:
 
 
 def test_adapters_use_the_guards_public_face() -> None:
-    """No `guard._private` access from the integrations or the CLI."""
+    """No `guard._private` access from the integrations, the runner or the CLI."""
     private = re.compile(r"\bguard\._[a-z]\w*")
     offenders = []
-    for folder in ("integrations", "cli"):
+    for folder in ("integrations", "run", "cli"):
         for f in (SRC / folder).rglob("*.py"):
             for i, line in enumerate(f.read_text().splitlines(), 1):
                 if private.search(line):

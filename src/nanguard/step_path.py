@@ -30,7 +30,6 @@ from nanguard.detect.detectors import Detector
 from nanguard.detect.gate import QuietGate
 from nanguard.detect.objective import Objective
 from nanguard.errors import NanguardError
-from nanguard.integrations import distributed
 from nanguard.pinpoint import live as pinpoint
 from nanguard.pinpoint import xrank, xrank_log
 from nanguard.pinpoint.baseline import GradBaseline
@@ -45,8 +44,9 @@ from nanguard.record.runlog import RunLog
 from nanguard.record.store import NullStore
 from nanguard.recover.effects import Discard, Effect, FollowPeers, Record, Stop
 from nanguard.recover.loss_after import LossAfter, loss_level
-from nanguard.recover.policy import Recovery
+from nanguard.recover.recovery import Recovery
 from nanguard.recover.verdict import LossWatch
+from nanguard.runtime import distributed
 from nanguard.watch import loads, rng
 from nanguard.watch.activations import ActivationProbe
 from nanguard.watch.batch import BatchProbe

@@ -1,6 +1,6 @@
 """`nanguard run --preflight`: the preflight of a script that knows nothing of nanguard.
 
-`LivePreflight` watches an unmodified script (driven by `integrations.discovery.Discovery`)
+`LivePreflight` watches an unmodified script (driven by `run.discovery.Discovery`)
 until its first optimizer step, and then runs `preflight` on copies of what it saw:
 
 * the model: the root module whose output the loss was computed from, and the positional

@@ -74,7 +74,7 @@ class ClosureRecipe:
     """How to compute one `optimizer.step(closure)` step's loss again: call the closure (it runs
     forward, loss and backward itself), from the RNG and autocast states its first call started
     with. The runner calls that first call itself before the guard checks the step
-    (integrations/discovery.py), so the parameters are still those it saw."""
+    (run/discovery.py), so the parameters are still those it saw."""
 
     closure: Any
     rng: dict[str, Any]

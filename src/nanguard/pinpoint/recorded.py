@@ -38,7 +38,7 @@ non-finite (the step's first non-finite value was then made in the forward). A c
 calls inside one LBFGS `step()` are not replayed here (the parameters have moved by then).
 Anything else gets a one-line reason and the runner falls back to re-running the script.
 
-While a replay runs, `replaying()` (integrations/manual.py) is true for its forward and for the
+While a replay runs, `replaying()` (run/manual.py) is true for its forward and for the
 `backward()` of the loss it returned, so that the step-boundary hooks of the runner
 (`Discovery`, `ManualBoundaries`) do not take nanguard's own forward and backward for the
 script's.
@@ -55,7 +55,6 @@ import torch
 from torch import nn
 
 from nanguard.audit.preflight_live import LOSS_FUNCTIONS, _find, _select, _wrap
-from nanguard.integrations.manual import REPLAY, forked, replaying
 from nanguard.pinpoint import loss_expr
 from nanguard.pinpoint.attribution import user_source
 from nanguard.pinpoint.closure_recipe import ClosureRecipe
@@ -71,6 +70,7 @@ from nanguard.pinpoint.recipe import (
     _live,
     _weak,
 )
+from nanguard.run.manual import REPLAY, forked, replaying
 from nanguard.watch import rng
 
 __all__ = ["ClosureRecipe", "MicroRecipes", "NotReplayable", "Recipe", "StepRecorder",

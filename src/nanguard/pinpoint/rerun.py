@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanguard.integrations import distributed
 from nanguard.pinpoint.inprocess import _KeepBuffers, local
+from nanguard.runtime import distributed
 from nanguard.watch import rng
 
 VERDICTS = ("reproducible", "transient", "persistent")
