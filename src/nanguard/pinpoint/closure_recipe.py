@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nanguard.pinpoint.recipe import NotReplayable, _amp
+from nanguard.pinpoint.recipe import NotReplayable, autocast_as
 from nanguard.watch import rng
 
 
@@ -105,7 +105,7 @@ class ClosureRecipe:
         rng.restore(self.rng)
         try:
             # The closure's prints (a loss log) are the replay's, not the script's: dropped.
-            with _amp(self.amp), contextlib.redirect_stdout(io.StringIO()):
+            with autocast_as(self.amp), contextlib.redirect_stdout(io.StringIO()):
                 out = self.closure()
         finally:
             kept.restore()
