@@ -20,8 +20,9 @@ Then, untimed, per configuration over `--count` steps: the tensor ops dispatched
 (a `TorchDispatchMode` counting aten calls; `foreach` ops count once per call, however many
 tensors they touch: what is reported beside is the number of passes over the parameters'
 gradients / values those calls make) and the host reads made from nanguard's code per step
-(`item`, `tolist`, `__float__`, ...: on a GPU each is a sync; the guard's one packet read
-counts once, as tests/test_host_reads.py counts them).
+(`item`, `tolist`, `__float__`, ...: on a GPU each is a sync; the guard's packet read counts
+once; reads on the run store's writer thread, off the step, are left out, as
+tests/test_host_reads.py counts them).
 
 Usage:
     python benchmarks/heal_cost.py                  # the run recorded in BENCHMARKS.md
@@ -36,6 +37,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -101,7 +103,9 @@ class Reads:
 
     def __init__(self) -> None:
         self.n = 0
+        self.by: Counter[str] = Counter()  # where each read was made: module:function
         self.on = False
+        self.thread = threading.get_ident()
         self._inside = False
         self._undo: list[tuple[Any, str, Any]] = []
 
@@ -112,6 +116,7 @@ class Reads:
 
         def read(watch: Any, t: Any) -> Any:
             self.n += self.on
+            self.by["watch.step:read"] += self.on
             self._inside = True
             try:
                 return original(watch, t)
@@ -127,9 +132,14 @@ class Reads:
 
     def _wrap(self, original: Any) -> Any:
         def counted(tensor: Any, *a: Any, **k: Any) -> Any:
-            if self.on and not self._inside and sys._getframe(1).f_code.co_filename.startswith(
-                    NANGUARD_DIR):
+            code = sys._getframe(1).f_code
+            # The training thread's only: the run store's writer thread combines fingerprint
+            # sums off the step (tests/test_host_reads.py counts the same way).
+            if (self.on and not self._inside and code.co_filename.startswith(NANGUARD_DIR)
+                    and threading.get_ident() == self.thread):
                 self.n += 1
+                where = Path(code.co_filename).relative_to(NANGUARD_DIR).with_suffix("")
+                self.by[f"{'.'.join(where.parts)}:{code.co_name}"] += 1
             return original(tensor, *a, **k)
 
         return counted
@@ -157,7 +167,9 @@ def count(name: str, data: Data, out: Path, steps: int) -> dict[str, Any]:
         guard.close()
     ops = {k: v / steps for k, v in mode.ops.items()}
     return {"ops": round(sum(ops.values()), 1), "reads": reads.n / steps,
-            "foreach": {k: v for k, v in sorted(ops.items()) if k.startswith("_foreach")}}
+            "reads_by": {k: v / steps for k, v in reads.by.most_common()},
+            "foreach": {k: v for k, v in sorted(ops.items()) if k.startswith("_foreach")},
+            "ops_by": ops}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -211,6 +223,15 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['added_cpu_ms']:>+8.3f}{r['x_clip']:>7.3f}x{r['x_clip_cpu']:>6.3f}x"
               f"{r['ops']:>7.1f}{r['reads']:>7.2f}  "
               + ", ".join(f"{k} {v:g}" for k, v in r["foreach"].items()))
+    base = res["plain"]["ops_by"]
+    for c, r in res.items():
+        more = sorted(((v - base.get(k, 0.0), k) for k, v in r["ops_by"].items()), reverse=True)
+        if c != "plain":
+            print(f"{c} ops per step over plain's: " + ", ".join(
+                f"{k} {d:+.3g}" for d, k in more[:10] if d > 0))
+        if r["reads_by"]:
+            print(f"{c} reads per step: " + ", ".join(f"{k} {v:g}"
+                                                      for k, v in r["reads_by"].items()))
     print(json.dumps({"rounds": args.rounds, "warmup": args.warmup,
                       "torch": torch.__version__, "results": res}))
 
