@@ -60,8 +60,11 @@ class BadLoader:
 
 
 def bad_steps(args: argparse.Namespace) -> frozenset[int]:
-    """`args.bad` bad batches spread evenly over the measured part of the run."""
+    """`args.bad` bad batches spread evenly over the measured part of the run (a short run:
+    from 3/4 of it on, where the loss has settled)."""
     lo, hi = args.measure_from + 50, args.steps - 60
+    if lo >= hi:
+        lo, hi = args.steps * 3 // 4 - 1, args.steps - 1
     n = args.bad
     return frozenset(lo + (hi - lo) * (i + 1) // (n + 1) for i in range(n))
 

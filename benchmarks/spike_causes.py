@@ -258,10 +258,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--measure-from", type=int, default=200)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--live", action="store_true", help="print nanguard's live warnings")
-    p.add_argument("--quick", action="store_true", help="70 steps: a smoke test")
+    p.add_argument("--quick", action="store_true", help="80 steps: a smoke test")
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.warmup, args.measure_from, args.jump_at, args.bad = 70, 5, 5, 40, 1
+        args.steps, args.warmup, args.measure_from, args.jump_at, args.bad = 80, 5, 5, 40, 1
         args.wd_steps = args.steps
     if not args.live:  # the table says what they said; 28 runs' warnings would bury it
         logging.getLogger("nanguard").setLevel(logging.ERROR)
