@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from programs_support import SCRIPTS, Guarded, guarded
+from programs_support import SCRIPTS, Guarded, guarded, python
 
 
 def _note(g: Guarded, what: str) -> int:
@@ -53,6 +53,11 @@ def test_hand_written_sgd_lr_typo_is_fixed_in_the_lr_flag(tmp_path: Path) -> Non
     fix = g.report["diagnosis"][0]["fix"]
     proposed = re.search(r"`--lr 30` -> `--lr ([0-9.e-]+)`", fix)
     assert proposed is not None and 0 < float(proposed.group(1)) < 30, fix
+    # `nanguard replay` of a run the raise policy stopped in its failing step (that step never
+    # completed: it was refused as "outside the run's 1 steps") names the same line and fix.
+    r = python(["-m", "nanguard", "replay", str(g.out)], tmp_path, COLUMNS="2000")
+    assert r.returncode == 1 and "matches the recorded finding" in r.stdout, r.stdout + r.stderr
+    assert f"/{want['source']}\n" in r.stdout and fix in r.stdout, r.stdout
 
 
 BN = "char_bn_mlp.py"

@@ -84,11 +84,13 @@ def _correction(ev: Evidence) -> Cause | None:
         f"{'s' if n != 1 else ''} with correction = {corr:g} divides by n - correction = "
         f"{n - corr:g} (input shape {shape}): a group of one (a last minibatch of one "
         "sample, a batch of one row)",
-        fix=f"{lead}at that line, never take `{name}` of fewer than {int(corr) + 1} values: guard "
-        f"the size (`x.{name}() if x.numel() > 1 else x.new_zeros(())`, or normalise "
-        f"advantages only when the minibatch holds more than one), use `x.{name}("
-        "correction=0)`, or drop the short last minibatch (`drop_last=True`, a rollout size "
-        "that the minibatch size divides)",
+        fix=(f"{lead}at that line take `{name}` only of {int(corr) + 1} values or more, or use "
+             f"`x.{name}(correction=0)`") if lead else (
+            f"at that line, never take `{name}` of fewer than {int(corr) + 1} values: guard "
+            f"the size (`x.{name}() if x.numel() > 1 else x.new_zeros(())`, or normalise "
+            f"advantages only when the minibatch holds more than one), use `x.{name}("
+            "correction=0)`, or drop the short last minibatch (`drop_last=True`, a rollout size "
+            "that the minibatch size divides)"),
     )
 
 
