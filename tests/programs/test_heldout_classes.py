@@ -86,6 +86,6 @@ def test_reinforce_discount_typo_is_read_back_to_its_flag(tmp_path: Path) -> Non
 
 def test_healthy_reinforce_is_not_warned(tmp_path: Path) -> None:
     """On-policy: a new episode each update, no alarm of any kind at the default flags."""
-    g = guarded(tmp_path, WALK)
+    g = guarded(tmp_path, WALK, "--episodes", "25")
     assert g.proc.returncode == 0, g.explain()
     assert g.report["status"] == "healthy" and not g.report.get("alarms"), g.explain()
