@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from nanguard import Guard, GuardConfig, RecordConfig, WatchConfig
+from nanguard.cli.main import main
 from nanguard.scenarios.cascade import make_cascade, step_loss
 
 
@@ -99,7 +100,8 @@ def _steps(model: nn.Module, opt: torch.optim.Optimizer, guard: Guard, steps: ra
     return saved
 
 
-def test_a_save_samples_the_next_step_and_close_measures_the_last(tmp_path: Path) -> None:
+def test_a_save_samples_the_next_step_and_close_measures_the_last(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model, opt = _mlp()
     guard = Guard(model, opt, config=GuardConfig(record=RecordConfig(out=str(tmp_path),
                                                                    summary=False)))
@@ -111,6 +113,11 @@ def test_a_save_samples_the_next_step_and_close_measures_the_last(tmp_path: Path
     assert report.sampling is not None
     assert report.sampling["state_why"] == {"stride": 3, "alarm": 0, "save": 1, "nonfinite": 0,
                                             "close": 1}
+    capsys.readouterr()
+    assert main(["report", str(tmp_path), "--full"]) == 0
+    printed = " ".join("".join(capsys.readouterr()).split())
+    assert ("sampled: optimizer state every 10 steps (+ 2 more: save 1, close 1); update ratio "
+            "every 10 steps; every step: loss, grad_norms, param_norms") in printed
 
 
 def test_a_state_gone_inf_between_samples_is_found_at_close(tmp_path: Path) -> None:
