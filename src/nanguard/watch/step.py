@@ -98,7 +98,7 @@ class StepWatch:
 
     def saw_save(self) -> None:
         """A checkpoint save the guard saw (its `state_dict()`): the next step measures the
-        sampled signals."""
+        optimizer state."""
         self.sampler.saw_save()
 
     def sampling(self) -> dict[str, Any]:
