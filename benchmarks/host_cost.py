@@ -15,9 +15,12 @@ and two that say where the default's cost goes (ablations, not ways to run nangu
     no_batch        default, but guard.watch(loss=...) only: no batch fingerprints or NaN rows
     no_gate         default with the quiet gate off (`detect/gate.py`): every step through
                     all seven detectors, as before the gate (issue 26)
-    norm_floor      no guard: only the norm passes the default watch makes every step (the
-                    gradients before the update; parameters and optimizer state after it) and
-                    one host read of them: the floor of watching every value every step
+    state_every_step  default with `WatchConfig(sample_every=1)`: the optimizer state
+                    measured every step, as before it was sampled (issue 39)
+    norm_floor      no guard: only the norm passes the default watch makes (the gradients
+                    before the update, the parameters after it every step; the optimizer
+                    state on the steps it samples, every `sample_every`) and one host read of
+                    them: the floor of the every-step watch set
     op_floor        no guard: every tensor op the default watch makes on a quiet step (the
                     norm passes, the loss, the batch's fingerprint sums and its total sums
                     read for finiteness, the RNG state) and the host read, in a few lines of
@@ -73,12 +76,14 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import nanguard
 
-from nanguard import Guard, GuardConfig, RecordConfig
+from nanguard import Guard, GuardConfig, RecordConfig, WatchConfig
 from nanguard.watch.fingerprint import sample_sums
 
-CONFIGS = ("plain", "default", "clip_grad_norm", "no_batch", "no_gate", "norm_floor",
-           "op_floor")
+CONFIGS = ("plain", "default", "clip_grad_norm", "no_batch", "no_gate", "state_every_step",
+           "norm_floor", "op_floor")
 Batch = tuple[torch.Tensor, torch.Tensor]
+SAMPLE_EVERY = WatchConfig().sample_every
+"""The default guard's stride for the sampled signals (`--sample-every` changes it)."""
 
 
 @dataclass
@@ -165,10 +170,12 @@ def make_runner(name: str, wl: Workload, out: Path) -> Runner:
     model, opt = wl.build()
     params = [p for p in model.parameters() if p.requires_grad]
     guard = None
-    if name in ("default", "no_batch", "no_gate"):
+    if name in ("default", "no_batch", "no_gate", "state_every_step"):
+        watch = WatchConfig(sample_every=1 if name == "state_every_step" else SAMPLE_EVERY)
         guard = Guard(model, opt, out=out / name,
-                      config=GuardConfig(record=RecordConfig(summary=False)))
+                      config=GuardConfig(record=RecordConfig(summary=False), watch=watch))
         guard._gate.enabled = name != "no_gate"
+    count = [0]
 
     def step(batch: Batch) -> None:
         x, y = batch
@@ -186,7 +193,9 @@ def make_runner(name: str, wl: Workload, out: Path) -> Runner:
         opt.step()
         if name in ("norm_floor", "op_floor"):
             state = [v for p in params for k, v in opt.state[p].items()
-                     if k != "step" and isinstance(v, torch.Tensor) and v.shape == p.shape]
+                     if k != "step" and isinstance(v, torch.Tensor) and v.shape == p.shape
+                     ] if count[0] % SAMPLE_EVERY == 0 else []
+            count[0] += 1
             post = torch._foreach_norm(params + state, 2, dtype=torch.float32)
         if name == "norm_floor":
             torch.stack([*pre, *post]).tolist()
@@ -260,6 +269,7 @@ def store_bytes(runner: Runner) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global SAMPLE_EVERY
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=None, help="timed rounds (default 300)")
     ap.add_argument("--warmup", type=int, default=None, help="discarded rounds (default 20)")
@@ -267,7 +277,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="logreg,mlp,blocks")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="a few steps: a smoke test")
+    ap.add_argument("--sample-every", type=int, default=None,
+                    help="WatchConfig.sample_every of the default guard and the floors "
+                         f"(default {SAMPLE_EVERY})")
     args = ap.parse_args(argv)
+    if args.sample_every is not None:
+        if args.sample_every < 1:
+            ap.error("--sample-every must be >= 1")
+        SAMPLE_EVERY = args.sample_every
     steps = args.steps if args.steps is not None else (5 if args.quick else 300)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 20)
     torch.set_num_threads(args.threads)
@@ -304,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                 "no_batch_added_ms": round(s["no_batch"]["added"] * 1e3, 4),
                 "no_gate_added_ms": round(s["no_gate"]["added"] * 1e3, 4),
                 "no_gate_cpu_added_ms": round(s["no_gate"]["cpu_added"] * 1e3, 4),
+                "state_every_step_added_ms": round(s["state_every_step"]["added"] * 1e3, 4),
                 "norm_floor_added_ms": round(s["norm_floor"]["added"] * 1e3, 4),
                 "op_floor_added_ms": round(s["op_floor"]["added"] * 1e3, 4),
             }

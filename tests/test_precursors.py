@@ -124,7 +124,9 @@ def train(out: Path | None, steps: int, *, watch: WatchConfig | None = None,
     guard = None
     if out is not None:
         guard = nanguard.Guard(model, opt, config=GuardConfig(
-            watch=watch or WatchConfig(activations=True),
+            # The moments every step (`sample_every=1`): their values are compared step by
+            # step here; sampled, they are what `sample_every` steps give.
+            watch=watch or WatchConfig(activations=True, sample_every=1),
             record=RecordConfig(out=str(out), summary=False)))
     for step, (x, y) in enumerate(data(steps)):
         factor = plant(step, model) if plant else 1.0
@@ -189,7 +191,7 @@ def test_a_model_without_attention_records_none(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     with nanguard.Guard(model, opt, config=GuardConfig(
-            watch=WatchConfig(activations=True),
+            watch=WatchConfig(activations=True, sample_every=1),
             record=RecordConfig(out=str(tmp_path), summary=False))):
         for _ in range(5):
             x = torch.randn(16, 4)

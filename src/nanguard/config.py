@@ -57,11 +57,20 @@ class WatchConfig:
     one extra copy of the parameters on their device — set 0 for models where that does not
     fit. 0 disables it."""
 
+    sample_every: int = 10
+    """Measure the sampled signals every N steps (`nanguard.watch.sampling`): the optimizer
+    state's norms (momentum, Adam's moments; the `momentum_norm` the cascade and forecast
+    detectors follow). They are also measured on every step of an alarm episode, on the step
+    after each checkpoint save the guard sees, on a step whose parameters turned non-finite
+    and at close. Every step, whatever N: the loss, the gradients' norms and finiteness, the
+    parameters' and buffers' norms and finiteness after the update, the batch. 10 keeps the
+    every-step cost near what `clip_grad_norm_` costs (BENCHMARKS.md); 1 measures the state
+    every step. An `exp_avg_sq` that overflows to inf leaves the parameters finite (the
+    update divides by its square root): it is reported at the next sampled step, or at
+    close, not at the step it happened."""
+
     state_every: int = 10
-    """Deprecated, kept so old configs load: every optimizer-state tensor (Adam `exp_avg_sq`
-    included) is now measured every step. An `exp_avg_sq` that overflows to inf does NOT reach
-    the parameters (the update divides by its square root, so it goes to 0): sampling it would
-    report a later step as the first non-finite one."""
+    """Deprecated, kept so old configs load: the optimizer state follows `sample_every`."""
 
     activations: bool = False
     """Record per-module activation abs-max and headroom to the dtype's largest value."""
@@ -452,7 +461,7 @@ class GuardConfig:
             raise ValueError(f"unknown alarm kind(s) in act_on: {', '.join(map(repr, unknown))}; "
                              f"valid: {', '.join(ACT_ON_KINDS)}")
         self.record.__post_init__()
-        for name in ("read_every", "activations_every", "state_every"):
+        for name in ("read_every", "activations_every", "state_every", "sample_every"):
             if getattr(self.watch, name) < 1:
                 raise ValueError(f"watch.{name} must be >= 1, got {getattr(self.watch, name)}")
         if self.watch.update_ratio_every < 0:

@@ -436,6 +436,7 @@ class Guard(StepPath):
         """Everything needed to resume watching where this guard left off, the run log
         included (`run_log()`: history and failing step for a diagnosis after the resume)."""
         self._flush()
+        self.steps.saw_save()  # a checkpoint save: the next step samples (`watch.sampling`)
         return guard_state.gather(self, self.detectors, self.run_log())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -466,7 +467,8 @@ class Guard(StepPath):
             steps=self.step, ended=self._ended, last=self._last_stats, losses=self._losses,
             recovery_cost=self.recovery.cost(), folder=self.folder,
             lead_window=self.config.detect.lead_window,
-            error=self.error, listener_errors=self.events.errors)
+            error=self.error, listener_errors=self.events.errors,
+            sampling=self.steps.sampling())
         if self.folder is not None:
             report.write(self.folder)
         if close_store:

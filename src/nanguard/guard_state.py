@@ -45,6 +45,7 @@ def gather(guard: StepPath, detectors: list[Detector],
         "grad_baseline": {str(i): v for i, v in guard._grad_baseline.values().items()},
         "log": {"history": plain_log["history"][-HISTORY:], "failing": plain_log["failing"]},
         "resume": {"loss": loss_level(s.loss for s in guard.log.history)},
+        "sampling": guard.steps.sampler.state_dict(),
     }
 
 
@@ -67,3 +68,4 @@ def restore(guard: StepPath, detectors: list[Detector], state: Mapping[str, Any]
     guard._grad_baseline = GradBaseline({int(i): float(v)
                                          for i, v in state.get("grad_baseline", {}).items()})
     guard._loss_after = LossAfter.resumed(state.get("resume"), guard.step)
+    guard.steps.sampler.load_state_dict(state.get("sampling"))

@@ -1,7 +1,8 @@
 """The first non-finite step is exact, wherever the value sits, and loaded state is named.
 
 Covers: Adam's `exp_avg_sq` overflowing to inf (it never reaches the parameters: the update
-divides by its root) seen in the step it happens; a BatchNorm running variance at inf seen as
+divides by its root) seen in the step it happens when the state is measured every step, at
+the next sampled step or at close when it is sampled; a BatchNorm running variance at inf seen as
 a `buffer_nonfinite` warning (training mode does not read it); a causal -inf mask buffer not
 mistaken for one; a checkpoint with a NaN in its
 optimizer state, loaded before or after the Guard was built, reported as phase `checkpoint`
@@ -30,7 +31,7 @@ def _steps(model: nn.Module, opt: torch.optim.Optimizer, guard: nanguard.Guard, 
         opt.step()
 
 
-def test_exp_avg_sq_overflow_is_seen_in_its_step(tmp_path: Path) -> None:
+def _exp_avg_sq_overflow(tmp_path: Path, every: int) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -43,14 +44,31 @@ def test_exp_avg_sq_overflow_is_seen_in_its_step(tmp_path: Path) -> None:
             opt.state[model[2].weight]["exp_avg_sq"][0, 0] = float("inf")
 
     opt.register_step_post_hook(overflow)  # registered first: runs before the guard's
-    with nanguard.Guard(model, opt, out=tmp_path / "r") as guard:
+    config = nanguard.GuardConfig(watch=nanguard.WatchConfig(sample_every=every))
+    with nanguard.Guard(model, opt, out=tmp_path / "r", config=config) as guard:
         _steps(model, opt, guard, 20)
     for p in model.parameters():  # the parameters never went non-finite
         assert torch.isfinite(p).all()
     first = guard.first_nonfinite
     assert first is not None
-    assert first["step"] == 12 and first["signals"] == ["optimizer.exp_avg_sq"]
+    assert first["signals"] == ["optimizer.exp_avg_sq"]
     assert first["param"] == "2.weight"
+    assert guard.report is not None and guard.report.status == "failed"
+    return first
+
+
+def test_exp_avg_sq_overflow_is_seen_in_its_step(tmp_path: Path) -> None:
+    # The state measured every step: the step it went bad.
+    assert _exp_avg_sq_overflow(tmp_path, every=1)["step"] == 12
+
+
+@pytest.mark.parametrize(("every", "seen"), [(5, 15), (10, 19)])
+def test_exp_avg_sq_overflow_is_seen_at_the_next_sample_or_at_close(
+        tmp_path: Path, every: int, seen: int) -> None:
+    # Sampled (DESIGN section 8): an inf `exp_avg_sq` leaves the parameters finite, so it is
+    # seen at the next sampled step (15 for every 5), or at close when none comes (the 20
+    # steps end at 19 before the sample at 20: the state is measured after the last step).
+    assert _exp_avg_sq_overflow(tmp_path, every=every)["step"] == seen
 
 
 def test_batchnorm_running_var_at_inf_is_seen(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ def test_post_norms_decode_to_the_right_signals() -> None:
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
     opt = OddNamesSGD(model.parameters())
     config = GuardConfig(record=RecordConfig(summary=False),
-                         watch=WatchConfig(update_ratio_every=2))
+                         watch=WatchConfig(update_ratio_every=2, sample_every=1))
     guard = Guard(model, opt, out="", config=config)
     x, y = torch.randn(16, 6), torch.randn(16, 1)
     params = list(model.parameters())

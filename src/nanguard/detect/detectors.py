@@ -174,6 +174,8 @@ class NonFiniteDetector(Detector):
         wanted = (("data", "loss", "grad", "activation") if self.phase == "pre"
                   else ("param", "optimizer", "buffer"))
         now = {s for s in signals if s.split(".")[0] in wanted}
+        if not stats.state_norms:  # the state not measured (sampled): its episodes go on
+            now |= {s for s in self._active if s.startswith("optimizer.")}
         alarms = []
         for signal in sorted(now - self._active):
             what = {"grad": f"{len(stats.nonfinite_grads)} gradient tensor(s)"}.get(signal, signal)

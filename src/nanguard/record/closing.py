@@ -40,7 +40,7 @@ def run_report(log: RunLog, plain_log: Mapping[str, Any], *, optimizer: torch.op
                ended: tuple[str, str | None], last: StepStats | None, losses: LossWatch,
                recovery_cost: Mapping[str, Any] | None, folder: Path | None,
                lead_window: int, error: dict[str, Any] | None,
-               listener_errors: list[Any]) -> Report:
+               listener_errors: list[Any], sampling: dict[str, Any] | None = None) -> Report:
     """The report of the run `log` records (`plain_log`: its plain data, `Guard.run_log()`).
 
     Args:
@@ -50,6 +50,7 @@ def run_report(log: RunLog, plain_log: Mapping[str, Any], *, optimizer: torch.op
         last: the last recorded step (None: none was).
         losses / recovery_cost: for `recovery_summary`.
         error: nanguard's own error, when it stood down.
+        sampling: report.json `sampling` (`nanguard.watch.sampling.Sampler.report`).
     """
     from nanguard.explain import diagnose
     from nanguard.explain.context import evidence_from_run
@@ -76,6 +77,7 @@ def run_report(log: RunLog, plain_log: Mapping[str, Any], *, optimizer: torch.op
         lead_window=lead_window,
         ended=how,
         degraded=error is not None,
+        sampling=sampling,
         run={"folder": str(folder) if folder else None, "policy": policy,
              "model": type(model).__name__, "optimizer": type(optimizer).__name__,
              "version": __version__, "closed": closed, "entry": entry,

@@ -28,6 +28,10 @@ spike_measures  null | spike score, episodes and time in spike of every run, hea
                 steps_in_spike, steps, measured: {precursor: steps measured}, complete,
                 definition: {window, min_window, sigmas, ..., text}}; null without a
                 run.db; {error} if it could not be read
+sampling        null | what was measured on sampled steps and how often
+                (`nanguard.watch.sampling`): {every, signals: {optimizer_state,
+                update_ratio, activations: stride or null}, every_step: [...], state_steps,
+                state_why: {stride, alarm, save, nonfinite, close}}
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from nanguard.record.store import dec, open_run, step_count
 
 REPORT_NAME = files.REPORT_NAME
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The version of report.schema.json this code writes. Add 1 whenever a key is added (and
 add the key to the schema: the suite validates every report it writes against it)."""
 
@@ -113,6 +117,9 @@ class Report:
     the module docstring of `nanguard.record.spikes` defines them."""
     run: dict[str, Any] = field(default_factory=dict)
     """Free-form run facts: folder, policy, model and optimizer class, nanguard version."""
+    sampling: dict[str, Any] | None = None
+    """What the watch sampled and how often (`nanguard.watch.sampling.Sampler.report`); None
+    for a report rebuilt from run.db or written before schema_version 3."""
 
     def to_dict(self) -> dict[str, Any]:
         return _json_safe(asdict(self))
@@ -151,6 +158,7 @@ def build_report(
     ended: str = "ok",
     degraded: bool = False,
     spike_measures: dict[str, Any] | None = None,
+    sampling: dict[str, Any] | None = None,
 ) -> Report:
     """Derive status, first warning and lead time from what was recorded.
 
@@ -218,6 +226,7 @@ def build_report(
         spikes=list(spikes or []),
         spike_measures=spike_measures,
         run=run or {},
+        sampling=sampling,
     )
 
 

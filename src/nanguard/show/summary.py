@@ -319,7 +319,7 @@ def _print_full(console: Console, report: Report, parts: Mapping[str, Sequence[d
         _plain(console, f"  cause {rank}: {cause['cause']} ({cause['confidence']:.0%})")
         _plain(console, f"    why: {cause['evidence']}")
         _plain(console, f"    fix: {cause['fix']}")
-    for line in (report_spike_line(report), heal_line(report)):
+    for line in (report_spike_line(report), heal_line(report), sampling_line(report)):
         if line:
             _plain(console, f"  {line}")
     print_alarms(console, report)
@@ -330,3 +330,28 @@ def _print_full(console: Console, report: Report, parts: Mapping[str, Sequence[d
             print_last_steps(console, steps, first_step)
     elif rows:
         print_last_steps(console, rows, first_step)
+
+
+def sampling_line(report: Report) -> str | None:
+    """`sampled: optimizer state every 10 steps (+ 3 more: alarm 2, close 1), update ratio
+    every 10; every step: loss, grad_norms, ...` from report.json's `sampling`; None for a
+    report without it (rebuilt from run.db, or older)."""
+    s = report.sampling
+    if not s:
+        return None
+    names = {"optimizer_state": "optimizer state", "update_ratio": "update ratio",
+             "activations": "activations"}
+    parts = []
+    for key, every in (s.get("signals") or {}).items():
+        if not every:
+            continue
+        text = f"{names.get(key, key)} every {every} steps"
+        if key == "optimizer_state":
+            why = {k: n for k, n in (s.get("state_why") or {}).items() if n and k != "stride"}
+            if why:
+                text += (f" (+ {sum(why.values())} more: "
+                         + ", ".join(f"{k} {n}" for k, n in why.items()) + ")")
+        parts.append(text)
+    every_step = ", ".join(s.get("every_step") or [])
+    return (f"sampled: {'; '.join(parts) or 'nothing'}"
+            + (f"; every step: {every_step}" if every_step else ""))

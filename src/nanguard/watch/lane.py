@@ -17,7 +17,8 @@ and per step (`StepPath._pre`): clipping, a replay still armed, a GradScaler, ac
 watching, `read_every` > 1, the cross-rank agreement, a `skip` a fused optimizer decides on the
 device, a parameter off the CPU (a GPU step's packet is copied without a stall and read a step
 late), a step that samples the update norm, the first step and the first after a
-`load_state_dict` (loaded-state flags). `tests/test_quiet_lane.py` checks that the lane and the
+`load_state_dict` (loaded-state flags). The optimizer state is measured on the steps
+`watch.sampling` picks, here as there. `tests/test_quiet_lane.py` checks that the lane and the
 packet path leave identical statistics, alarms, actions, report.json and run.db.
 """
 
@@ -109,22 +110,36 @@ class QuietLane:
         statistics, as `StepWatch.read_steps` decodes a step read right after its update
         (`live`: the gradients and parameters are still those measured)."""
         probe = self.probe
-        post, layout = probe.post_norms()
+        steps = self.steps
+        sampler = steps.sampler
+        # The optimizer state on sampled steps only: `Sampler.wants`, inline (no call on the
+        # quiet step).
+        last = sampler.last
+        state = ((cur.step >= sampler.due or (last is not None and bool(last.alarms)))
+                 and sampler.state(cur.step))
+        post, layout = probe.post_norms(state=state)
         post_parts = [post] if isinstance(post, torch.Tensor) else list(post)
         n = len(layout.tensors)
         stats = cur.stats
         if stats is not None:  # an acting policy's step: the pre-update part is read
-            values = self.steps.read(post_parts)
+            values = steps.read(post_parts)
             probe.decode_post({"post": values}, layout, stats)
         else:
-            values = self.steps.read(post_parts + cur.parts)  # the post norms first: known count
+            values = steps.read(post_parts + cur.parts)  # the post norms first: known count
             stats = self._decode_pre(cur, values[n:])
             stats.param_norms, stats.state_norms, stats.buffer_norms = layout.decode(
                 values[:n])
         # Norms are >= 0: a finite sum of the post-update ones means none is infinite (the
         # every-step case, `resolve_post_overflow`'s own first test, without its call).
         if not math.isfinite(sum(values[:n])):
+            # The state gone bad with them, measured now, at the first such step (the one
+            # a finding names; later ones are an alarm episode's, sampled as such).
+            if not state and not sampler.counts["nonfinite"] and probe.holds_state():
+                steps.state_now(stats)
+                sampler.counts["nonfinite"] += 1
+                state = True
             probe.resolve_post_overflow(stats)  # an extra read only on an inf norm
+        sampler.last, sampler.last_state = stats, state  # `Sampler.took`, without its call
         return stats
 
     def _decode_pre(self, cur: LaneStep, values: list[float]) -> StepStats:

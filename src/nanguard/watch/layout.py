@@ -19,15 +19,13 @@ Many small CPU tensors in few shapes are measured through one `NormPlan` for the
 (parameters, moments and buffers together: one stack and one reduction per shape); the norms
 then come back in the plan's group order and `decode` puts them in place on the host.
 
-Every tensor is measured on every step, quiet or not, never on a stride. A stride on the
-optimizer state (full pass on non-quiet steps only) was weighed and measured: the first moment
-cannot be strided at all (its global norm is a signal of the cascade and forecast detectors
-and a run.db column every step), and dropping Adam's second moment from every step of the
-small GPT of benchmarks/spiky_lm.py saves 13 us of the guard's ~540 us (0.35% of its 3.8 ms
-step; `ab_inprocess.py --workloads gpt`), while an `exp_avg_sq` that overflows to inf never
-reaches the parameters (the update divides by its square root) and would be reported up to a
-stride late, and run.db's per-parameter state norms would change. Not worth it: DESIGN's
-"finiteness of everything watched is checked every step" holds as it is.
+The optimizer state is sampled (`WatchConfig.sample_every`, DESIGN section 8): a layout is
+built with the state (`state_too`: the sampled steps) or without it (the parameters and
+buffers only: every other step); the probe keeps one of each, so alternating between them
+rebuilds nothing. A NaN that enters the state reaches the parameters at the same update (SGD's
+`p -= lr * buf`, Adam's `m / sqrt(v)`), where the every-step pass sees it; what the parameters
+do not show (an `exp_avg_sq` overflowing to inf only zeroes its updates) is seen at the next
+sampled step.
 """
 
 from __future__ import annotations
@@ -55,6 +53,8 @@ class PostLayout:
         buffers: the model's watched floating-point buffers.
         second_moments: whether second-moment keys (`SECOND_MOMENT_KEYS`) are measured.
         plan: measure through a `NormPlan` when one pays (False: a plan stopped fitting).
+        state_too: whether the optimizer state is measured at all (False: the parameters
+            and buffers only, the steps between samples).
 
     Attributes:
         slots: (`param`, `state.<key>` or `buffer`; the parameter or buffer indices) in the
@@ -63,18 +63,19 @@ class PostLayout:
     """
 
     def __init__(self, params: list[torch.Tensor], state: Any, buffers: list[torch.Tensor],
-                 second_moments: bool, plan: bool = True) -> None:
+                 second_moments: bool, plan: bool = True, state_too: bool = True) -> None:
         self.params = params
         self.buffers = buffers
         self.second_moments = second_moments
+        self.state_too = state_too
         self._state = state
         # The state dicts in the optimizer's own order (`values()`: no tensor hashing, which
         # is a Python call per parameter): a dict replaced, added or removed shows there.
-        self._dicts = list(state.values())
+        self._dicts = list(state.values()) if state_too else []
         self._entries = sum(map(len, self._dicts))
         held: list[tuple[dict[str, Any], str, torch.Tensor]] = []
         by_key: dict[str, tuple[list[int], list[torch.Tensor]]] = {}
-        for i, p in enumerate(params):
+        for i, p in enumerate(params if state_too else ()):
             st = state.get(p)
             for key, value in (st or {}).items():
                 if not isinstance(value, torch.Tensor):
@@ -118,7 +119,10 @@ class PostLayout:
         """Whether this layout is still what a fresh pass would build: the same parameter and
         buffer lists, the same optimizer state object holding the same state dicts (in order),
         with as many entries as they had, the same tensors under the same keys. C-level
-        passes only (~10 us for 400 parameters with momentum)."""
+        passes only (~10 us for 400 parameters with momentum). A layout without the state
+        checks the parameter and buffer lists only."""
+        if not self.state_too:
+            return params is self.params and buffers is self.buffers
         return (params is self.params and buffers is self.buffers
                 and second_moments == self.second_moments and state is self._state
                 and len(state) == len(self._dicts)

@@ -331,10 +331,13 @@ class StepProbe:
         self._plan: NormPlan | None = None
         self._plan_for: list[torch.Tensor] | None = None
         self._layout: PostLayout | None = None
+        """What the post-update pass measures on a sampled step (the optimizer state too),
+        kept while its signature holds."""
+        self._bare: PostLayout | None = None
+        """The same on the steps between samples: the parameters and buffers only."""
         self._all_idx: list[int] = []
         """`range(len(params))` as a list, the gradient layout of a step where every parameter
         has a gradient (read only by the decoder)."""
-        """What the post-update pass measures, kept while its signature holds."""
 
     def _norms(self, tensors: list[torch.Tensor], like: list[torch.Tensor] | None = None
                ) -> Norms:
@@ -382,39 +385,55 @@ class StepProbe:
         grads = every if len(idx) == len(every) else [every[i] for i in idx]
         return self._norms(grads), idx
 
-    def post_step(self, packet: Packet, second_moments: bool = True) -> PostLayout:
-        """Runs right after `optimizer.step()`: adds to `packet` the parameter norms,
-        optimizer-state norms (per state key; second moments only when `second_moments`) and
-        buffer norms, all from one norm pass (slot `post`), and, on sampled steps, the update
-        norm (`update`). Returns the layout `decode_post` reads them back with: built once per
-        signature (`watch.layout`), reused while the optimizer state holds the same tensors."""
+    def post_step(self, packet: Packet, second_moments: bool = True, state: bool = True
+                  ) -> PostLayout:
+        """Runs right after `optimizer.step()`: adds to `packet` the parameter norms, the
+        optimizer-state norms (only when `state`: a sampled step, `WatchConfig.sample_every`;
+        per state key; second moments only when `second_moments`) and buffer norms, all from
+        one norm pass (slot `post`), and, on sampled steps, the update norm (`update`).
+        Returns the layout `decode_post` reads them back with: built once per signature
+        (`watch.layout`), reused while the optimizer state holds the same tensors."""
         # No autograd records for the parameters' reductions (the hook runs in the user's grad
         # mode): one context instead of a `detach()` per parameter.
         with torch.no_grad():
-            return self._post_step(packet, second_moments)
+            return self._post_step(packet, second_moments, state)
 
-    def post_norms(self, second_moments: bool = True) -> tuple[Norms, PostLayout]:
+    def post_norms(self, second_moments: bool = True, state: bool = True
+                   ) -> tuple[Norms, PostLayout]:
         """`post_step` without a packet, for a step with no update norm (the quiet lane,
         `watch.lane`): the device norms of the post-update pass and the layout to decode
         them with."""
         with torch.no_grad():
-            return self._post_norms(second_moments)
+            return self._post_norms(second_moments, state)
 
-    def _post_norms(self, second_moments: bool) -> tuple[Norms, PostLayout]:
-        lay = self._layout
+    def _post_norms(self, second_moments: bool, state: bool) -> tuple[Norms, PostLayout]:
+        lay = self._layout if state else self._bare
         state_of = self.optimizer.state
         if lay is None or not lay.fits(self.params, state_of, self.buffers, second_moments):
-            lay = self._layout = PostLayout(self.params, state_of, self.buffers, second_moments)
+            lay = PostLayout(self.params, state_of, self.buffers, second_moments,
+                             state_too=state)
         norms = lay.norms()
         if norms is None:  # the plan no longer fits (a dtype changed): measured without one
-            lay = self._layout = PostLayout(self.params, state_of, self.buffers, second_moments,
-                                            plan=False)
+            lay = PostLayout(self.params, state_of, self.buffers, second_moments, plan=False,
+                             state_too=state)
             norms = lay.norms()
             assert norms is not None
+        if state:
+            self._layout = lay
+        else:
+            self._bare = lay
         return norms, lay
 
-    def _post_step(self, packet: Packet, second_moments: bool) -> PostLayout:
-        norms, lay = self._post_norms(second_moments)
+    def holds_state(self) -> bool:
+        """Whether the optimizer holds a state tensor a sampled step measures (one shaped like
+        its parameter): plain SGD holds none, and then there is nothing to sample. A loop over
+        the parameters: asked only at close and on a step gone non-finite."""
+        state = self.optimizer.state
+        return any(isinstance(v, torch.Tensor) and k != "step" and v.numel() and v.shape == p.shape
+                   for p in self.params for k, v in (state.get(p) or {}).items())
+
+    def _post_step(self, packet: Packet, second_moments: bool, state: bool) -> PostLayout:
+        norms, lay = self._post_norms(second_moments, state)
         packet.add("post", norms)
         if self._with_update:
             assert self._update_buf is not None

@@ -3,7 +3,8 @@
 A step travels in two packets (`watch.packet`): the pre-update one (`StepWatch.begin`, in the
 optimizer's step pre-hook: loss, gradient norms, activation abs-max, loaded-state flags, batch
 fingerprints and row sums, the GradScaler's scale) and the post-update one (`StepWatch.end`,
-in the post-hook: parameter, optimizer-state and buffer norms, the sampled update norm). Both
+in the post-hook: parameter and buffer norms; optimizer-state norms and the update norm on
+sampled steps, `watch.sampling`). Both
 stay on the device until `read` turns one or more steps into `StepStats` with one host read
 (`host_reads` counts them). What happens next (detectors, the policy, the record) is the
 guard's business: this stage never decides anything and never writes the run store.
@@ -30,6 +31,7 @@ from nanguard.watch.batch import BatchProbe, Taken
 from nanguard.watch.layout import PostLayout
 from nanguard.watch.norms import Norms
 from nanguard.watch.packet import Packet, host_values, read_packets
+from nanguard.watch.sampling import Sampler
 from nanguard.watch.stats import StepProbe, StepStats
 
 __all__ = ["Pending", "StepWatch"]
@@ -64,6 +66,8 @@ class Pending:
     `found_inf`) and skipped the update itself if it was set; the host learns it at the read."""
     found_inf: bool = False
     """The `found_inf` flag as read on the host."""
+    state: bool = True
+    """Whether the post-update pass measured the optimizer state (`watch.sampling`)."""
 
 
 class StepWatch:
@@ -89,6 +93,26 @@ class StepWatch:
         self._on_loaded = on_loaded
         self.host_reads = 0
         """Host reads made so far (one per read step; tests hold the hot path to it)."""
+        self.sampler = Sampler(config)
+        """Which steps measure the optimizer state (`watch.sampling`)."""
+
+    def saw_save(self) -> None:
+        """A checkpoint save the guard saw (its `state_dict()`): the next step measures the
+        optimizer state."""
+        self.sampler.saw_save()
+
+    def sampling(self) -> dict[str, Any]:
+        """report.json's `sampling` (`Sampler.report`)."""
+        return self.sampler.report()
+
+    def state_now(self, stats: StepStats) -> None:
+        """Measure the optimizer state as it is now into `stats` (one norm pass, one host
+        read): a step that did not sample it, while its parameters are still those measured
+        (`watch.sampling`)."""
+        norms, layout = self.probe.post_norms(state=True)
+        values = self.read(norms if isinstance(norms, torch.Tensor) else list(norms))
+        _, stats.state_norms, _ = layout.decode(values)
+        stats._signals = None
 
     def read(self, t: torch.Tensor | list[torch.Tensor]) -> list[float]:
         """The one host read: a device tensor to a Python list. On the CPU, a list of CPU
@@ -139,7 +163,8 @@ class StepWatch:
         pinned host memory with `non_blocking=True` (`Packet.start_copy`), to be read a step
         later, when the copy is long done."""
         cur.post = Packet(cur.pre.device)
-        cur.post_layout = self.probe.post_step(cur.post)
+        cur.state = self.sampler.wants(cur.step)
+        cur.post_layout = self.probe.post_step(cur.post, state=cur.state)
         if cur.stats is not None or cur.pre.device.type != "cuda":
             return False
         cur.pre.start_copy()
@@ -173,8 +198,20 @@ class StepWatch:
             assert p.post is not None
             assert p.post_layout is not None
             self.probe.decode_post(p.post.decode(next(per_packet)), p.post_layout, stats)
+            state = p.state
             if live:
+                if (not state and not self.sampler.counts["nonfinite"]
+                        and not math.isfinite(sum(stats.param_norms.values())
+                                              + sum(stats.buffer_norms.values()))
+                        and self.probe.holds_state()):
+                    # The state that went bad with them, measured while it is still this
+                    # step's: the finding names it, as on a sampled step (the first such
+                    # step only: later ones are an alarm episode's, sampled as such).
+                    self.state_now(stats)
+                    self.sampler.counts["nonfinite"] += 1
+                    state = True
                 self.probe.resolve_post_overflow(stats)  # an extra read only on an inf norm
+            self.sampler.took(stats, state)
             decoded.append((p, stats, fresh))
         if len(decoded) > 1:
             newest = decoded[-1][1]
@@ -234,7 +271,23 @@ class StepWatch:
     def leftover(self, step: int, device: torch.device,
                  loss: torch.Tensor | None) -> StepStats | None:
         """At close: the loss and batch handed to `watch` after the last optimizer step, read
-        (one host read) and checked element by element; None when there is neither."""
+        (one host read) and checked element by element; None when there is neither.
+
+        First, when the last step read did not measure the optimizer state, it is measured
+        now (it is still that step's): a non-finite state returns that step's statistics,
+        with the state's norms in them, for the finding (`watch.sampling`)."""
+        sampler = self.sampler
+        last = sampler.last
+        if last is not None and not sampler.last_state and self.probe.holds_state():
+            sampler.counts["close"] += 1
+            sampler.last_state = True
+            now = StepStats(step=last.step)
+            self.state_now(now)
+            self.probe.resolve_post_overflow(now)  # an overflow of finite values is no NaN
+            if any(s.startswith("optimizer.") for s in now.nonfinite_signals()):
+                last.state_norms = now.state_norms  # the state after that step
+                last._signals = None
+                return last
         if loss is None and not self.batch_probe._parts:
             return None
         stats = StepStats(step=step)
