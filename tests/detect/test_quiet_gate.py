@@ -1,13 +1,14 @@
 """The quiet gate against the full detector pass: the same alarms, the same detector state.
 
 Each trace is replayed twice, from fresh default detectors: once through every detector's
-`check` (the full pass, the reference), once through the gate, which runs the full pass only
-on the steps it does not pass. The traces are generated (healthy LR schedules with warm-up,
-spikes, cascades to overflow and NaN, slow drifts, NaN episodes, sustained loss jumps,
-vanishing gradients, sampled activations, optimizers without momentum) under many detector
-configurations, read in one pass or in a pre and a post phase, and resumed from a JSON
-`state_dict` halfway. Alarms compare by kind, signal, step, repr of the value and message;
-states by their JSON text (signed zeros and NaN included).
+`check` (the full pass, the reference), once through the gate, where each detector takes its
+quiet lane on the steps it cannot alarm on and its `check` on the others. The traces are
+generated (healthy LR schedules with warm-up, spikes, cascades to overflow and NaN, slow
+drifts, NaN episodes, sustained loss jumps, vanishing gradients, sampled activations,
+optimizers without momentum) under many detector configurations, read in one pass or in a pre
+and a post phase, and resumed from a JSON `state_dict` halfway. Alarms compare by kind,
+signal, step, repr of the value, message and cause; states by their JSON text (signed zeros
+and NaN included).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 
 from nanguard.config import DetectConfig
-from nanguard.detect.detectors import Detector, default_detectors
+from nanguard.detect import Detector, SpikeDetector, VanishingDetector, default_detectors
 from nanguard.detect.gate import QuietGate
 from nanguard.watch.stats import StepStats
 
@@ -127,13 +128,14 @@ class _Path:
     def step(self, row: dict[str, Any]) -> None:
         st = _stats(row)
         for phase in self.phases:
-            st.seal()  # what the guard does before detecting
-            if self.gate is not None and self.gate.passes(st, phase):
-                continue
-            for d in self.detectors:
-                if phase == "both" or d.phase == phase:
-                    self.alarms += [(a.step, a.kind, a.signal, repr(a.value), a.message)
-                                    for a in d.check(st)]
+            signals = st.seal()  # what the guard does before detecting
+            if self.gate is not None:
+                found = self.gate.run(st, phase, signals)
+            else:
+                found = [a for d in self.detectors if phase == "both" or d.phase == phase
+                         for a in d.check(st)]
+            self.alarms += [(a.step, a.kind, a.signal, repr(a.value), a.message, a.cause)
+                            for a in found]
 
     def state(self) -> str:
         return json.dumps([d.state_dict() for d in self.detectors])
@@ -201,21 +203,79 @@ def test_gate_takes_healthy_steps() -> None:
     assert path.gate is not None and path.gate.passed == 1000 - over and over < 60
 
 
-def test_gate_off_for_other_detector_sets() -> None:
+def test_gate_off_by_config_runs_every_check() -> None:
+    """`DetectConfig(quiet_gate=False)`: every step takes every detector's `check`."""
+    calls = _counting_checks(DetectConfig(quiet_gate=False), steps=50)
+    assert calls == {"quiet": 0, "check": 50 * 7}
+
+
+def test_subclass_without_its_lane_takes_check() -> None:
+    """A detector subclass that changes `check` but not `quiet` never takes the inherited lane
+    (it would stand in for a test it does not know); the others keep theirs."""
+    seen: list[int] = []
+
+    class Mine(SpikeDetector):
+        def check(self, stats: StepStats) -> list[Any]:
+            seen.append(stats.step)
+            return super().check(stats)
+
     dets = default_detectors(DetectConfig())
-    assert QuietGate(dets).enabled
-    assert not QuietGate(dets[:-1]).enabled
-    assert not QuietGate([*dets, dets[1]]).enabled
+    dets[1] = Mine(DetectConfig())
+    gate = QuietGate(dets)
+    for step in range(30):
+        st = StepStats(step=step, loss=1.0, grad_norms={0: 1.0}, param_norms={0: 1.0})
+        gate.run(st, "both", st.seal())
+    assert seen == list(range(30))
+    assert gate.passed == 0
 
-    class Mine(type(dets[1])):  # type: ignore[misc]
-        pass
 
-    assert not QuietGate([dets[0], Mine(DetectConfig()), *dets[2:]]).enabled
+def test_any_detector_set() -> None:
+    """The gate is a loop over whatever detectors it is given: a set without the vanishing
+    detector, or with a second one, takes the quiet lanes and agrees with `check`."""
+    config = DetectConfig()
+    for make in (lambda: default_detectors(config)[:-1],
+                 lambda: [*default_detectors(config), VanishingDetector(config)]):
+        full, gated = _Path(config, False, ("both",)), _Path(config, True, ("both",))
+        full.detectors, gated.detectors = make(), make()
+        gated.gate = QuietGate(gated.detectors)
+        for row in _trace(10):  # spikes, a cascade, its NaN, vanishing gradients
+            full.step(row)
+            gated.step(row)
+        assert gated.alarms == full.alarms and full.alarms
+        assert gated.state() == full.state()
+        assert gated.gate.passed > 0
 
 
-def test_gate_needs_sealed_stats() -> None:
-    dets = default_detectors(DetectConfig())
-    st = StepStats(step=0, loss=1.0, grad_norms={0: 1.0}, param_norms={0: 1.0})
-    assert not QuietGate(dets).passes(st, "both")  # not sealed: the full pass decides
-    st.seal()
-    assert QuietGate(dets).passes(st, "both")
+def test_nonfinite_step_takes_every_check() -> None:
+    """A step holding a NaN goes through every `check` (the non-finite detectors' business),
+    and its alarm is raised; the quiet steps around it take the lanes."""
+    calls = _counting_checks(DetectConfig(), steps=30, nan_at=20)
+    assert calls["check"] >= 7  # the NaN step (and the one that ends its episode)
+    assert calls["quiet"] >= 25 * 4
+
+
+def _counting_checks(config: DetectConfig, steps: int, nan_at: int = -1) -> dict[str, int]:
+    """Calls of the detectors' `check` and `quiet` over a healthy series through the gate."""
+    calls = {"quiet": 0, "check": 0}
+    dets = default_detectors(config)
+    for d in dets:
+        for name in calls:
+            method = getattr(d, name)
+
+            def counted(*args: Any, _m: Any = method, _n: str = name) -> Any:
+                calls[_n] += 1
+                return _m(*args)
+
+            setattr(d, name, counted)
+    gate = QuietGate(dets)
+    alarms = []
+    for step in range(steps):
+        bad = step == nan_at
+        st = StepStats(step=step, loss=math.nan if bad else 1.0 + 0.01 * (step % 5),
+                       grad_norms={0: 1.0 + 0.1 * (step % 3)}, param_norms={0: 5.0})
+        if bad:
+            st.nonfinite_grads = {0}
+            st.grad_norms = {0: math.nan}
+        alarms += gate.run(st, "both", st.seal())
+    assert {a.kind for a in alarms} == ({"nonfinite"} if nan_at >= 0 else set())
+    return calls
