@@ -181,6 +181,62 @@ def test_gate_same_alarms_and_state_as_full_pass(phases: tuple[str, ...]) -> Non
     assert {"nonfinite", "spike", "cascade", "forecast", "divergence", "vanishing"} <= kinds
 
 
+def _wild_stats(r: random.Random, step: int, level: list[float]) -> StepStats:
+    """A step drawn to reach the lanes' edges: zero, negative, tiny, huge and non-finite
+    values, signals measured or not, a parameter norm of zero, LR jumps; and long calm runs
+    between (levels drift), so windows fill and medians settle."""
+    def pick(i: int, lo: float = 0.0) -> float | None:
+        u = r.random()
+        if u < 0.75:
+            level[i] *= math.exp(r.gauss(0, 0.05))
+            return level[i]
+        return r.choice([0.0, -1.0, lo, 1e-30, 1e30, math.inf, math.nan, None,
+                         level[i] * r.choice([1.6, 2.5, 12.0, 40.0, 0.3])])
+
+    g, loss, act, mom, param = (pick(0), pick(1, -0.5), pick(2), pick(3), pick(4))
+    g = 1.0 if g is None else g
+    param = 1.0 if param is None or param < 0 else param
+    st = StepStats(step=step, lr=r.choice([0.1, 0.1, 0.1, 0.01, 1.0]), loss=loss,
+                   grad_norms={} if g == 0.0 else {0: abs(g)}, param_norms={0: param},
+                   activations={} if act is None else {"m": act},
+                   state_norms={} if mom is None else {"momentum_buffer": {0: mom}})
+    if not math.isfinite(g):
+        st.nonfinite_grads = {0}
+    return st
+
+
+@pytest.mark.parametrize("phases", [("both",), ("pre", "post")])
+def test_gate_same_alarms_and_state_on_wild_steps(phases: tuple[str, ...]) -> None:
+    """Seeded random steps at the edges of every lane (`_wild_stats`), small windows and
+    short runs in the configs: the gate and the full pass raise the same alarms (cause
+    included) and leave the same state at every step."""
+    taken = 0
+    for seed in range(30):
+        r = random.Random(seed)
+        config = _config(seed + 1)
+        full, gated = _Path(config, False, phases), _Path(config, True, phases)
+        levels = [r.uniform(0.1, 10) for _ in range(5)]
+        for step in range(120):
+            st = _wild_stats(r, step, levels)
+            for path in (full, gated):
+                for phase in phases:
+                    signals = st.seal()
+                    if path.gate is not None:
+                        found = path.gate.run(st, phase, signals)
+                    else:
+                        found = [a for d in path.detectors
+                                 if phase == "both" or d.phase == phase for a in d.check(st)]
+                    path.alarms += [(a.step, a.kind, a.signal, repr(a.value), a.message,
+                                     a.cause) for a in found]
+            if step % 10 == 9:
+                assert gated.state() == full.state(), (seed, step)
+        assert gated.alarms == full.alarms, seed
+        assert gated.gate is not None
+        taken += gated.gate.passed
+    print(f"gate passed {taken} of {30 * 120 * len(phases)} phases")
+    assert taken > 300  # the lanes were taken, not only the full tests
+
+
 def test_gate_takes_healthy_steps() -> None:
     """A healthy run with default settings: the gate takes every step, those whose gradient
     norm grew 1.5x over the last one included (a growth run too short to be a cascade), but
