@@ -86,18 +86,16 @@ def absorb(appends: Iterable[Append]) -> None:
     of every detector, take one call here (not one per window).
     """
     for w, x, levels, key in appends:
-        if w.maxlen == 0:
-            continue
         s = w.sorted
-        if w.maxlen is not None and len(w) == w.maxlen:
+        if len(s) == w.maxlen:  # full (never, without a maxlen): the oldest value leaves
+            if not s:
+                continue  # a window of length 0 keeps nothing
             old = w[0]
             i = bisect_left(s, old)
             # The oldest of the equal values is the object leaving: equal floats may differ
             # (0.0 and -0.0), so find that very object, not just an equal one.
-            while i < len(s) and s[i] is not old:
-                i += 1
-            if i == len(s):  # a NaN loaded from a foreign state breaks the order: scan
-                i = next(k for k, v in enumerate(s) if v is old)
+            if i == len(s) or s[i] is not old:
+                i = _index_of(s, old, i)
             del s[i]
         deque.append(w, x)
         insort(s, x)  # after its equals: the newest last, as in the deque
@@ -106,6 +104,14 @@ def absorb(appends: Iterable[Append]) -> None:
         mid = w.mid = s[i] if n % 2 else (s[i - 1] + s[i]) / 2
         if levels is not None and n >= LEVEL_MIN_STEPS:
             levels[key] = max(levels.get(key, mid), mid)
+
+
+def _index_of(s: list[float], old: float, i: int) -> int:
+    """Where the object `old` sits in `s`, from `i` on (after equal values that are other
+    objects), else anywhere: a NaN loaded from a foreign state breaks the order."""
+    while i < len(s) and s[i] is not old:
+        i += 1
+    return i if i < len(s) else next(k for k, v in enumerate(s) if v is old)
 
 
 def robust_z(x: float, history: Window, floor: float) -> tuple[float, float]:
