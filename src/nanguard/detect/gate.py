@@ -23,9 +23,6 @@ from nanguard.detect.base import Append, Detector, has_quiet_lane
 from nanguard.detect.series import absorb
 from nanguard.watch.stats import StepStats
 
-PHASES = {"pre": ("pre",), "post": ("post",), "both": ("pre", "post")}
-"""Which detectors a phase runs: `both` is pre then post (a step read after its update)."""
-
 
 class QuietGate:
     """Runs the detectors of a phase, each through its quiet lane where it has one.
@@ -41,11 +38,13 @@ class QuietGate:
     def __init__(self, detectors: list[Detector]) -> None:
         self.enabled: bool = all(getattr(d.config, "quiet_gate", True) for d in detectors)
         self.passed: int = 0
-        # Per phase: (detector, its quiet lane or None), bound once (no lookup per step).
+        # Per phase: (detector, its quiet lane or None), bound once (no lookup per step);
+        # `both` (a step read after its update) is pre then post, as the guard runs them.
+        lanes = {phase: tuple((d, d.quiet if has_quiet_lane(d) else None)
+                              for d in detectors if d.phase == phase)
+                 for phase in ("pre", "post")}
         self._lanes: dict[str, tuple[tuple[Any, Any], ...]] = {
-            phase: tuple((d, d.quiet if has_quiet_lane(d) else None)
-                         for d in detectors if d.phase in wanted)
-            for phase, wanted in PHASES.items()}
+            **lanes, "both": lanes["pre"] + lanes["post"]}
 
     def run(self, stats: StepStats, phase: str, signals: list[str]) -> list[Alarm]:
         """The alarms of the detectors of `phase` (`pre`, `post` or `both`) on `stats`, each
