@@ -106,7 +106,7 @@ def test_same_report_and_store_with_gate_on_and_off(
         on_checks = len(checks)
         off = run(tmp_path / "off", False, seed, policy, **kw)
     # Not vacuous: without the gate the spike detector's full test ran on every step; with
-    # it, many steps took its quiet lane instead (a run gone NaN takes every test from there).
+    # it, many steps took its quiet update instead (a run gone NaN takes every test from there).
     assert len(checks) - on_checks >= on_checks + 10
     assert_same_runs(on, off, tmp_path / "on", tmp_path / "off")
     if name.startswith("cascade"):

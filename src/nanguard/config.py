@@ -218,7 +218,7 @@ class DetectConfig:
     """Steps before another spike alarm may fire."""
 
     quiet_gate: bool = True
-    """Run each detector's quiet lane instead of its full test on a step it cannot alarm on
+    """Run each detector's quiet update instead of its full test on a step it cannot alarm on
     (`nanguard.detect.gate`): the same alarms and detector state, fewer Python calls per step.
     False: every step takes every full test (for comparing the two, or for a custom detector
     being debugged)."""

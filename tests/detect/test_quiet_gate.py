@@ -2,7 +2,7 @@
 
 Each trace is replayed twice, from fresh default detectors: once through every detector's
 `check` (the full pass, the reference), once through the gate, where each detector takes its
-quiet lane on the steps it cannot alarm on and its `check` on the others. The traces are
+quiet update on the steps it cannot alarm on and its `check` on the others. The traces are
 generated (healthy LR schedules with warm-up, spikes, cascades to overflow and NaN, slow
 drifts, NaN episodes, sustained loss jumps, vanishing gradients, sampled activations,
 optimizers without momentum) under many detector configurations, read in one pass or in a pre
@@ -182,7 +182,7 @@ def test_gate_same_alarms_and_state_as_full_pass(phases: tuple[str, ...]) -> Non
 
 
 def _wild_stats(r: random.Random, step: int, level: list[float]) -> StepStats:
-    """A step drawn to reach the lanes' edges: zero, negative, tiny, huge and non-finite
+    """A step drawn to reach the quiet updates' edges: zero, negative, tiny, huge and non-finite
     values, signals measured or not, a parameter norm of zero, LR jumps; and long calm runs
     between (levels drift), so windows fill and medians settle."""
     def pick(i: int, lo: float = 0.0) -> float | None:
@@ -207,7 +207,7 @@ def _wild_stats(r: random.Random, step: int, level: list[float]) -> StepStats:
 
 @pytest.mark.parametrize("phases", [("both",), ("pre", "post")])
 def test_gate_same_alarms_and_state_on_wild_steps(phases: tuple[str, ...]) -> None:
-    """Seeded random steps at the edges of every lane (`_wild_stats`), small windows and
+    """Seeded random steps at the edges of every quiet update (`_wild_stats`), small windows and
     short runs in the configs: the gate and the full pass raise the same alarms (cause
     included) and leave the same state at every step."""
     taken = 0
@@ -234,7 +234,7 @@ def test_gate_same_alarms_and_state_on_wild_steps(phases: tuple[str, ...]) -> No
         assert gated.gate is not None
         taken += gated.gate.passed
     print(f"gate passed {taken} of {30 * 120 * len(phases)} phases")
-    assert taken > 300  # the lanes were taken, not only the full tests
+    assert taken > 300  # the quiet updates were taken, not only the full tests
 
 
 def test_gate_takes_healthy_steps() -> None:
@@ -265,9 +265,9 @@ def test_gate_off_by_config_runs_every_check() -> None:
     assert calls == {"quiet": 0, "check": 50 * 7}
 
 
-def test_subclass_without_its_lane_takes_check() -> None:
-    """A detector subclass that changes `check` but not `quiet` never takes the inherited lane
-    (it would stand in for a test it does not know); the others keep theirs."""
+def test_subclass_without_its_quiet_update_takes_check() -> None:
+    """A detector subclass that changes `check` but not `quiet` never takes the inherited
+    quiet update (it would stand in for a test it does not know); the others keep theirs."""
     seen: list[int] = []
 
     class Mine(SpikeDetector):
@@ -287,7 +287,7 @@ def test_subclass_without_its_lane_takes_check() -> None:
 
 def test_any_detector_set() -> None:
     """The gate is a loop over whatever detectors it is given: a set without the vanishing
-    detector, or with a second one, takes the quiet lanes and agrees with `check`."""
+    detector, or with a second one, takes the quiet updates and agrees with `check`."""
     config = DetectConfig()
     for make in (lambda: default_detectors(config)[:-1],
                  lambda: [*default_detectors(config), VanishingDetector(config)]):
@@ -304,7 +304,7 @@ def test_any_detector_set() -> None:
 
 def test_nonfinite_step_takes_every_check() -> None:
     """A step holding a NaN goes through every `check` (the non-finite detectors' business),
-    and its alarm is raised; the quiet steps around it take the lanes."""
+    and its alarm is raised; the quiet steps around it take the quiet updates."""
     calls = _counting_checks(DetectConfig(), steps=30, nan_at=20)
     assert calls["check"] >= 7  # the NaN step (and the one that ends its episode)
     assert calls["quiet"] >= 25 * 4

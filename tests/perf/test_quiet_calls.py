@@ -3,7 +3,7 @@
 Counted through the public entry points only: a `Guard` on nn.Linear(20, 1), its config's
 `DetectConfig.quiet_gate` on or off. The issue asks for <= 30 (issue 39); this test pins the
 number reached so that it can only go down, that the quiet gate saves what it saves, and that
-on quiet steps no detector runs its full test (`check`): each takes its quiet lane. The
+on quiet steps no detector runs its full test (`check`): each takes its quiet update. The
 history of the number and where the calls go are in BENCHMARKS.md; the calls are not where
 the time goes (~0.1 us each, of the ~150 us the guard adds to this step).
 """
@@ -20,7 +20,7 @@ import nanguard
 from nanguard import DetectConfig, GuardConfig, RecordConfig
 
 # The number reached (63.2 measured on this commit's default guard: the gate is a loop over
-# the detectors' quiet lanes, one call each, plus one for all their window appends), with a
+# the detectors' quiet updates, one call each, plus one for all their window appends), with a
 # little room for Python-version differences in how comprehensions count.
 MAX_CALLS_PER_STEP = 64
 # The same guard with the gate off: what the gate saves must stay saved.
@@ -64,7 +64,7 @@ def test_quiet_step_call_count(tmp_path: Path) -> None:
     on, checks_on = calls_per_step(tmp_path / "on", True)
     off, checks_off = calls_per_step(tmp_path / "off", False)
     print(f"nanguard calls per quiet step: {on:.2f} with the gate, {off:.2f} without")
-    assert checks_on == 0  # every quiet step took every detector's quiet lane
+    assert checks_on == 0  # every quiet step took every detector's quiet update
     assert checks_off == 100 * 7  # ...and without the gate, every detector's full test
     assert on <= MAX_CALLS_PER_STEP, f"{on} nanguard calls per quiet step"
     assert off - on >= MIN_SAVED_BY_GATE, (on, off)

@@ -1,24 +1,24 @@
-"""The detector's contract: a full test (`check`), a quiet lane beside it, and its state.
+"""The detector's contract: a full test (`check`), a quiet update beside it, and its state.
 
 A detector sees one `StepStats` at a time, in step order, and returns the alarms it raises.
 `phase = "pre"` detectors only need what is known before `optimizer.step()` (loss, gradients,
 activations), so a policy can act on them before the update; `"post"` ones need the step done.
 
 Most steps of a healthy run raise nothing, and a detector's full test walks its windows and
-thresholds for that nothing. So each detector also owns its **quiet lane**, written beside its
+thresholds for that nothing. So each detector also owns its **quiet update**, written beside its
 `check` and from the same state, which the quiet gate (`detect.gate`) runs instead of `check`
 on a step where nothing is non-finite:
 
 - `quiet(stats, norms)`: when one necessary condition of each of this detector's alarms is
   false on this step (no alarm is possible), make every change `check` would make and return
   the window appends it leaves to the gate (`series.absorb`: one call for all detectors);
-  else change nothing and return None, and the gate runs `check`. The base class has no lane:
+  else change nothing and return None, and the gate runs `check`. The base class has none:
   None, always.
 - `still`: True while such a step can neither raise an alarm here nor change this detector's
   state (a non-finite detector with no episode open): the gate skips it without a call.
 
-A lane is trusted only from the class that also defines `check` (`has_quiet_lane`): a
-subclass that changes the test without its lane takes the full test on every step.
+A quiet update is trusted only from the class that also defines `check` (`has_quiet_update`): a
+subclass that changes the test without its quiet update takes the full test on every step.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from nanguard.detect.alarm import Alarm
 from nanguard.watch.stats import StepStats
 
 Append = tuple[Any, float, "dict[str, float] | None", str]
-"""A window append a quiet lane leaves to the gate: (window, value, levels, key); where
+"""A window append a quiet update leaves to the gate: (window, value, levels, key); where
 `levels` is a dict, the window's new median is noted there as a typical level of `key`
 (`series.absorb`)."""
 
@@ -40,7 +40,7 @@ Norms = tuple[float, float, "float | None"]
 
 
 class Detector:
-    """Base: a named, stateful, serializable unit (its lanes: module docstring)."""
+    """Base: a named, stateful, serializable unit (its quiet updates: module docstring)."""
 
     phase = "post"
     still = False
@@ -54,7 +54,7 @@ class Detector:
         raise NotImplementedError
 
     def quiet(self, stats: StepStats, norms: Norms) -> list[Append] | None:
-        """The quiet lane (module docstring). Runs only on a sealed step with nothing
+        """The quiet update (module docstring). Runs only on a sealed step with nothing
         non-finite, where `check` would; `norms` are the step's global norms."""
         return None
 
@@ -92,9 +92,9 @@ class Detector:
         self._last_fired = {(k, s): (int(st), float(v)) for k, s, st, v in state["last_fired"]}
 
 
-def has_quiet_lane(detector: Detector) -> bool:
-    """Whether `detector`'s quiet lane (and `still`) may stand in for its `check`: both are
-    defined by one class, so a subclass that changed the test without its lane is not."""
+def has_quiet_update(detector: Detector) -> bool:
+    """Whether `detector`'s quiet update (and `still`) may stand in for its `check`: both are
+    defined by one class, so a subclass that changed the test without its quiet update is not."""
     mro = type(detector).__mro__
     check = next(c for c in mro if "check" in c.__dict__)
     quiet = next(c for c in mro if "quiet" in c.__dict__)

@@ -66,7 +66,7 @@ class CascadeDetector(SeriesDetector):
         return alarms
 
     def quiet(self, stats: StepStats, norms: Norms) -> list[Append] | None:
-        """The quiet lane (`detect.base`): no cascade is possible while no signal's run of
+        """The quiet update (`detect.base`): no cascade is possible while no signal's run of
         growth reaches `cascade_steps`. Then: the runs, their starts and the values as
         `check` leaves them; a value that did not grow appended, and each median noted as a
         level (by `absorb` after the append, as `check` notes it)."""

@@ -100,7 +100,7 @@ class DivergenceDetector(SeriesDetector):
         return alarms
 
     def quiet(self, stats: StepStats, norms: Norms) -> list[Append] | None:
-        """The quiet lane (`detect.base`): no divergence is possible while, with this loss
+        """The quiet update (`detect.base`): no divergence is possible while, with this loss
         among the recent ones, the latest two are under `early_loss_ratio` x the first loss
         (before the statistics have history) or not every recent loss is `divergence_ratio` x
         the median (after), or the loss-trend tests are off. Then: the recent losses, the

@@ -90,7 +90,7 @@ class ForecastDetector(SeriesDetector):
         return alarms
 
     def quiet(self, stats: StepStats, norms: Norms) -> list[Append] | None:
-        """The quiet lane (`detect.base`): no forecast is possible while no signal's recent
+        """The quiet update (`detect.base`): no forecast is possible while no signal's recent
         values, this one included, all grew `cascade_growth` x per step. Then: the recent
         values and their steps as `check` leaves them, each value appended."""
         acts = stats.activations  # `act_max`, inline (no call)

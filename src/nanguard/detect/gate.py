@@ -1,8 +1,8 @@
-"""The quiet gate: each detector's quiet lane on a step where nothing is non-finite.
+"""The quiet gate: each detector's quiet update on a step where nothing is non-finite.
 
 Most steps of a healthy run raise nothing, yet each detector's full test (`check`) walks its
-windows and thresholds for that nothing. Every detector owns a quiet lane beside its `check`
-(`detect.base`): on a step it cannot alarm on, the lane makes the changes `check` would and
+windows and thresholds for that nothing. Every detector owns a quiet update beside its `check`
+(`detect.base`): on a step it cannot alarm on, the update makes the changes `check` would and
 leaves its window appends; else it changes nothing and `check` runs, for that detector only
 (detectors share no state, so each is decided on its own). The gate is the loop over them.
 
@@ -19,13 +19,13 @@ from __future__ import annotations
 from typing import Any
 
 from nanguard.detect.alarm import Alarm
-from nanguard.detect.base import Append, Detector, has_quiet_lane
+from nanguard.detect.base import Append, Detector, has_quiet_update
 from nanguard.detect.series import absorb
 from nanguard.watch.stats import StepStats
 
 
 class QuietGate:
-    """Runs the detectors of a phase, each through its quiet lane where it has one.
+    """Runs the detectors of a phase, each through its quiet update where it has one.
 
     Args:
         detectors: the guard's detectors, pre-step ones first.
@@ -38,32 +38,32 @@ class QuietGate:
     def __init__(self, detectors: list[Detector]) -> None:
         self.enabled: bool = all(getattr(d.config, "quiet_gate", True) for d in detectors)
         self.passed: int = 0
-        # Per phase: (detector, its quiet lane or None), bound once (no lookup per step);
+        # Per phase: (detector, its quiet update or None), bound once (no lookup per step);
         # `both` (a step read after its update) is pre then post, as the guard runs them.
-        lanes = {phase: tuple((d, d.quiet if has_quiet_lane(d) else None)
+        pairs = {phase: tuple((d, d.quiet if has_quiet_update(d) else None)
                               for d in detectors if d.phase == phase)
                  for phase in ("pre", "post")}
-        self._lanes: dict[str, tuple[tuple[Any, Any], ...]] = {
-            **lanes, "both": lanes["pre"] + lanes["post"]}
+        self._phases: dict[str, tuple[tuple[Any, Any], ...]] = {
+            **pairs, "both": pairs["pre"] + pairs["post"]}
 
     def run(self, stats: StepStats, phase: str, signals: list[str]) -> list[Alarm]:
         """The alarms of the detectors of `phase` (`pre`, `post` or `both`) on `stats`, each
         detector's state updated as its `check` would.
 
         Runs where the guard runs the detectors, after `stats.seal()` (`signals`: what it
-        returned). A lane that meets an arithmetic error (an overflow in `10 ** x`) has
+        returned). A quiet update that meets an arithmetic error (an overflow in `10 ** x`) has
         changed nothing: that detector's `check` meets it.
         """
-        lanes = self._lanes[phase]
+        pairs = self._phases[phase]
         alarms: list[Alarm] = []
         if not self.enabled or signals or stats.overflowed or stats.unread_nonfinite:
-            for d, _ in lanes:
+            for d, _ in pairs:
                 alarms += d.check(stats)
             return alarms
         norms = stats.global_norms()
         appends: list[Append] = []
         passed = True
-        for d, quiet in lanes:
+        for d, quiet in pairs:
             found = None
             if quiet is not None:
                 if d.still:
@@ -84,5 +84,5 @@ class QuietGate:
 
     def passes(self, stats: StepStats, phase: str) -> bool:
         """The gate's former call (a step path not yet moved to `run`): answers False, so the
-        caller runs every `check` itself, which is exact; only `run` takes the quiet lanes."""
+        caller runs every `check` itself, which is exact; only `run` takes the quiet updates."""
         return False

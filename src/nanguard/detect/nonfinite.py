@@ -18,7 +18,7 @@ FLOAT32_NORM_LIMIT = math.sqrt(FLOAT32_MAX)
 class NonFiniteDetector(Detector):
     """A NaN or Inf anywhere. Fires at the first step of each non-finite episode per signal.
 
-    Its quiet lane: a step with nothing non-finite and no episode open changes nothing here
+    Its quiet update: a step with nothing non-finite and no episode open changes nothing here
     (`still`); one that ends an episode takes `check`.
 
     Args:

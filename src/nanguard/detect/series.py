@@ -82,7 +82,7 @@ def absorb(appends: Iterable[Append]) -> None:
     """Append each value to its window, in order; where a levels dict is given, note the
     window's new median there as a typical level of the key (`SeriesDetector._note_level`).
 
-    The one implementation of `Window.append`: a quiet step's appends, left by the quiet lanes
+    The one implementation of `Window.append`: a quiet step's appends, left by the quiet updates
     of every detector, take one call here (not one per window).
     """
     for w, x, levels, key in appends:
@@ -152,7 +152,7 @@ class SeriesDetector(Detector):
 
     def _note_level(self, signal: str, med: float) -> None:
         """Note `med`, the recent median of `signal` in linear units, as a typical level.
-        (Quiet lanes write this inline, or leave it to `absorb`: no call per note.)"""
+        (Quiet updates write this inline, or leave it to `absorb`: no call per note.)"""
         if len(self.history[signal]) >= LEVEL_MIN_STEPS:
             self.peak[signal] = max(self.peak.get(signal, med), med)
 

@@ -69,7 +69,7 @@ class SpikeDetector(SeriesDetector):
         return alarms
 
     def quiet(self, stats: StepStats, norms: Norms) -> list[Append] | None:
-        """The quiet lane (`detect.base`): no spike is possible when the grad norm is under
+        """The quiet update (`detect.base`): no spike is possible when the grad norm is under
         `spike_ratio` x its median and not `trend_jump` (before `warmup_steps`: under
         `early_spike_ratio` x its median or `EARLY_OVER_LARGEST` x its largest), and the loss
         is not `trend_jump` (or the loss test is off). Then: the levels noted, both values

@@ -53,7 +53,7 @@ def recent_level(hist: Window, k: int) -> float:
 def trend_jump(lx: float, hist: Window, config: DetectConfig) -> bool:
     """The cheap, necessary condition of `SpikeDetector`'s trend test: enough history and `lx`
     at least `spike_min_ratio` x its recent level (`recent_level`). Its first test is O(1) and
-    settles most steps; the spike detector's quiet lane makes it before calling."""
+    settles most steps; the spike detector's quiet update makes it before calling."""
     n = len(hist)
     if n < config.warmup_steps or not n:
         return False

@@ -38,7 +38,7 @@ class VanishingDetector(Detector):
         return []
 
     def quiet(self, stats: StepStats, norms: Norms) -> list[Append] | None:
-        """The quiet lane (`detect.base`): the count of small steps as `check` leaves it, while
+        """The quiet update (`detect.base`): the count of small steps as `check` leaves it, while
         it stays under `vanishing_steps` (no alarm possible)."""
         g, p = norms[0], norms[1]
         if not stats.grad_norms or not _isfinite(g) or not _isfinite(p) or p <= 0:
