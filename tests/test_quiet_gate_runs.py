@@ -50,16 +50,19 @@ def _leftovers(out: Path) -> tuple[Any, dict[str, list[Any]]]:
     return report, tables
 
 
-def _config(out: Path, policy: str, gate: bool, **watch: Any) -> GuardConfig:
+def _config(out: Path, policy: str, gate: bool, objective: str = "auto",
+            **watch: Any) -> GuardConfig:
     return GuardConfig(policy=policy, record=RecordConfig(out=str(out), summary=False),
-                       watch=WatchConfig(**watch), detect=DetectConfig(quiet_gate=gate))
+                       watch=WatchConfig(**watch),
+                       detect=DetectConfig(quiet_gate=gate, objective=objective))
 
 
-def _cascade(out: Path, gate: bool, seed: int, policy: str, **kw: Any) -> nanguard.Guard:
+def _cascade(out: Path, gate: bool, seed: int, policy: str, objective: str = "auto",
+             **kw: Any) -> nanguard.Guard:
     made: list[nanguard.Guard] = []
 
     def factory(model: torch.nn.Module, opt: torch.optim.Optimizer) -> nanguard.Guard:
-        g = nanguard.Guard(model, opt, config=_config(out, policy, gate))
+        g = nanguard.Guard(model, opt, config=_config(out, policy, gate, objective))
         made.append(g)
         return g
 
@@ -84,6 +87,10 @@ CASES = [
     ("cascade-8-skip", _cascade, 8, "skip", {"steps": 200}),
     ("cascade-8-rollback", _cascade, 8, "rollback", {"steps": 200}),
     ("cascade-early-raise", _cascade, 3, "raise", {"steps": 120, "outlier_at": 12}),
+    # The loss-trend tests off (the detectors' `nonstationary`): other branches of the
+    # spike and divergence detectors' quiet updates.
+    ("cascade-8-nonstationary", _cascade, 8, "observe",
+     {"steps": 200, "objective": "nonstationary"}),
     ("healthy-mlp-observe", _healthy, 1, "observe", {"steps": 150}),
     ("healthy-mlp-skip", _healthy, 2, "skip", {"steps": 150}),
 ]

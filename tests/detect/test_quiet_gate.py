@@ -208,8 +208,9 @@ def _wild_stats(r: random.Random, step: int, level: list[float]) -> StepStats:
 @pytest.mark.parametrize("phases", [("both",), ("pre", "post")])
 def test_gate_same_alarms_and_state_on_wild_steps(phases: tuple[str, ...]) -> None:
     """Seeded random steps at the edges of every quiet update (`_wild_stats`), small windows and
-    short runs in the configs: the gate and the full pass raise the same alarms (cause
-    included) and leave the same state at every step."""
+    short runs in the configs, the loss-trend tests turned off halfway on odd seeds (as the
+    objective does): the gate and the full pass raise the same alarms (cause included) and
+    leave the same state all along."""
     taken = 0
     for seed in range(30):
         r = random.Random(seed)
@@ -217,6 +218,10 @@ def test_gate_same_alarms_and_state_on_wild_steps(phases: tuple[str, ...]) -> No
         full, gated = _Path(config, False, phases), _Path(config, True, phases)
         levels = [r.uniform(0.1, 10) for _ in range(5)]
         for step in range(120):
+            if step == 60 and seed % 2:  # the objective found non-stationary mid-run
+                for d in (*full.detectors, *gated.detectors):
+                    if hasattr(d, "nonstationary"):
+                        d.nonstationary = True
             st = _wild_stats(r, step, levels)
             for path in (full, gated):
                 for phase in phases:
