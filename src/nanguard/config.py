@@ -218,10 +218,9 @@ class DetectConfig:
     """Steps before another spike alarm may fire."""
 
     quiet_gate: bool = True
-    """Run each detector's quiet update instead of its full test on a step it cannot alarm on
-    (`nanguard.detect.gate`): the same alarms and detector state, fewer Python calls per step.
-    False: every step takes every full test (for comparing the two, or for a custom detector
-    being debugged)."""
+    """Let the quiet gate (`detect.gate`) take the steps no detector could alarm on, with the
+    state updates alone. False runs every step through every detector: the same alarms and
+    detector state, slower (the differential tests and `benchmarks/host_cost.py` compare)."""
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
