@@ -41,7 +41,6 @@ from nanguard import guard_state, wiring
 from nanguard.config import GuardConfig
 from nanguard.detect import Alarm
 from nanguard.detect.detectors import Detector
-from nanguard.integrations import distributed
 from nanguard.policy import make_policy
 from nanguard.record import ending
 from nanguard.record.closing import announce_finding, run_report
@@ -52,7 +51,8 @@ from nanguard.record.runlog import RunLog
 from nanguard.record.standdown import note_internal_error
 from nanguard.record.store import open_store
 from nanguard.recover.link import WeakLink
-from nanguard.recover.policy import Recovery
+from nanguard.recover.recovery import Recovery
+from nanguard.runtime import distributed
 from nanguard.step_path import StepPath
 from nanguard.watch import replicas, saturation
 from nanguard.watch.replicas import ReplicaCheck
@@ -475,5 +475,5 @@ class Guard(StepPath):
         announce_finding(self.events, report)
         return report
 
-    # The store a new guard records to; `integrations.replay.record_nothing` swaps it.
+    # The store a new guard records to; `run.replay.record_nothing` swaps it.
     _open_store = staticmethod(open_store)

@@ -30,7 +30,6 @@ from nanguard.detect.detectors import Detector
 from nanguard.detect.gate import QuietGate
 from nanguard.detect.objective import Objective
 from nanguard.errors import NanguardError
-from nanguard.integrations import distributed
 from nanguard.pinpoint import live as pinpoint
 from nanguard.pinpoint import xrank, xrank_log
 from nanguard.pinpoint.baseline import GradBaseline
@@ -45,13 +44,14 @@ from nanguard.record.runlog import RunLog
 from nanguard.record.store import NullStore
 from nanguard.recover.effects import Discard, Effect, FollowPeers, Record, Stop
 from nanguard.recover.loss_after import LossAfter, loss_level
-from nanguard.recover.policy import Recovery
+from nanguard.recover.recovery import Recovery
 from nanguard.recover.verdict import LossWatch
+from nanguard.runtime import distributed
 from nanguard.watch import loads, rng
 from nanguard.watch.activations import ActivationProbe
 from nanguard.watch.batch import BatchProbe
 from nanguard.watch.lane import LaneStep, QuietLane
-from nanguard.watch.norms import _DTENSOR
+from nanguard.watch.norms import DTENSOR
 from nanguard.watch.stats import StepProbe, StepStats
 from nanguard.watch.step import Pending, StepWatch
 
@@ -197,7 +197,7 @@ class StepPath:
         if not self.params:
             return torch.device("cpu")
         p = self.params[0]  # `local(p)` inline: read every step
-        if _DTENSOR is not None and isinstance(p, _DTENSOR):
+        if DTENSOR is not None and isinstance(p, DTENSOR):
             p = p.to_local()  # type: ignore[attr-defined]
         return p.device
 
@@ -274,7 +274,7 @@ class StepPath:
                 or cfg.watch.read_every != 1 or not self.params
                 or (cfg.policy == "skip" and set(cfg.acting_on) == {"nonfinite"}
                     and device_skip.supports(self.optimizer))
-                or (_DTENSOR is not None and any(isinstance(p, _DTENSOR) for p in self.params))):
+                or (DTENSOR is not None and any(isinstance(p, DTENSOR) for p in self.params))):
             return None
         return QuietLane(self.steps, cfg.watch.update_ratio_every)
 
