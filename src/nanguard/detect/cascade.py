@@ -47,7 +47,11 @@ class CascadeDetector(SeriesDetector):
                 continue
             med = hist.median()
             self._note_level(signal, med)
-            early = (len(hist) < self.config.warmup_steps
+            # An optimizer's moment starts at zero (Adam's exp_avg) and grows by construction
+            # over its first ~1/(1 - beta1) steps, whatever the gradients do: before a window
+            # of history exists its growth is no evidence. A real early cascade drives the
+            # gradients, which the early test still judges.
+            early = (signal != "momentum_norm" and len(hist) < self.config.warmup_steps
                      and x >= self.config.early_growth * self.start.get(signal, math.inf))
             if (
                 self.run[signal] >= self.config.cascade_steps
