@@ -5,9 +5,9 @@ sits inside the noise of a shared machine. This times the stage alone: a seeded 
 of 3000 steps (noisy grad norm, slowly falling loss, momentum and activation maxima, two
 parameters), each step's `StepStats` sealed as the guard seals it and its global norms already
 computed (they are shared with the record), then either every default detector's `check` (the
-full pass) or the gate with the full pass as its fallback. Rounds alternate the two in a
-shuffled order on fresh detectors; reported: median microseconds per step and the share of
-steps the gate took.
+full pass) or the gate (each detector's quiet lane, its `check` where the lane cannot stand
+in). Rounds alternate the two in a shuffled order on fresh detectors; reported: median
+microseconds per step and the share of steps the gate took.
 
 Usage:
     python benchmarks/gate_cost.py              # the run recorded in BENCHMARKS.md
@@ -32,7 +32,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from nanguard.config import DetectConfig
-from nanguard.detect.detectors import default_detectors
+from nanguard.detect import default_detectors
 from nanguard.detect.gate import QuietGate
 from nanguard.watch.stats import StepStats
 
@@ -60,7 +60,8 @@ def one(rows: list[StepStats], gated: bool) -> tuple[float, int]:
     gate = QuietGate(dets)
     t0 = time.perf_counter()
     for st in rows:
-        if gated and gate.passes(st, "both"):
+        if gated:
+            gate.run(st, "both", [])  # sealed by `series`, nothing non-finite
             continue
         for d in dets:
             d.check(st)

@@ -76,7 +76,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import nanguard
 
-from nanguard import Guard, GuardConfig, RecordConfig, WatchConfig
+from nanguard import DetectConfig, Guard, GuardConfig, RecordConfig, WatchConfig
 from nanguard.watch.fingerprint import sample_sums
 
 CONFIGS = ("plain", "default", "clip_grad_norm", "no_batch", "no_gate", "state_every_step",
@@ -173,8 +173,8 @@ def make_runner(name: str, wl: Workload, out: Path) -> Runner:
     if name in ("default", "no_batch", "no_gate", "state_every_step"):
         watch = WatchConfig(sample_every=1 if name == "state_every_step" else SAMPLE_EVERY)
         guard = Guard(model, opt, out=out / name,
-                      config=GuardConfig(record=RecordConfig(summary=False), watch=watch))
-        guard._gate.enabled = name != "no_gate"
+                      config=GuardConfig(record=RecordConfig(summary=False), watch=watch,
+                                         detect=DetectConfig(quiet_gate=name != "no_gate")))
     count = [0]
 
     def step(batch: Batch) -> None:

@@ -14,7 +14,7 @@ import math
 from helpers import make_lm, make_optimizer, train
 from nanguard import Guard, GuardConfig, RecordConfig
 from nanguard.config import DetectConfig
-from nanguard.detect.detectors import CascadeDetector, DivergenceDetector, ForecastDetector
+from nanguard.detect import CascadeDetector, DivergenceDetector, ForecastDetector
 from nanguard.watch.stats import StepStats
 
 

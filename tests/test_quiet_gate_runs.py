@@ -1,7 +1,8 @@
 """The quiet gate on real training: report.json and run.db are the same with it on and off.
 
 Each run trains a tiny CPU model twice from the same seed under a guard, once with the gate
-(the default) and once with `_gate.enabled = False` (every step through every detector), and
+(the default) and once with `DetectConfig(quiet_gate=False)` (every step through every
+detector's full test), and
 compares everything the run leaves behind except what differs between any two runs: the
 folder, the wall-clock time of each step row, and the process/start metadata.
 """
@@ -19,7 +20,8 @@ import torch
 
 import nanguard
 from helpers import make_mlp, train, warmup_cosine
-from nanguard import GuardConfig, RecordConfig, WatchConfig
+from nanguard import DetectConfig, GuardConfig, RecordConfig, WatchConfig
+from nanguard.detect import SpikeDetector
 from nanguard.errors import NanguardError
 from nanguard.scenarios.cascade import train_cascade
 
@@ -48,17 +50,19 @@ def _leftovers(out: Path) -> tuple[Any, dict[str, list[Any]]]:
     return report, tables
 
 
-def _config(out: Path, policy: str, **watch: Any) -> GuardConfig:
+def _config(out: Path, policy: str, gate: bool, objective: str = "auto",
+            **watch: Any) -> GuardConfig:
     return GuardConfig(policy=policy, record=RecordConfig(out=str(out), summary=False),
-                       watch=WatchConfig(**watch))
+                       watch=WatchConfig(**watch),
+                       detect=DetectConfig(quiet_gate=gate, objective=objective))
 
 
-def _cascade(out: Path, gate: bool, seed: int, policy: str, **kw: Any) -> nanguard.Guard:
+def _cascade(out: Path, gate: bool, seed: int, policy: str, objective: str = "auto",
+             **kw: Any) -> nanguard.Guard:
     made: list[nanguard.Guard] = []
 
     def factory(model: torch.nn.Module, opt: torch.optim.Optimizer) -> nanguard.Guard:
-        g = nanguard.Guard(model, opt, config=_config(out, policy))
-        g._gate.enabled = gate
+        g = nanguard.Guard(model, opt, config=_config(out, policy, gate, objective))
         made.append(g)
         return g
 
@@ -72,8 +76,7 @@ def _healthy(out: Path, gate: bool, seed: int, policy: str, **kw: Any) -> nangua
     opt = torch.optim.AdamW(task.model.parameters(), lr=3e-3)
     sched = warmup_cosine(opt, kw.get("steps", 150), warmup=20)
     g = nanguard.Guard(task.model, opt,
-                       config=_config(out, policy, activations=True, activations_every=3))
-    g._gate.enabled = gate
+                       config=_config(out, policy, gate, activations=True, activations_every=3))
     train(task, opt, kw.get("steps", 150), guard=g, scheduler=sched)
     g.close()
     return g
@@ -84,6 +87,10 @@ CASES = [
     ("cascade-8-skip", _cascade, 8, "skip", {"steps": 200}),
     ("cascade-8-rollback", _cascade, 8, "rollback", {"steps": 200}),
     ("cascade-early-raise", _cascade, 3, "raise", {"steps": 120, "outlier_at": 12}),
+    # The loss-trend tests off (the detectors' `nonstationary`): other branches of the
+    # spike and divergence detectors' quiet updates.
+    ("cascade-8-nonstationary", _cascade, 8, "observe",
+     {"steps": 200, "objective": "nonstationary"}),
     ("healthy-mlp-observe", _healthy, 1, "observe", {"steps": 150}),
     ("healthy-mlp-skip", _healthy, 2, "skip", {"steps": 150}),
 ]
@@ -93,10 +100,21 @@ CASES = [
 def test_same_report_and_store_with_gate_on_and_off(
     tmp_path: Path, name: str, run: Any, seed: int, policy: str, kw: dict[str, Any]
 ) -> None:
-    on = run(tmp_path / "on", True, seed, policy, **kw)
-    off = run(tmp_path / "off", False, seed, policy, **kw)
-    assert off._gate.passed == 0
-    assert on._gate.passed > 10  # the gate took steps: the comparison is not vacuous
+    checks: list[int] = []
+    full = SpikeDetector.check
+
+    def counted(self: SpikeDetector, stats: Any) -> Any:
+        checks.append(stats.step)
+        return full(self, stats)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SpikeDetector, "check", counted)
+        on = run(tmp_path / "on", True, seed, policy, **kw)
+        on_checks = len(checks)
+        off = run(tmp_path / "off", False, seed, policy, **kw)
+    # Not vacuous: without the gate the spike detector's full test ran on every step; with
+    # it, many steps took its quiet update instead (a run gone NaN takes every test from there).
+    assert len(checks) - on_checks >= on_checks + 10
     assert_same_runs(on, off, tmp_path / "on", tmp_path / "off")
     if name.startswith("cascade"):
         assert on.alarms, "the cascade raises alarms: both paths must see them"

@@ -112,7 +112,7 @@ class DetectConfig:
     """A grad norm or a loss this many robust standard deviations above its recent level is a
     spike from `spike_min_ratio` x that level on, well below `spike_ratio`. The level is the
     median of the last `spike_level_steps` healthy values and the deviation is taken from
-    step-to-step changes (`detect.detectors._trend_z`), so a slow trend (the initial descent,
+    step-to-step changes (`detect.trend.trend_z`), so a slow trend (the initial descent,
     a growing grad norm) neither widens the yardstick nor shifts the level: a bad batch's loss
     at 1.6x its level is 20 sigma out where the loss's noise is a few %."""
 
@@ -222,6 +222,11 @@ class DetectConfig:
 
     spike_cooldown: int = 5
     """Steps before another spike alarm may fire."""
+
+    quiet_gate: bool = True
+    """Let the quiet gate (`detect.gate`) take the steps no detector could alarm on, with the
+    state updates alone. False runs every step through every detector: the same alarms and
+    detector state, slower (the differential tests and `benchmarks/host_cost.py` compare)."""
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:

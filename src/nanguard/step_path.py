@@ -498,9 +498,9 @@ class StepPath:
         if (self._objective.watching and phase != "post"
                 and (why := self._objective.observe(stats)) is not None):
             self.log.add_action(stats.step, "loss_trend_off", objective.message(why))
-        if not self._gate.passes(stats, phase):  # passed: the quiet step's state applied
-            for d in self._by_phase[phase]:
-                alarms += d.check(stats)
+        found = self._gate.run(stats, phase, signals)  # each detector: quiet lane or check
+        if found:
+            alarms += found
             if self._objective.watching and any(map(objective.loss_trend, alarms)):
                 alarms = self._settle_objective(stats, alarms)
         if alarms:

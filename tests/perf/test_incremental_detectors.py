@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from nanguard.config import DetectConfig
-from nanguard.detect.detectors import Window, default_detectors
+from nanguard.detect import default_detectors
+from nanguard.detect.series import Window
 from nanguard.watch.stats import StepStats
 
 
@@ -30,6 +31,7 @@ def test_window_matches_statistics_median() -> None:
             assert all(a is b for a, b in zip(w.sorted, sorted(ref), strict=True))
             m = statistics.median(ref)
             assert w.median() == m and math.copysign(1, w.median()) == math.copysign(1, m)
+            assert w.mid is w.median()  # the kept median is the one looked up
             assert w.largest() == max(ref)
     for clone in (copy.deepcopy(w), copy.copy(w), pickle.loads(pickle.dumps(w))):
         assert list(clone) == list(w) and clone.sorted == w.sorted and clone.maxlen == w.maxlen

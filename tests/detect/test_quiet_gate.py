@@ -1,13 +1,14 @@
 """The quiet gate against the full detector pass: the same alarms, the same detector state.
 
 Each trace is replayed twice, from fresh default detectors: once through every detector's
-`check` (the full pass, the reference), once through the gate, which runs the full pass only
-on the steps it does not pass. The traces are generated (healthy LR schedules with warm-up,
-spikes, cascades to overflow and NaN, slow drifts, NaN episodes, sustained loss jumps,
-vanishing gradients, sampled activations, optimizers without momentum) under many detector
-configurations, read in one pass or in a pre and a post phase, and resumed from a JSON
-`state_dict` halfway. Alarms compare by kind, signal, step, repr of the value and message;
-states by their JSON text (signed zeros and NaN included).
+`check` (the full pass, the reference), once through the gate, where each detector takes its
+quiet update on the steps it cannot alarm on and its `check` on the others. The traces are
+generated (healthy LR schedules with warm-up, spikes, cascades to overflow and NaN, slow
+drifts, NaN episodes, sustained loss jumps, vanishing gradients, sampled activations,
+optimizers without momentum) under many detector configurations, read in one pass or in a pre
+and a post phase, and resumed from a JSON `state_dict` halfway. Alarms compare by kind,
+signal, step, repr of the value, message and cause; states by their JSON text (signed zeros
+and NaN included).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 
 from nanguard.config import DetectConfig
-from nanguard.detect.detectors import Detector, default_detectors
+from nanguard.detect import Detector, SpikeDetector, VanishingDetector, default_detectors
 from nanguard.detect.gate import QuietGate
 from nanguard.watch.stats import StepStats
 
@@ -127,13 +128,14 @@ class _Path:
     def step(self, row: dict[str, Any]) -> None:
         st = _stats(row)
         for phase in self.phases:
-            st.seal()  # what the guard does before detecting
-            if self.gate is not None and self.gate.passes(st, phase):
-                continue
-            for d in self.detectors:
-                if phase == "both" or d.phase == phase:
-                    self.alarms += [(a.step, a.kind, a.signal, repr(a.value), a.message)
-                                    for a in d.check(st)]
+            signals = st.seal()  # what the guard does before detecting
+            if self.gate is not None:
+                found = self.gate.run(st, phase, signals)
+            else:
+                found = [a for d in self.detectors if phase == "both" or d.phase == phase
+                         for a in d.check(st)]
+            self.alarms += [(a.step, a.kind, a.signal, repr(a.value), a.message, a.cause)
+                            for a in found]
 
     def state(self) -> str:
         return json.dumps([d.state_dict() for d in self.detectors])
@@ -179,6 +181,67 @@ def test_gate_same_alarms_and_state_as_full_pass(phases: tuple[str, ...]) -> Non
     assert {"nonfinite", "spike", "cascade", "forecast", "divergence", "vanishing"} <= kinds
 
 
+def _wild_stats(r: random.Random, step: int, level: list[float]) -> StepStats:
+    """A step drawn to reach the quiet updates' edges: zero, negative, tiny, huge and non-finite
+    values, signals measured or not, a parameter norm of zero, LR jumps; and long calm runs
+    between (levels drift), so windows fill and medians settle."""
+    def pick(i: int, lo: float = 0.0) -> float | None:
+        u = r.random()
+        if u < 0.75:
+            level[i] *= math.exp(r.gauss(0, 0.05))
+            return level[i]
+        return r.choice([0.0, -1.0, lo, 1e-30, 1e30, math.inf, math.nan, None,
+                         level[i] * r.choice([1.6, 2.5, 12.0, 40.0, 0.3])])
+
+    g, loss, act, mom, param = (pick(0), pick(1, -0.5), pick(2), pick(3), pick(4))
+    g = 1.0 if g is None else g
+    param = 1.0 if param is None or param < 0 else param
+    st = StepStats(step=step, lr=r.choice([0.1, 0.1, 0.1, 0.01, 1.0]), loss=loss,
+                   grad_norms={} if g == 0.0 else {0: abs(g)}, param_norms={0: param},
+                   activations={} if act is None else {"m": act},
+                   state_norms={} if mom is None else {"momentum_buffer": {0: mom}})
+    if not math.isfinite(g):
+        st.nonfinite_grads = {0}
+    return st
+
+
+@pytest.mark.parametrize("phases", [("both",), ("pre", "post")])
+def test_gate_same_alarms_and_state_on_wild_steps(phases: tuple[str, ...]) -> None:
+    """Seeded random steps at the edges of every quiet update (`_wild_stats`), small windows and
+    short runs in the configs, the loss-trend tests turned off halfway on odd seeds (as the
+    objective does): the gate and the full pass raise the same alarms (cause included) and
+    leave the same state all along."""
+    taken = 0
+    for seed in range(30):
+        r = random.Random(seed)
+        config = _config(seed + 1)
+        full, gated = _Path(config, False, phases), _Path(config, True, phases)
+        levels = [r.uniform(0.1, 10) for _ in range(5)]
+        for step in range(120):
+            if step == 60 and seed % 2:  # the objective found non-stationary mid-run
+                for d in (*full.detectors, *gated.detectors):
+                    if hasattr(d, "nonstationary"):
+                        d.nonstationary = True
+            st = _wild_stats(r, step, levels)
+            for path in (full, gated):
+                for phase in phases:
+                    signals = st.seal()
+                    if path.gate is not None:
+                        found = path.gate.run(st, phase, signals)
+                    else:
+                        found = [a for d in path.detectors
+                                 if phase == "both" or d.phase == phase for a in d.check(st)]
+                    path.alarms += [(a.step, a.kind, a.signal, repr(a.value), a.message,
+                                     a.cause) for a in found]
+            if step % 10 == 9:
+                assert gated.state() == full.state(), (seed, step)
+        assert gated.alarms == full.alarms, seed
+        assert gated.gate is not None
+        taken += gated.gate.passed
+    print(f"gate passed {taken} of {30 * 120 * len(phases)} phases")
+    assert taken > 300  # the quiet updates were taken, not only the full tests
+
+
 def test_gate_takes_healthy_steps() -> None:
     """A healthy run with default settings: the gate takes every step, those whose gradient
     norm grew 1.5x over the last one included (a growth run too short to be a cascade), but
@@ -201,21 +264,79 @@ def test_gate_takes_healthy_steps() -> None:
     assert path.gate is not None and path.gate.passed == 1000 - over and over < 60
 
 
-def test_gate_off_for_other_detector_sets() -> None:
+def test_gate_off_by_config_runs_every_check() -> None:
+    """`DetectConfig(quiet_gate=False)`: every step takes every detector's `check`."""
+    calls = _counting_checks(DetectConfig(quiet_gate=False), steps=50)
+    assert calls == {"quiet": 0, "check": 50 * 7}
+
+
+def test_subclass_without_its_quiet_update_takes_check() -> None:
+    """A detector subclass that changes `check` but not `quiet` never takes the inherited
+    quiet update (it would stand in for a test it does not know); the others keep theirs."""
+    seen: list[int] = []
+
+    class Mine(SpikeDetector):
+        def check(self, stats: StepStats) -> list[Any]:
+            seen.append(stats.step)
+            return super().check(stats)
+
     dets = default_detectors(DetectConfig())
-    assert QuietGate(dets).enabled
-    assert not QuietGate(dets[:-1]).enabled
-    assert not QuietGate([*dets, dets[1]]).enabled
+    dets[1] = Mine(DetectConfig())
+    gate = QuietGate(dets)
+    for step in range(30):
+        st = StepStats(step=step, loss=1.0, grad_norms={0: 1.0}, param_norms={0: 1.0})
+        gate.run(st, "both", st.seal())
+    assert seen == list(range(30))
+    assert gate.passed == 0
 
-    class Mine(type(dets[1])):  # type: ignore[misc]
-        pass
 
-    assert not QuietGate([dets[0], Mine(DetectConfig()), *dets[2:]]).enabled
+def test_any_detector_set() -> None:
+    """The gate is a loop over whatever detectors it is given: a set without the vanishing
+    detector, or with a second one, takes the quiet updates and agrees with `check`."""
+    config = DetectConfig()
+    for make in (lambda: default_detectors(config)[:-1],
+                 lambda: [*default_detectors(config), VanishingDetector(config)]):
+        full, gated = _Path(config, False, ("both",)), _Path(config, True, ("both",))
+        full.detectors, gated.detectors = make(), make()
+        gated.gate = QuietGate(gated.detectors)
+        for row in _trace(10):  # spikes, a cascade, its NaN, vanishing gradients
+            full.step(row)
+            gated.step(row)
+        assert gated.alarms == full.alarms and full.alarms
+        assert gated.state() == full.state()
+        assert gated.gate.passed > 0
 
 
-def test_gate_needs_sealed_stats() -> None:
-    dets = default_detectors(DetectConfig())
-    st = StepStats(step=0, loss=1.0, grad_norms={0: 1.0}, param_norms={0: 1.0})
-    assert not QuietGate(dets).passes(st, "both")  # not sealed: the full pass decides
-    st.seal()
-    assert QuietGate(dets).passes(st, "both")
+def test_nonfinite_step_takes_every_check() -> None:
+    """A step holding a NaN goes through every `check` (the non-finite detectors' business),
+    and its alarm is raised; the quiet steps around it take the quiet updates."""
+    calls = _counting_checks(DetectConfig(), steps=30, nan_at=20)
+    assert calls["check"] >= 7  # the NaN step (and the one that ends its episode)
+    assert calls["quiet"] >= 25 * 4
+
+
+def _counting_checks(config: DetectConfig, steps: int, nan_at: int = -1) -> dict[str, int]:
+    """Calls of the detectors' `check` and `quiet` over a healthy series through the gate."""
+    calls = {"quiet": 0, "check": 0}
+    dets = default_detectors(config)
+    for d in dets:
+        for name in calls:
+            method = getattr(d, name)
+
+            def counted(*args: Any, _m: Any = method, _n: str = name) -> Any:
+                calls[_n] += 1
+                return _m(*args)
+
+            setattr(d, name, counted)
+    gate = QuietGate(dets)
+    alarms = []
+    for step in range(steps):
+        bad = step == nan_at
+        st = StepStats(step=step, loss=math.nan if bad else 1.0 + 0.01 * (step % 5),
+                       grad_norms={0: 1.0 + 0.1 * (step % 3)}, param_norms={0: 5.0})
+        if bad:
+            st.nonfinite_grads = {0}
+            st.grad_norms = {0: math.nan}
+        alarms += gate.run(st, "both", st.seal())
+    assert {a.kind for a in alarms} == ({"nonfinite"} if nan_at >= 0 else set())
+    return calls
