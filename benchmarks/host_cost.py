@@ -73,7 +73,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import nanguard
 
-from nanguard import Guard, GuardConfig, RecordConfig
+from nanguard import DetectConfig, Guard, GuardConfig, RecordConfig
 from nanguard.watch.fingerprint import sample_sums
 
 CONFIGS = ("plain", "default", "clip_grad_norm", "no_batch", "no_gate", "norm_floor",
@@ -167,8 +167,8 @@ def make_runner(name: str, wl: Workload, out: Path) -> Runner:
     guard = None
     if name in ("default", "no_batch", "no_gate"):
         guard = Guard(model, opt, out=out / name,
-                      config=GuardConfig(record=RecordConfig(summary=False)))
-        guard._gate.enabled = name != "no_gate"
+                      config=GuardConfig(record=RecordConfig(summary=False),
+                                         detect=DetectConfig(quiet_gate=name != "no_gate")))
 
     def step(batch: Batch) -> None:
         x, y = batch

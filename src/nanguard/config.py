@@ -81,6 +81,11 @@ class WatchConfig:
     per_parameter: bool = True
     """Store per-parameter gradient / parameter / optimizer-state norms in the run store."""
 
+    quiet_lane: bool = True
+    """Measure and read the common CPU step on the quiet lane (`watch.lane`: no packets, one
+    host read). False sends every step through the packet path: the same statistics, alarms
+    and record, more Python calls (the differential tests compare)."""
+
 
 @_strict
 @dataclass(kw_only=True)
@@ -216,6 +221,11 @@ class DetectConfig:
 
     spike_cooldown: int = 5
     """Steps before another spike alarm may fire."""
+
+    quiet_gate: bool = True
+    """Let the quiet gate (`detect.gate`) take the steps no detector could alarm on, with the
+    state updates alone. False runs every step through every detector: the same alarms and
+    detector state, slower (the differential tests and `benchmarks/host_cost.py` compare)."""
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:

@@ -1,0 +1,8 @@
+"""The step core: what a `Guard` runs at each optimizer step, as one pipeline.
+
+- `pipeline.StepPipeline`: the hooks and what they call, in step order (start there);
+- `build`: the settings and the parts, made once (`Parts`), never assigned from outside;
+- `state`: what the pipeline carries between steps (`StepState`) and the run's facts
+  (`RunFacts`), each one declared dataclass;
+- `failopen`: the one wrapper that keeps an error of nanguard's own out of training.
+"""
