@@ -17,6 +17,9 @@ framework adapters. Its keys, in order, and the part each comes from:
   are compared with it. The LR at save rides in `recovery` (`policy.lr_change`): a resume whose
   first step runs at 10x it is an LR jump at that step.
 
+`take_baselines` hands detector baselines from one live guard to the next (a new optimizer
+over the same parameters every epoch).
+
 Older states may lack `recovery`, `grad_baseline`, `spikes`, `log` and `resume`; they load with
 those parts left as the new guard has them (`grad_baseline` empty).
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from nanguard.detect.detectors import Detector
 from nanguard.pinpoint.baseline import GradBaseline
 from nanguard.record.runlog import HISTORY
 from nanguard.recover.loss_after import LossAfter, loss_level
@@ -69,3 +73,14 @@ def restore(state: StepState, parts: Parts, saved: Mapping[str, Any]) -> None:
     state.grad_baseline = GradBaseline({int(i): float(v)
                                         for i, v in saved.get("grad_baseline", {}).items()})
     state.loss_after = LossAfter.resumed(saved.get("resume"), state.step)
+
+
+def take_baselines(mine: list[Detector], theirs: list[Detector]) -> None:
+    """`Guard.take_baselines`: each series detector of `mine` starts from its counterpart's
+    baselines in `theirs` (same order and class); other detectors are left alone."""
+    if len(mine) != len(theirs):
+        return
+    for d, other in zip(mine, theirs, strict=True):
+        take = getattr(d, "take_baselines", None)  # the series detectors'
+        if take is not None and type(d) is type(other):
+            take(other)

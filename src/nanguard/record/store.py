@@ -151,6 +151,8 @@ class NullStore:
     """Records nothing: used when recording is off, so callers never test `if store:`."""
 
     path: Path | None = None
+    folder: Path | None = None
+    """The run folder (None: nothing is recorded)."""
     error: BaseException | None = None
 
     def write_meta(self, **values: Any) -> None: ...

@@ -151,8 +151,8 @@ class StepPipeline:
             self._give_back_grads()
         st.current, st.pending = None, []
         self.detach()
-        self.error = note_internal_error(exc, where, st.step, getattr(
-            self.parts.store, "folder", None), self.parts.store)
+        store = self.parts.store
+        self.error = note_internal_error(exc, where, st.step, store.folder, store)
         self.exit = distributed.LockstepExit.after_stand_down(
             exc, self.optimizer, self._agree_device, hooked=self.hooked,
             observe=self.config.policy == "observe", cross_rank=self.parts.cross_rank,
@@ -192,6 +192,21 @@ class StepPipeline:
             parts.store.write_rng(st.step, rng.dumps(st.step_rng))
         else:  # every step: torch's generators, what a replay of the next step draws from
             st.step_rng = rng.capture_step()
+
+    def before_update(self) -> None:
+        """`Guard.before_update`: the pre-hook, or a stood-down rank's part in the others'
+        agreement."""
+        if self.error is None:
+            self.pre_hook(self.optimizer, (), {})
+        elif self.exit is not None:
+            self.exit.pay("pre")
+
+    def after_update(self) -> None:
+        """`Guard.after_update`: the post-hook, or what a stood-down rank still owes."""
+        if self.error is None and not self.closed:
+            self.post_hook(self.optimizer, (), {})
+        elif self.exit is not None:
+            self.exit.pay("post")
 
     @fail_open("watch")
     def watch(self, loss: torch.Tensor | float | None, batch: Any) -> None:
