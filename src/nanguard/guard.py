@@ -11,12 +11,12 @@ A plain loop needs two extra lines::
         optimizer.zero_grad()
     guard.close()                                     # or `with Guard(...) as guard:`
 
-How it fits together: the Guard is the public face and the run's lifecycle (build, watch,
-close, resume). It holds one `step.pipeline.StepPipeline`: its optimizer step pre-hook runs
-after backward and clipping, before the update; its post-hook right after. They measure the
-step, judge it (detectors, the first non-finite finding, the policy) and record it. The parts
-are made once by `step.build`; what carries between steps is `step.state.StepState`; the run
-log is the one writer of the record, from which `close()` builds the report.
+How it fits together: the Guard is the public face and the run's lifecycle. It holds one
+`step.pipeline.StepPipeline`, whose optimizer step pre-hook runs after backward and clipping,
+before the update, and post-hook right after: they measure the step, judge it (detectors, the
+first non-finite finding, the policy) and record it. Its parts are made once by `step.build`;
+what carries between steps is `step.state.StepState`; the run log writes the record, from
+which `close()` builds the report (`step.closing`).
 """
 
 from __future__ import annotations
@@ -80,8 +80,7 @@ class Guard:
             clip and argv, the preflight's verdict); adapters and `nanguard run` pass theirs.
 
     Raises:
-        ValueError: on arguments that cannot work (unknown policy, not a module, an unwritable
-            run folder), with a one-line message that says what to do.
+        ValueError: on arguments that cannot work (an unknown policy, an unwritable folder).
     """
 
     def __init__(
@@ -152,6 +151,14 @@ class Guard:
     """The last recorded steps, up to one past the first non-finite one."""
     failing_stats: StepStats | None = _view("log.failing")
     """The statistics of the step where the first non-finite value showed."""
+    run_entry: str = _view("facts.entry")
+    """How the user runs nanguard (`facts`): `api`, `run`, `lightning` or `transformers`."""
+    script_clip: float | None = _view("facts.script_clip")
+    """The `max_norm` of the script's own clipping, 0 when off (`facts`)."""
+    script_argv: list[str] = _view("facts.script_argv")
+    """The command line the training script was started with (`facts`)."""
+    preflight: dict[str, Any] | None = _view("facts.preflight")
+    """`nanguard run --preflight`: its verdict (`facts`)."""
     folder: Path | None = _view("store.folder")
     """The run folder, or None when recording is off."""
 
@@ -169,10 +176,9 @@ class Guard:
     # ------------------------------------------------------------------ in the loop
 
     def watch(self, *, loss: torch.Tensor | float | None = None, batch: Any = None) -> None:
-        """Hand the guard this step's loss and/or batch, any time before `optimizer.step()`.
-        The loss is kept on its device (no host read); the batch (a tensor, or a tuple / list /
-        dict of tensors sharing the leading dimension) is fingerprinted per sample on the
-        device and kept by reference for replay. Raises ValueError once the guard is closed."""
+        """Hand the guard this step's loss and/or batch, any time before `optimizer.step()`: the
+        loss stays on its device; the batch (tensors sharing the leading dimension) is
+        fingerprinted per sample and kept for replay. ValueError once the guard is closed."""
         if self._closed:
             raise ValueError(_CLOSED)
         self._pipe.watch(loss, batch)
@@ -183,9 +189,8 @@ class Guard:
         self._pipe.watch_micro_batch(batch)
 
     def note_clip_norm(self, total_norm: torch.Tensor | float) -> None:
-        """Give the guard what your `clip_grad_norm_` returned (the norm before clipping), after
-        clipping and before `optimizer.step()`: the spike measures score it, as OLMo does
-        (run.db `steps.clip_norm`). `nanguard run` and the Lightning callback call this."""
+        """Give the guard what your `clip_grad_norm_` returned, before `optimizer.step()`: the
+        spike measures score the norm before clipping, as OLMo does (`steps.clip_norm`)."""
         self._pipe.note_clip_norm(total_norm)
 
     def before_update(self) -> None:
@@ -238,20 +243,14 @@ class Guard:
             raise ValueError(_CLOSED)
         return self
 
-    def __exit__(self, tp: type[BaseException] | None, exc: BaseException | None,
-                 tb: object) -> None:
+    def __exit__(self, tp: object, exc: BaseException | None, tb: object) -> None:
         if not self._closed:
             self.close(*ending.classify(exc))
 
     def close(self, ended: str | None = None, error: str | None = None) -> Report:
-        """Remove every hook, read what is pending, write report.json, print the summary.
-        Safe to call again; runs at interpreter exit if forgotten.
-
-        Args:
-            ended: `ok`, `error` (it raised or exited non-zero), `interrupted` (SIGINT /
-                SIGTERM) or `stopped` (the `raise` policy); None: as far as nanguard saw.
-            error: a one-line description of that error (report.json's `run.ended`).
-        """
+        """Remove every hook, read what is pending, write report.json, print the summary; safe
+        to call again, runs at exit if forgotten. `ended`: `ok`, `error`, `interrupted` or
+        `stopped` (None: as nanguard saw it), `error` its one line (report.json `run.ended`)."""
         if self._closed:
             assert self.report is not None
             return self.report

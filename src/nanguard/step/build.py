@@ -40,7 +40,7 @@ from nanguard.watch import loads, replicas, rng, saturation
 from nanguard.watch.activations import ActivationProbe, dtype_max
 from nanguard.watch.batch import BatchProbe
 from nanguard.watch.lane import QuietLane
-from nanguard.watch.norms import _DTENSOR
+from nanguard.watch.norms import local
 from nanguard.watch.replicas import ReplicaCheck
 from nanguard.watch.saturation import SaturationProbe
 from nanguard.watch.stats import StepProbe, watched_buffers
@@ -237,6 +237,6 @@ def _lane(host: Host, steps: StepWatch, cfg: GuardConfig, cross_rank: bool,
             or cfg.watch.read_every != 1 or not params
             or (cfg.policy == "skip" and set(cfg.acting_on) == {"nonfinite"}
                 and device_skip.supports(host.optimizer))
-            or (_DTENSOR is not None and any(isinstance(p, _DTENSOR) for p in params))):
+            or any(local(p) is not p for p in params)):  # a sharded (DTensor) one
         return None
     return QuietLane(steps, cfg.watch.update_ratio_every)
