@@ -3,17 +3,17 @@
 
 A step, in order:
 
-1. `pre` (the step pre-hook: after backward and any clipping, before the update). The LR and
-   the parameters are followed; the step is measured, on the quiet lane (`watch.lane`: the
+1. `pre_hook` (after backward and any clipping, before the update). The LR and the
+   parameters are followed; the step is measured, on the quiet lane (`watch.lane`: the
    common CPU step, no packets) or as a packet (`watch.step`). An acting policy, an armed
    replay or a cross-rank agreement reads it now: `_before_update` detects, pinpoints a
    non-finite value by replay, agrees with the other ranks and applies the policy's effects
    (`skip` takes the gradients away, so the update is a no-op).
 2. The optimizer's update.
-3. `post` (the step post-hook): gives the gradients back, counts the step and reads what is
-   due (at once; `read_every` steps later; one step late on a GPU under `observe`). Each step
-   read is judged the same way (`_judge`): detectors (behind the quiet gate), the first
-   non-finite finding, the record, the policy's post-update decision.
+3. `post_hook` (right after the update): gives the gradients back, counts the step and reads
+   what is due (at once; `read_every` steps later; one step late on a GPU under `observe`).
+   Each step read is judged the same way (`_judge`): detectors (behind the quiet gate), the
+   first non-finite finding, the record, the policy's post-update decision.
 
 The pipeline's parts are made once by `step.build` (`Parts`); what it carries between steps is
 `StepState`; the run log is the one writer of the record. Every entry point fails open
@@ -92,7 +92,7 @@ class StepPipeline:
         self.hooked = False
         self._handles: list[RemovableHandle] = []
 
-    # ------------------------------------------------------------------ what hosts read
+    # -- what the parts built around it read -------------------------------------------------------
 
     @property
     def step(self) -> int:
@@ -115,7 +115,7 @@ class StepPipeline:
         """An alarm raised outside the detectors (the saturation probe, replica agreement)."""
         self.parts.log.add_alarm(alarm)
 
-    # ------------------------------------------------------------------ hooks and standing down
+    # -- hooks, and standing down ------------------------------------------------------------------
 
     def attach(self, hook_optimizer: bool) -> None:
         """Register the pipeline's hooks: the optimizer's step pre- and post-hooks (unless a
@@ -158,41 +158,6 @@ class StepPipeline:
             observe=self.config.policy == "observe", cross_rank=self.parts.cross_rank,
             in_hook=_IN_HOOK.get(where), agreed=st.agreed)
 
-
-    @fail_open(POST_HOOK)
-    def post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        """The step post-hook: runs right after the update (or where it would have been).
-        One path for every step; only how the step is read differs (the reader: the quiet
-        lane, or the packet path's `_read_after`), and each step read is `_judge`d."""
-        st, parts = self.state, self.parts
-        cur = st.current
-        if cur is None:  # stood down in this very step's pre-hook
-            return
-        st.current, st.agreed = None, False
-        parts.recovery.after_update()  # the scheduler's LR back before anything reads it
-        if cur.device_skip:
-            device_skip.disarm(optimizer)
-        if st.stashed_grads is not None:
-            self._give_back_grads()
-        if type(cur) is LaneStep:  # read right after the update, in one host read
-            assert parts.lane is not None
-            fresh = cur.stats is None  # an acting policy read its pre-update part already
-            stats = parts.lane.read(cur)
-            st.step += 1
-            self._judge(cur, stats, fresh)
-        else:
-            assert isinstance(cur, Pending), "post-step hook without a pre-step hook"
-            self._read_after(cur)
-        if cur.stats is not None:  # read before the update: the snapshot a rollback needs
-            parts.recovery.maybe_snapshot(cur.stats)
-        if parts.act_probe:  # activations on sampled steps only
-            parts.act_probe.enabled = st.step % self.config.watch.activations_every == 0
-        if st.step % self.config.record.rng_every == 0:  # kept: every generator
-            st.step_rng = rng.capture()
-            parts.store.write_rng(st.step, rng.dumps(st.step_rng))
-        else:  # every step: torch's generators, what a replay of the next step draws from
-            st.step_rng = rng.capture_step()
-
     def before_update(self) -> None:
         """`Guard.before_update`: the pre-hook, or a stood-down rank's part in the others'
         agreement."""
@@ -207,6 +172,8 @@ class StepPipeline:
             self.post_hook(self.optimizer, (), {})
         elif self.exit is not None:
             self.exit.pay("post")
+
+    # -- before the update -------------------------------------------------------------------------
 
     @fail_open("watch")
     def watch(self, loss: torch.Tensor | float | None, batch: Any) -> None:
@@ -242,14 +209,6 @@ class StepPipeline:
              else torch.tensor(float(total_norm)))
         self.state.clip_norm = t.reshape(())
 
-    @fail_open("close")
-    def finish(self) -> None:
-        """At close: read every pending step, check what was handed to `watch` after the last
-        step, and let the store write its last batch (a writer failure: degraded, not lost)."""
-        self.flush()
-        self._check_leftover()
-        self.parts.store.flush()
-
     def _on_load(self, loaded: Any, *_: Any) -> None:
         """`load_state_dict` post-hook of the model and the optimizer: loaded values are
         checked for finiteness before the next update, and the line that loaded them kept."""
@@ -258,73 +217,6 @@ class StepPipeline:
             self.parts.recovery.lr_changes.load(_lr(self.optimizer))
         self.state.load_site = loads.call_site()
         loads.note(self.state.load_site, loaded)
-
-    def _lr_changed(self, lr: float | None) -> None:
-        """The LR differs from the last step's (or the one a loaded checkpoint carried): a
-        jump up without warm-up is an `lr_jump` alarm, said at once (`policy.lr_change`)."""
-        jump = self.parts.recovery.lr_changes.see(self.state.step, lr)
-        if jump is None:
-            return
-        self.parts.log.add_alarm(jump.alarm())
-        if self.state.loss_after is None or self.state.loss_after.what != "resume":
-            # (a resume's own check names a jump that came with it)
-            level = loss_level(s.loss for s in self.parts.log.history)
-            if level is not None or jump.resumed:
-                self.state.loss_after = LossAfter(level, jump.step, "jump", jump)
-
-    def _check_loss_after(self, stats: StepStats) -> None:
-        """One of the first steps after a resume or an LR jump: its loss against the loss
-        before (`recover.loss_after`); one alarm at most."""
-        check = self.state.loss_after
-        assert check is not None
-        alarm = check.see(stats.step, stats.loss, self.parts.recovery.lr_changes.jump)
-        if alarm is not None or check.done(stats.step + 1):
-            self.state.loss_after = None
-        if alarm is not None:  # recorded, not a detector's: the step is judged as before
-            self.parts.log.add_alarm(alarm)
-
-    def _check_leftover(self) -> None:
-        """At close: a loss or batch handed to `watch` after the last optimizer step (the run
-        died in its first iteration, or before the next step) is checked too, so a NaN that
-        never reached an optimizer step is not lost. One host read, only when there is one."""
-        if self.parts.log.finding is not None:
-            return
-        stats = self.parts.steps.leftover(self.state.step, self._device, self.state.loss)
-        self.state.loss = None
-        if stats is not None and (stats.nonfinite_signals() or stats.nonfinite_samples):
-            found = self._locate(stats)
-            found["signals"] = found["signals"] or ["data"]
-            self.parts.log.set_finding(found, failing=stats)
-
-    @property
-    def _device(self) -> torch.device:
-        """Where a step's packet is gathered: the first parameter's device (read each step: the
-        model may be moved after the guard was built)."""
-        if not self.state.params:
-            return torch.device("cpu")
-        p = self.state.params[0]  # `local(p)` inline: read every step
-        if _DTENSOR is not None and isinstance(p, _DTENSOR):
-            p = p.to_local()  # type: ignore[attr-defined]
-        return p.device
-
-    def _sync_params(self) -> None:
-        """Follow the optimizer's parameters (`add_param_group` after the guard was built).
-        Appending keeps every earlier parameter's index."""
-        st = self.state
-        st.params, st.param_names, st.param_order = build.param_table(self.model, self.optimizer)
-        probe = self.parts.probe
-        probe.params = st.params
-        probe._update_buf = None  # reallocated for the new set at the next sample
-        self.parts.store.write_params([(n, tuple(p.shape), p.numel())
-                                       for n, p in zip(st.param_names, st.params, strict=True)])
-
-    def _loaded_flags(self) -> tuple[list[str], torch.Tensor | None]:
-        """Before the first update (and the first after a `load_state_dict`): finiteness flags
-        of every parameter, optimizer-state tensor and buffer, riding in that step's packet."""
-        if self.parts.log.finding is not None:
-            return [], None
-        return loads.finiteness_flags(self.state.param_names, self.state.params, self.optimizer,
-                                      self.parts.buffer_names, self.parts.probe.buffers)
 
     @fail_open(PRE_HOOK)
     def pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -397,6 +289,49 @@ class StepPipeline:
         # were before it: read the pre-step statistics now.
         self._before_update(parts.steps.read_pre(cur), cur, replaying)
 
+    def _sync_params(self) -> None:
+        """Follow the optimizer's parameters (`add_param_group` after the guard was built).
+        Appending keeps every earlier parameter's index."""
+        st = self.state
+        st.params, st.param_names, st.param_order = build.param_table(self.model, self.optimizer)
+        probe = self.parts.probe
+        probe.params = st.params
+        probe._update_buf = None  # reallocated for the new set at the next sample
+        self.parts.store.write_params([(n, tuple(p.shape), p.numel())
+                                       for n, p in zip(st.param_names, st.params, strict=True)])
+
+    def _lr_changed(self, lr: float | None) -> None:
+        """The LR differs from the last step's (or the one a loaded checkpoint carried): a
+        jump up without warm-up is an `lr_jump` alarm, said at once (`policy.lr_change`)."""
+        jump = self.parts.recovery.lr_changes.see(self.state.step, lr)
+        if jump is None:
+            return
+        self.parts.log.add_alarm(jump.alarm())
+        if self.state.loss_after is None or self.state.loss_after.what != "resume":
+            # (a resume's own check names a jump that came with it)
+            level = loss_level(s.loss for s in self.parts.log.history)
+            if level is not None or jump.resumed:
+                self.state.loss_after = LossAfter(level, jump.step, "jump", jump)
+
+    def _loaded_flags(self) -> tuple[list[str], torch.Tensor | None]:
+        """Before the first update (and the first after a `load_state_dict`): finiteness flags
+        of every parameter, optimizer-state tensor and buffer, riding in that step's packet."""
+        if self.parts.log.finding is not None:
+            return [], None
+        return loads.finiteness_flags(self.state.param_names, self.state.params, self.optimizer,
+                                      self.parts.buffer_names, self.parts.probe.buffers)
+
+    @property
+    def _device(self) -> torch.device:
+        """Where a step's packet is gathered: the first parameter's device (read each step: the
+        model may be moved after the guard was built)."""
+        if not self.state.params:
+            return torch.device("cpu")
+        p = self.state.params[0]  # `local(p)` inline: read every step
+        if _DTENSOR is not None and isinstance(p, _DTENSOR):
+            p = p.to_local()  # type: ignore[attr-defined]
+        return p.device
+
     def _before_update(self, stats: StepStats, cur: Pending | LaneStep, replaying: bool
                        ) -> None:
         """The pre-update part of a step read before its update (`stats`, of `cur`): detect,
@@ -445,6 +380,42 @@ class StepPipeline:
         if update:
             self.parts.log.refine_finding(update, write=news, announce=news)
 
+    # -- after the update: one path, each step read judged the same way ----------------------------
+
+    @fail_open(POST_HOOK)
+    def post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """The step post-hook: runs right after the update (or where it would have been).
+        One path for every step; only how the step is read differs (the reader: the quiet
+        lane, or the packet path's `_read_after`), and each step read is `_judge`d."""
+        st, parts = self.state, self.parts
+        cur = st.current
+        if cur is None:  # stood down in this very step's pre-hook
+            return
+        st.current, st.agreed = None, False
+        parts.recovery.after_update()  # the scheduler's LR back before anything reads it
+        if cur.device_skip:
+            device_skip.disarm(optimizer)
+        if st.stashed_grads is not None:
+            self._give_back_grads()
+        if type(cur) is LaneStep:  # read right after the update, in one host read
+            assert parts.lane is not None
+            fresh = cur.stats is None  # an acting policy read its pre-update part already
+            stats = parts.lane.read(cur)
+            st.step += 1
+            self._judge(cur, stats, fresh)
+        else:
+            assert isinstance(cur, Pending), "post-step hook without a pre-step hook"
+            self._read_after(cur)
+        if cur.stats is not None:  # read before the update: the snapshot a rollback needs
+            parts.recovery.maybe_snapshot(cur.stats)
+        if parts.act_probe:  # activations on sampled steps only
+            parts.act_probe.enabled = st.step % self.config.watch.activations_every == 0
+        if st.step % self.config.record.rng_every == 0:  # kept: every generator
+            st.step_rng = rng.capture()
+            parts.store.write_rng(st.step, rng.dumps(st.step_rng))
+        else:  # every step: torch's generators, what a replay of the next step draws from
+            st.step_rng = rng.capture_step()
+
     def _read_after(self, cur: Pending) -> None:
         """The packet path's read after the update: the step joins the pending ones, read
         now (an acting policy, or every `read_every` steps) or, under `observe` on a GPU, one
@@ -459,13 +430,6 @@ class StepPipeline:
                 self.flush(older, live_last=False)
         elif cur.stats is not None or len(st.pending) >= self.config.watch.read_every:
             self.flush()
-
-    def _give_back_grads(self) -> None:
-        """`skip` took the gradients away for the update: give the user them back."""
-        assert self.state.stashed_grads is not None
-        for p, g in zip(self.state.params, self.state.stashed_grads, strict=True):
-            p.grad = g
-        self.state.stashed_grads = None
 
     def flush(self, pending: list[Pending] | None = None, live_last: bool = True) -> None:
         """Read `pending` steps (default: every pending step) at once, then detect and record
@@ -553,6 +517,56 @@ class StepPipeline:
             return alarms
         self.parts.log.add_action(stats.step, "loss_trend_off", objective.message(why))
         return [a for a in alarms if not objective.loss_trend(a)]
+
+    def _record(self, stats: StepStats, p: Pending | LaneStep) -> None:
+        """Keep a judged step: the loss level, the grad-norm baseline, the history up to the
+        first non-finite value, run.db's row, the open episode's tick and step listeners."""
+        st, parts = self.state, self.parts
+        st.last_stats = stats
+        log = parts.log
+        finding = log.finding
+        st.losses.observe(stats.loss, stats.skipped,
+                          troubled=finding is not None or log.recovered_from)
+        if st.loss_after is not None:
+            self._check_loss_after(stats)
+        signals = stats._signals if stats._signals is not None else stats.nonfinite_signals()
+        if not stats.alarms and not signals:
+            # Each parameter's typical grad norm on healthy steps: the baseline of a spike,
+            # folded in when read (`pinpoint.baseline`).
+            pending = st.grad_baseline.pending
+            pending.append(stats.grad_norms)
+            if len(pending) >= GradBaseline.FOLD_AT:
+                st.grad_baseline.fold()
+        # Keep the steps up to the first non-finite value: what led into it is the story.
+        if finding is None or stats.step <= finding.step + 1:
+            log.history.append(stats)
+        write_step(parts.store, stats, len(st.params), self.config.watch.per_parameter,
+                   clip_norm=st.clips.pop(stats.step, None) if st.clips else None)
+        events = parts.events
+        if events.episodes.start is not None:  # an episode is open (a quiet step: nothing)
+            events.tick(stats.step, bool(stats.nonfinite_signals()))
+        if events.step_listeners:
+            events.step(stats.step, step_signals(stats))
+
+    def _check_loss_after(self, stats: StepStats) -> None:
+        """One of the first steps after a resume or an LR jump: its loss against the loss
+        before (`recover.loss_after`); one alarm at most."""
+        check = self.state.loss_after
+        assert check is not None
+        alarm = check.see(stats.step, stats.loss, self.parts.recovery.lr_changes.jump)
+        if alarm is not None or check.done(stats.step + 1):
+            self.state.loss_after = None
+        if alarm is not None:  # recorded, not a detector's: the step is judged as before
+            self.parts.log.add_alarm(alarm)
+
+    def _give_back_grads(self) -> None:
+        """`skip` took the gradients away for the update: give the user them back."""
+        assert self.state.stashed_grads is not None
+        for p, g in zip(self.state.params, self.state.stashed_grads, strict=True):
+            p.grad = g
+        self.state.stashed_grads = None
+
+    # -- acting: agreement across ranks, the policy's effects --------------------------------------
 
     @property
     def _agree_device(self) -> torch.device:
@@ -650,6 +664,8 @@ class StepPipeline:
         report = self._stop_run("stopped", message)
         raise NanguardError(message, report)
 
+    # -- explaining a step: where a value showed, spikes, re-runs ----------------------------------
+
     def _locate(self, stats: StepStats) -> dict[str, Any]:
         st = self.state
         return pinpoint.locate_step(stats, st.param_names, distributed.rank(),
@@ -692,35 +708,28 @@ class StepPipeline:
                       message=f"a sampled re-run of step {stats.step} differs from the step "
                       f"itself: {found.get('why')}")]
 
-    def _record(self, stats: StepStats, p: Pending | LaneStep) -> None:
-        """Keep a judged step: the loss level, the grad-norm baseline, the history up to the
-        first non-finite value, run.db's row, the open episode's tick and step listeners."""
-        st, parts = self.state, self.parts
-        st.last_stats = stats
-        log = parts.log
-        finding = log.finding
-        st.losses.observe(stats.loss, stats.skipped,
-                          troubled=finding is not None or log.recovered_from)
-        if st.loss_after is not None:
-            self._check_loss_after(stats)
-        signals = stats._signals if stats._signals is not None else stats.nonfinite_signals()
-        if not stats.alarms and not signals:
-            # Each parameter's typical grad norm on healthy steps: the baseline of a spike,
-            # folded in when read (`pinpoint.baseline`).
-            pending = st.grad_baseline.pending
-            pending.append(stats.grad_norms)
-            if len(pending) >= GradBaseline.FOLD_AT:
-                st.grad_baseline.fold()
-        # Keep the steps up to the first non-finite value: what led into it is the story.
-        if finding is None or stats.step <= finding.step + 1:
-            log.history.append(stats)
-        write_step(parts.store, stats, len(st.params), self.config.watch.per_parameter,
-                   clip_norm=st.clips.pop(stats.step, None) if st.clips else None)
-        events = parts.events
-        if events.episodes.start is not None:  # an episode is open (a quiet step: nothing)
-            events.tick(stats.step, bool(stats.nonfinite_signals()))
-        if events.step_listeners:
-            events.step(stats.step, step_signals(stats))
+    # -- the end of the run ------------------------------------------------------------------------
+
+    @fail_open("close")
+    def finish(self) -> None:
+        """At close: read every pending step, check what was handed to `watch` after the last
+        step, and let the store write its last batch (a writer failure: degraded, not lost)."""
+        self.flush()
+        self._check_leftover()
+        self.parts.store.flush()
+
+    def _check_leftover(self) -> None:
+        """At close: a loss or batch handed to `watch` after the last optimizer step (the run
+        died in its first iteration, or before the next step) is checked too, so a NaN that
+        never reached an optimizer step is not lost. One host read, only when there is one."""
+        if self.parts.log.finding is not None:
+            return
+        stats = self.parts.steps.leftover(self.state.step, self._device, self.state.loss)
+        self.state.loss = None
+        if stats is not None and (stats.nonfinite_signals() or stats.nonfinite_samples):
+            found = self._locate(stats)
+            found["signals"] = found["signals"] or ["data"]
+            self.parts.log.set_finding(found, failing=stats)
 
 def _lr(optimizer: torch.optim.Optimizer) -> float | None:
     lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
