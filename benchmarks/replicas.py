@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nanguard.integrations import distributed
+from nanguard.runtime import distributed
 from nanguard.watch import replicas
 
 SETS = {

@@ -1,4 +1,4 @@
-"""What resume points cost and what they save (integrations/resume.py).
+"""What resume points cost and what they save (run/resume.py).
 
     python benchmarks/resume_points.py [--sizes 10,100,400]
 

@@ -212,12 +212,20 @@ def train(
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_python(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """`python ARGS` in `cwd` with this checkout's `src` first on the path and one OpenMP
-    thread: a training script alone, or `-m nanguard run ...`."""
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a Python process a test starts: this checkout's `src` first on the
+    path (nanguard need not be installed) and one OpenMP thread, plus `extra`."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH"))
                                         if p)
     env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_python(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`python ARGS` in `cwd` with `child_env()`: a training script alone, or
+    `-m nanguard run ...`."""
+    env = child_env()
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)

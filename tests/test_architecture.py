@@ -1,5 +1,5 @@
-"""The shape of the code: no import circle anywhere in src/nanguard, and adapters reach the
-Guard through its public face only.
+"""The shape of the code: no import circle anywhere in src/nanguard, no module reaching into
+another's private names, and adapters reach the Guard through its public face only.
 
 Imports are read from the source (module level, `TYPE_CHECKING` blocks and imports inside
 functions alike: a lazy import still ties two modules together), so a circle shows here before
@@ -84,20 +84,81 @@ def test_the_checker_sees_a_circle() -> None:
     assert _cycles(graph) == [["a", "b", "c"]]
 
 
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_uses(name: str, source: str, mods: set[str]) -> list[str]:
+    """Where module `name` uses another nanguard module's private name: `from m import _x`
+    (parenthesised lists included), an import of a private module (`m._common`), or
+    `m._x` on a module it imported. `nanguard._version` is the package's own version file."""
+    found: list[str] = []
+    imported: dict[str, str] = {}  # local name -> nanguard module
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if not node.module.startswith("nanguard") or node.module == name:
+                continue
+            if node.module != "nanguard._version" and any(map(_private, node.module.split("."))):
+                found.append(f"{node.lineno}: private module {node.module}")
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full in mods:
+                    imported[alias.asname or alias.name] = full
+                if _private(alias.name) and full != "nanguard._version":
+                    found.append(f"{node.lineno}: {full}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("nanguard") and alias.name != name:
+                    if any(map(_private, alias.name.split("."))):
+                        found.append(f"{node.lineno}: private module {alias.name}")
+                    if alias.asname:
+                        imported[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in imported and _private(node.attr)):
+            found.append(f"{node.lineno}: {imported[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names() -> None:
+    mods = _modules()
+    offenders = [f"{name}:{use}" for name, path in sorted(mods.items())
+                 for use in _private_uses(name, path.read_text(), set(mods))]
+    assert offenders == []
+
+
+def test_the_private_check_sees_each_form() -> None:
+    mods = {"nanguard.a", "nanguard.b", "nanguard.c._inner"}
+    source = (
+        "from nanguard.a import (\n    public,\n    _hidden,\n)\n"
+        "from nanguard import b\n"
+        "from nanguard.c._inner import thing\n"
+        "from nanguard._version import __version__\n"
+        "def f():\n    return b._secret, b.shown\n"
+    )
+    assert _private_uses("nanguard.z", source, mods) == [
+        "1: nanguard.a._hidden", "6: private module nanguard.c._inner", "9: nanguard.b._secret"]
+    # A module's own private names are its own business.
+    assert _private_uses("nanguard.a", "from nanguard.a import _hidden\n", mods) == []
+
+
 def test_only_the_guard_and_adapters_import_the_guard() -> None:
-    """The core (watch, detect, policy, recover, record, pinpoint, explain, show) never
-    imports the Guard: it gets plain inputs, a narrow link or callbacks."""
+    """The core (watch, detect, policy, recover, record, pinpoint, explain, show, and the
+    step pipeline the Guard holds) never imports the Guard: it gets plain inputs, a narrow
+    link or callbacks."""
     graph = _graph()
     users = sorted(m for m, deps in graph.items() if "nanguard.guard" in deps)
-    core = ("watch", "detect", "policy", "recover", "record", "pinpoint", "explain", "show")
+    core = ("watch", "detect", "policy", "recover", "record", "pinpoint", "explain", "show",
+            "step")
     assert not [m for m in users if (m.split(".") + [""])[1] in core], users
 
 
 def test_adapters_use_the_guards_public_face() -> None:
-    """No `guard._private` access from the integrations or the CLI."""
+    """No `guard._private` access from the integrations, the runner or the CLI."""
     private = re.compile(r"\bguard\._[a-z]\w*")
     offenders = []
-    for folder in ("integrations", "cli"):
+    for folder in ("integrations", "run", "cli"):
         for f in (SRC / folder).rglob("*.py"):
             for i, line in enumerate(f.read_text().splitlines(), 1):
                 if private.search(line):

@@ -171,7 +171,7 @@ def test_measures_of_a_compacted_store_count_every_step(tmp_path: Path) -> None:
 
 
 def test_merged_report_takes_the_part_most_in_spike_and_lists_every_part() -> None:
-    from nanguard.integrations.merge import merge_reports
+    from nanguard.record.merge import merge_reports
     from nanguard.record.report import Report
 
     calm = run_meter(noisy(100))

@@ -14,9 +14,6 @@ POLICIES = ("observe", "raise", "skip", "rollback", "heal")
 OBJECTIVES = ("auto", "stationary", "nonstationary")
 """`DetectConfig.objective`: is the loss a stationary series (`nanguard.detect.objective`)."""
 
-ALARM_KINDS = ("nonfinite", "overflow", "spike", "cascade", "forecast", "divergence",
-               "vanishing", "amp_collapse")
-"""Every alarm kind a detector can raise: the valid names for `GuardConfig.act_on`."""
 IF_EXISTS = ("refuse", "overwrite", "resume")
 
 _C = TypeVar("_C")
@@ -456,10 +453,14 @@ class GuardConfig:
         if isinstance(self.act_on, str):
             raise ValueError(f"act_on must be a tuple of alarm kinds, got the string "
                              f"{self.act_on!r}; write act_on=({self.act_on!r},)")
-        unknown = [k for k in self.act_on or () if k not in ALARM_KINDS]
+        # Imported here: nanguard.detect's package imports its detectors, which import this
+        # module, so a module-level import would be a circle.
+        from nanguard.detect.alarm import ACT_ON_KINDS
+
+        unknown = [k for k in self.act_on or () if k not in ACT_ON_KINDS]
         if unknown:
             raise ValueError(f"unknown alarm kind(s) in act_on: {', '.join(map(repr, unknown))}; "
-                             f"valid: {', '.join(ALARM_KINDS)}")
+                             f"valid: {', '.join(ACT_ON_KINDS)}")
         self.record.__post_init__()
         for name in ("read_every", "activations_every", "state_every"):
             if getattr(self.watch, name) < 1:

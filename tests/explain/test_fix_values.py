@@ -27,7 +27,7 @@ from nanguard.config import GuardConfig, RecordConfig
 from nanguard.explain import Evidence
 from nanguard.explain import rules as R
 from nanguard.explain.fixes import find_flag, lr_range, lr_typo, number, plausible_lr
-from nanguard.integrations.runner import RunOptions, run
+from nanguard.run.runner import RunOptions, run
 
 SCRIPT = '''
 import argparse, torch, torch.nn as nn, torch.nn.functional as F

@@ -20,6 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E4
     EventAccumulator,
 )
 
+from helpers import child_env  # noqa: E402
 from nanguard import Guard, GuardConfig, RecordConfig  # noqa: E402
 from nanguard.export.tensorboard import write_run  # noqa: E402
 
@@ -86,7 +87,7 @@ def test_importing_export_imports_no_tracker():
             "print([m for m in ('tensorboard', 'torch.utils.tensorboard', 'wandb', 'mlflow', "
             "'trackio') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout.strip()
+                         check=True, env=child_env()).stdout.strip()
     assert out == "[]"
 
 

@@ -6,7 +6,6 @@ rank 0 writes the merged report."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -17,6 +16,8 @@ import pytest
 pytest.importorskip("lightning")
 
 from lightning_rig import BATCH  # noqa: E402
+
+from helpers import child_env  # noqa: E402
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
@@ -31,9 +32,9 @@ def test_ddp_both_ranks_skip_the_same_step(tmp_path):
         port = sock.getsockname()[1]
     procs = []
     for rank in (0, 1):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "NODE_RANK": "0",
-               "RANK": str(rank), "PYTHONWARNINGS": "ignore"}
+        env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+                        LOCAL_RANK=str(rank), NODE_RANK="0", RANK=str(rank),
+                        PYTHONWARNINGS="ignore")
         procs.append(subprocess.Popen(
             [sys.executable, str(WORKER), str(out), str(bad_index), str(STEPS)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

@@ -14,7 +14,7 @@ import torch
 from _run import report
 
 import nanguard
-from nanguard.integrations.runner import RunOptions, run
+from nanguard.run.runner import RunOptions, run
 
 CLIPPING = """
 import json

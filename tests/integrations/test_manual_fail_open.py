@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanguard.integrations import manual
-from nanguard.integrations.runner import RunOptions, run
+from nanguard.run import manual
+from nanguard.run.runner import RunOptions, run
 
 RAW = """
 import sys

@@ -12,9 +12,9 @@ import torch
 from torch.nn.modules import module as module_mod
 from torch.optim import optimizer as optimizer_mod
 
-from nanguard.integrations.merge import collect_rank_reports, merge_reports
-from nanguard.integrations.runner import RunOptions, run
+from nanguard.record.merge import collect_rank_reports, merge_reports
 from nanguard.record.report import Report
+from nanguard.run.runner import RunOptions, run
 
 SCRIPT = """
 import json

@@ -1,4 +1,4 @@
-"""When the run must not fork, no resume point is taken (integrations/resume.py): each condition
+"""When the run must not fork, no resume point is taken (run/resume.py): each condition
 made for real in a fresh interpreter, one at a time."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from helpers import run_python
 
 CHECK = """
 import multiprocessing, socket, time
-from nanguard.integrations.resume import _unsafe
+from nanguard.run.resume import _unsafe
 print("clean:", _unsafe())
 {make}
 print("then:", _unsafe())

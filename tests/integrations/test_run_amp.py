@@ -1,4 +1,4 @@
-"""`nanguard run` finds a script's GradScaler by itself (integrations/amp_scalers.py): a step the
+"""`nanguard run` finds a script's GradScaler by itself (run/amp_scalers.py): a step the
 scaler skips for an fp16 overflow is counted, never an alarm, and the loss is recorded in the
 script's units, not times the scale.
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanguard.integrations.runner import RunOptions, run
 from nanguard.record.store import open_run
+from nanguard.run.runner import RunOptions, run
 
 
 def _fp16_autocast() -> bool:

@@ -24,7 +24,7 @@ import pytest
 import torch
 from _run import EXAMPLES, nanguard_run, report
 
-from nanguard.integrations.runner import RunOptions, run
+from nanguard.run.runner import RunOptions, run
 
 
 class Ran(NamedTuple):

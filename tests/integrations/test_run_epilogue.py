@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from _run import report
 
-from nanguard.integrations import runner
-from nanguard.integrations.runner import RunOptions, run
+from nanguard.run import runner
+from nanguard.run.runner import RunOptions, run
 
 SCRIPT = """
 import sys

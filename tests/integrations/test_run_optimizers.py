@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from _run import report
 
-from nanguard.integrations.runner import RunOptions, run
+from nanguard.run.runner import RunOptions, run
 
 WGAN_GP = """
 import torch

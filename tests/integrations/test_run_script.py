@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from _run import EXAMPLES, nanguard_run, report, run
 
-from nanguard.integrations.runner import RunOptions
-from nanguard.integrations.runner import run as run_here
+from nanguard.run.runner import RunOptions
+from nanguard.run.runner import run as run_here
 
 
 def test_plain_loop_nan_row_found_and_pinpointed(tmp_path: Path) -> None:

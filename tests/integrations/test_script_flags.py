@@ -1,10 +1,10 @@
-"""The script's own clipping flag, read from its command line (integrations/script_flags.py)."""
+"""The script's own clipping flag, read from its command line (run/script_flags.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from nanguard.integrations.script_flags import clip_from_argv
+from nanguard.run.script_flags import clip_from_argv
 
 
 @pytest.mark.parametrize("argv, want", [

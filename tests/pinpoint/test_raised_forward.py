@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from nanguard.integrations.held import nonfinite_locals
 from nanguard.pinpoint.attribution import Attribution
 from nanguard.pinpoint.replay import find_origin
+from nanguard.run.held import nonfinite_locals
 
 
 class LogFeatures(nn.Module):

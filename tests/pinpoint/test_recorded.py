@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanguard.integrations.discovery import Discovery
-from nanguard.integrations.runner import RunOptions, run
+from nanguard.run.discovery import Discovery
+from nanguard.run.runner import RunOptions, run
 
 
 def test_thrown_away_forwards_and_losses_are_not_kept_alive(tmp_path: Path) -> None:

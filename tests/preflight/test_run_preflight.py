@@ -26,7 +26,7 @@ import preflight_scripts as scripts
 import pytest
 import torch
 
-from nanguard.integrations.runner import RunOptions, run
+from nanguard.run.runner import RunOptions, run
 
 ROOT = Path(__file__).resolve().parents[2]
 

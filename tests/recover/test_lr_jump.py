@@ -230,3 +230,31 @@ def test_heal_resumed_from_a_state_saved_under_another_policy_starts_warm(checkp
     assert healer is not None and healer.count == len(norms) >= 50  # past its 50-step warm-up
     assert min(norms) < healer.mean < max(norms)
     guard.close()
+
+
+def test_a_cut_soon_after_the_ramp_names_the_jump():
+    """Precursors that recur right after the ramp ends: the target LR itself is unstable. The
+    cut is made (the ramp is over), and its cause names the jump, not only the LR."""
+    from nanguard.config import HealConfig
+    from nanguard.policy.lr_change import Jump
+    from nanguard.recover.heal import Healer
+
+    class _Opt:
+        param_groups = [{"lr": 0.1, "weight_decay": 0.0}]
+
+    class _Link:
+        optimizer = _Opt()
+
+    h = Healer(HealConfig(), _Link())
+    h._start_ramp(Jump(300, 0.01, 0.1))
+    assert h._ramp_factor(400) == 1.0 and h.ramp is None  # the ramp is over at step 400
+    h.precursors.extend([404, 405])
+    h._correct(405)
+    assert [c["action"] for c in h.cuts] == ["lr_cut"] and h.lr_factor == 0.5
+    assert h.cause == ("the LR: lr 0.1, the LR the jump at step 300 went to (0.01 -> 0.1), at "
+                       "its full value for 6 step(s) after a 100-step ramp; 2 grad-norm spikes "
+                       "within 1 steps")
+    # Long after the ramp, a cut is about the LR alone.
+    h.precursors.extend([900, 901])
+    h._correct(901)
+    assert h.cause is not None and "jump" not in h.cause

@@ -61,7 +61,7 @@ def healthy_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def merged_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A merged run (like a GAN's two optimizers): report.json lists its parts' folders."""
-    from nanguard.integrations.merge import merge_reports
+    from nanguard.record.merge import merge_reports
     from nanguard.record.report import load_report
 
     root = tmp_path_factory.mktemp("merged") / "gan"

@@ -5,7 +5,6 @@ while the page is open shows up (and the user's zoom stays)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import Page
+from helpers import child_env
 from nanguard.show.html import write_html
 
 # Helpers evaluated in the page: the Bokeh document drawn last (a live update replaces it),
@@ -214,7 +214,7 @@ def test_dashboard_live_update(healthy_run: Path, page: Page, tmp_path: Path) ->
 def test_dashboard_stops_on_ctrl_c(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "nanguard", "dashboard", str(tmp_path), "--port", "0"],
-        stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stderr=subprocess.PIPE, text=True, env=child_env(PYTHONUNBUFFERED="1"),
     )
     try:
         assert proc.stderr is not None

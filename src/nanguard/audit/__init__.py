@@ -5,7 +5,6 @@ Heavy and optional dependencies (torch, pyarrow, safetensors) are imported insid
 functions that need them.
 """
 
-from nanguard.audit._common import AuditInputError, Finding, UnsafeCheckpointError
 from nanguard.audit.checkpoint import (
     CheckpointReport,
     DiffReport,
@@ -14,6 +13,7 @@ from nanguard.audit.checkpoint import (
     audit_checkpoint,
     diff_checkpoints,
 )
+from nanguard.audit.common import AuditFinding, AuditInputError, UnsafeCheckpointError
 from nanguard.audit.lint import RULES, LintFinding, lint_paths, lint_source
 from nanguard.audit.manifest import ManifestCheck, verify_manifest, write_manifest
 from nanguard.audit.preflight import (
@@ -32,7 +32,7 @@ __all__ = [
     "CheckpointReport",
     "ColumnStats",
     "DiffReport",
-    "Finding",
+    "AuditFinding",
     "LRProbeResult",
     "LayerInit",
     "LintFinding",

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from nanguard.audit._common import AuditInputError, FieldsToDict, Finding, progress, robust_z
 from nanguard.audit.ckpt_load import Source, new_digest, open_checkpoint, update_digest
+from nanguard.audit.common import AuditFinding, AuditInputError, FieldsToDict, progress, robust_z
 from nanguard.audit.manifest import ManifestCheck, load_manifest_for, scalar_entries
 
 # Optimizer state that is a running mean of squares: a negative value is impossible and
@@ -58,7 +58,7 @@ class CheckpointReport:
     path: str
     format: str
     tensors: list[TensorStats] = field(default_factory=list)
-    findings: list[Finding] = field(default_factory=list)
+    findings: list[AuditFinding] = field(default_factory=list)
     manifest: ManifestCheck | None = None
     """The comparison with the checkpoint's manifest, when it has one (its mismatches are
     also `manifest_mismatch` findings)."""
@@ -97,7 +97,7 @@ class DiffReport:
     b: CheckpointReport
     changes: list[TensorChange] = field(default_factory=list)
     unchanged: int = 0
-    findings: list[Finding] = field(default_factory=list)
+    findings: list[AuditFinding] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -163,7 +163,7 @@ def _peer_key(stats: TensorStats) -> tuple[str, int]:
     return stats.name.rsplit(".", 1)[-1], len(stats.shape)
 
 
-def _outliers(tensors: list[TensorStats]) -> list[Finding]:
+def _outliers(tensors: list[TensorStats]) -> list[AuditFinding]:
     groups: dict[tuple[str, int], list[TensorStats]] = defaultdict(list)
     for t in tensors:
         if t.numel > 1 and t.rms and t.absmax and not t.dtype.startswith(("int", "uint", "bool")):
@@ -182,7 +182,7 @@ def _outliers(tensors: list[TensorStats]) -> list[Finding]:
                 flagged.add(p.name)
                 ratio = float(10 ** (lg - med))
                 findings.append(
-                    Finding(
+                    AuditFinding(
                         code="magnitude_outlier",
                         severity="warning",
                         location=p.name,
@@ -195,12 +195,12 @@ def _outliers(tensors: list[TensorStats]) -> list[Finding]:
     return findings
 
 
-def _tensor_findings(t: TensorStats) -> list[Finding]:
+def _tensor_findings(t: TensorStats) -> list[AuditFinding]:
     out = []
     optim = _is_optimizer_state(t.name)
     if t.nonfinite:
         out.append(
-            Finding(
+            AuditFinding(
                 code="optimizer_state_nonfinite" if optim else "nonfinite",
                 severity="error",
                 location=t.name,
@@ -214,7 +214,7 @@ def _tensor_findings(t: TensorStats) -> list[Finding]:
     suffix = t.name.rsplit(".", 1)[-1]
     if optim and suffix in _SECOND_MOMENTS and t.negative:
         out.append(
-            Finding(
+            AuditFinding(
                 code="optimizer_state_negative",
                 severity="error",
                 location=t.name,
@@ -226,7 +226,7 @@ def _tensor_findings(t: TensorStats) -> list[Finding]:
         )
     if optim and suffix == "step" and t.negative:
         out.append(
-            Finding(
+            AuditFinding(
                 code="optimizer_state_step",
                 severity="error",
                 location=t.name,
@@ -237,7 +237,7 @@ def _tensor_findings(t: TensorStats) -> list[Finding]:
     return out
 
 
-def _scalar_findings(scalars: dict[str, Any]) -> list[Finding]:
+def _scalar_findings(scalars: dict[str, Any]) -> list[AuditFinding]:
     out = []
     for name, value in scalars.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -246,7 +246,7 @@ def _scalar_findings(scalars: dict[str, Any]) -> list[Finding]:
         if not math.isfinite(value):
             code = "optimizer_state_nonfinite" if ".param_groups." in name else "nonfinite"
             out.append(
-                Finding(
+                AuditFinding(
                     code=code,
                     severity="error",
                     location=name,
@@ -256,7 +256,7 @@ def _scalar_findings(scalars: dict[str, Any]) -> list[Finding]:
             )
         elif ".param_groups." in name and suffix in ("lr", "eps") and value < 0:
             out.append(
-                Finding(
+                AuditFinding(
                     code="optimizer_hyperparameter",
                     severity="error",
                     location=name,
@@ -266,7 +266,7 @@ def _scalar_findings(scalars: dict[str, Any]) -> list[Finding]:
             )
         elif ".param_groups." in name and suffix == "eps" and value == 0:
             out.append(
-                Finding(
+                AuditFinding(
                     code="optimizer_hyperparameter",
                     severity="warning",
                     location=name,
@@ -276,7 +276,7 @@ def _scalar_findings(scalars: dict[str, Any]) -> list[Finding]:
             )
         elif suffix == "scale" and "scaler" in name and value <= 0:
             out.append(
-                Finding(
+                AuditFinding(
                     code="loss_scale",
                     severity="error",
                     location=name,
@@ -311,7 +311,7 @@ def _check_manifest(report: CheckpointReport, source: Source, manifest: str | No
         # Found beside the file but unreadable (perhaps hit by the same fault): the audit of
         # the tensors still stands, and the manifest is reported, not silently skipped.
         report.findings.append(
-            Finding(
+            AuditFinding(
                 code="manifest_unreadable",
                 severity="error",
                 location=report.path,
@@ -414,7 +414,7 @@ def diff_checkpoints(path_a: str | os.PathLike[str], path_b: str | os.PathLike[s
                 report.changes.append(change)
                 if change.became_nonfinite:
                     report.findings.append(
-                        Finding(
+                        AuditFinding(
                             code="became_nonfinite",
                             severity="error",
                             location=name,

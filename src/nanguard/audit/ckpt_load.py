@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
-from nanguard.audit._common import AuditInputError, UnsafeCheckpointError, one_line, require
+from nanguard.audit.common import AuditInputError, UnsafeCheckpointError, one_line, require
 
 # Elements per chunk when streaming a tensor: bounds memory to tens of MB whatever its size.
 CHUNK_ELEMS = 1 << 21

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from nanguard.audit._common import AuditInputError, Finding, UnsafeCheckpointError, one_line
+from nanguard.audit.common import AuditFinding, AuditInputError, UnsafeCheckpointError, one_line
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 DATA_SUFFIXES = (".csv", ".tsv", ".parquet", ".pq", ".npy", ".npz", ".pt", ".pth")
@@ -52,14 +52,14 @@ class FolderReport(Generic[R]):
     path: str
     files: list[tuple[str, R]] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
-    findings: list[Finding] = field(default_factory=list)
+    findings: list[AuditFinding] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         own = not any(f.severity in ("error", "warning") for f in self.findings)
         return own and all(getattr(r, "ok", True) for _, r in self.files)
 
-    def all_findings(self) -> list[tuple[str, Finding]]:
+    def all_findings(self) -> list[tuple[str, AuditFinding]]:
         """Every finding with the file it is about ("" for the folder's own)."""
         out = [(name, f) for name, r in self.files for f in getattr(r, "findings", [])]
         return out + [(f.location, f) for f in self.findings]
@@ -138,12 +138,12 @@ def _each_file(root: Path, files: list[Path], report: FolderReport[R],
         try:
             report.files.append((rel, one(str(path))))
         except UnsafeCheckpointError as exc:
-            report.findings.append(Finding(
+            report.findings.append(AuditFinding(
                 code="unsafe", severity="error", location=rel, message=str(exc),
                 fix="load it only if you trust its origin; never with weights_only=False "
                 "otherwise"))
         except AuditInputError as exc:
-            report.findings.append(Finding(
+            report.findings.append(AuditFinding(
                 code="unreadable", severity="error", location=rel, message=str(exc)))
 
 
@@ -165,11 +165,11 @@ def _index_findings(root: Path, report: FolderReport[Any]) -> None:
         try:
             weight_map = json.loads(index.read_text()).get("weight_map")
         except (OSError, ValueError, AttributeError) as exc:
-            report.findings.append(Finding(code="bad_index", severity="error", location=rel,
+            report.findings.append(AuditFinding(code="bad_index", severity="error", location=rel,
                                            message=f"unreadable shard index: {one_line(exc)}"))
             continue
         if not isinstance(weight_map, dict):
-            report.findings.append(Finding(code="bad_index", severity="error", location=rel,
+            report.findings.append(AuditFinding(code="bad_index", severity="error", location=rel,
                                            message="the shard index has no weight_map"))
             continue
         by_shard: dict[str, list[str]] = {}
@@ -178,7 +178,7 @@ def _index_findings(root: Path, report: FolderReport[Any]) -> None:
         for shard, tensors in sorted(by_shard.items()):
             shard_rel = str((index.parent / shard).relative_to(root))
             if not (index.parent / shard).is_file():
-                report.findings.append(Finding(
+                report.findings.append(AuditFinding(
                     code="missing_shard", severity="error", location=shard_rel,
                     message=f"{rel} names the shard {shard} ({len(tensors)} tensors), which "
                     "is not in the folder",
@@ -189,7 +189,7 @@ def _index_findings(root: Path, report: FolderReport[Any]) -> None:
             held = {t.name for t in getattr(audited[shard_rel], "tensors", [])}
             absent = [t for t in tensors if t not in held]
             if absent:
-                report.findings.append(Finding(
+                report.findings.append(AuditFinding(
                     code="missing_tensor", severity="error", location=shard_rel,
                     message=f"{rel} puts {len(absent)} tensor(s) in {shard} that it does not "
                     f"hold: {', '.join(absent[:5])}{'...' if len(absent) > 5 else ''}",
@@ -228,7 +228,7 @@ def _folder_manifest_findings(root: Path, report: FolderReport[Any]) -> None:
     try:
         listed = json.loads(where.read_text()).get("files") or {}
     except (OSError, ValueError, AttributeError) as exc:
-        report.findings.append(Finding(code="manifest_unreadable", severity="error",
+        report.findings.append(AuditFinding(code="manifest_unreadable", severity="error",
                                        location=str(where), message=one_line(exc)))
         return
     check = ManifestCheck(manifest=str(where))

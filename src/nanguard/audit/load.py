@@ -13,8 +13,8 @@ import os
 import pickle
 from typing import Any
 
-from nanguard.audit._common import one_line
 from nanguard.audit.ckpt_load import TorchSource
+from nanguard.audit.common import one_line
 from nanguard.audit.manifest import hash_source, load_manifest_for
 from nanguard.audit.manifest_check import ManifestCheck, why_changed
 

@@ -21,9 +21,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from nanguard.audit._common import AuditInputError, UnsafeCheckpointError, json_safe, one_line
 from nanguard.audit.ckpt_load import Source, TorchSource, new_digest, open_checkpoint, sniff
 from nanguard.audit.ckpt_load import update_digest as _update
+from nanguard.audit.common import AuditInputError, UnsafeCheckpointError, json_safe, one_line
 from nanguard.audit.manifest_check import (
     FOLDER_MANIFEST,
     MANIFEST_SUFFIX,

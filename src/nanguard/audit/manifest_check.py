@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanguard.audit._common import FieldsToDict, Finding
+from nanguard.audit.common import AuditFinding, FieldsToDict
 
 SCHEMA = 1
 MANIFEST_SUFFIX = ".nanguard-manifest.json"
@@ -117,10 +117,10 @@ class ManifestCheck:
     def _add(self, file: str, name: str, status: str, **kw: Any) -> None:
         self.mismatches.append(ManifestMismatch(file=file, name=name, status=status, **kw))
 
-    def findings(self) -> list[Finding]:
+    def findings(self) -> list[AuditFinding]:
         """One `manifest_mismatch` error per mismatch, located at the tensor (or shard)."""
         return [
-            Finding(
+            AuditFinding(
                 code="manifest_mismatch",
                 severity="error",
                 location=m.name,

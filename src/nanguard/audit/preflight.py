@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from nanguard.audit._common import Finding, json_safe
+from nanguard.audit.common import AuditFinding, json_safe
 
 INIT_TOO_LARGE = 10.0  # weight std / (1/sqrt(fan_in)); PyTorch's default init gives ~0.58
 INIT_TOO_SMALL = 0.01
@@ -83,7 +83,7 @@ class LRProbeResult:
 
 @dataclass(kw_only=True)
 class PreflightReport:
-    findings: list[Finding] = field(default_factory=list)
+    findings: list[AuditFinding] = field(default_factory=list)
     layers: list[LayerInit] = field(default_factory=list)
     overfit: OverfitResult | None = None
     lr_probe: LRProbeResult | None = None
@@ -97,7 +97,7 @@ class PreflightReport:
         return not any(f.severity in ("error", "warning") for f in self.findings)
 
     @property
-    def errors(self) -> list[Finding]:
+    def errors(self) -> list[AuditFinding]:
         """Error-level findings (what `nanguard run --preflight-only` fails on)."""
         return [f for f in self.findings if f.severity == "error"]
 
@@ -241,7 +241,7 @@ def _init_findings(model: Any, report: PreflightReport, after: dict[str, str]) -
             if not math.isfinite(std) or ratio > INIT_TOO_LARGE:
                 call = _init_fix(name, after.get(name))
                 report.findings.append(
-                    Finding(
+                    AuditFinding(
                         code="exploding_init",
                         severity="error",
                         location=name,
@@ -255,7 +255,7 @@ def _init_findings(model: Any, report: PreflightReport, after: dict[str, str]) -
                 )
             elif 0 < ratio < INIT_TOO_SMALL:
                 report.findings.append(
-                    Finding(
+                    AuditFinding(
                         code="vanishing_gradients",
                         severity="warning",
                         location=name,
@@ -266,7 +266,7 @@ def _init_findings(model: Any, report: PreflightReport, after: dict[str, str]) -
         bn = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
         if isinstance(mod, bn) and getattr(mod, "eps", 1.0) is not None and mod.eps <= 1e-8:
             report.findings.append(
-                Finding(
+                AuditFinding(
                     code="norm_eps",
                     severity="warning",
                     location=name,
@@ -351,7 +351,7 @@ def _forward_check(
         if hit["op"] == "binary_cross_entropy" and (hit["source"] == "sigmoid"
                                                      or ends_in_sigmoid):
             code = "saturated_loss"
-            finding = Finding(
+            finding = AuditFinding(
                 code=code, severity="warning", location="loss_fn",
                 message="the model's output goes through a sigmoid into binary_cross_entropy "
                 "(BCELoss): it saturates (loss clamped at 100, zero gradient) and is unsafe "
@@ -360,7 +360,7 @@ def _forward_check(
             )
         elif hit["op"] != "binary_cross_entropy" and hit["min"] <= 0:
             code = "log_of_nonpositive"
-            finding = Finding(
+            finding = AuditFinding(
                 code=code, severity="error", location=hit["module"],
                 message=f"torch.{hit['op']}{where} gets a value <= 0 on this batch (min "
                 f"{hit['min']:.3g}): -inf / NaN from the first step",
@@ -370,7 +370,7 @@ def _forward_check(
         elif hit["op"] != "binary_cross_entropy" and hit["source"]:
             code = "log_without_floor"
             alt = "F.log_softmax" if hit["source"] == "softmax" else "F.logsigmoid"
-            finding = Finding(
+            finding = AuditFinding(
                 code=code, severity="warning", location=hit["module"],
                 message=f"torch.{hit['op']}{where} of a {hit['source']} output with no floor "
                 f"(smallest value on this batch {hit['min']:.3g}): once the {hit['source']} "
@@ -528,7 +528,7 @@ def _result_findings(report: PreflightReport, optimizer: Any) -> None:
     assert o is not None
     if not math.isfinite(o.first_loss):
         report.findings.append(
-            Finding(
+            AuditFinding(
                 code="nonfinite_loss",
                 severity="error",
                 location="loss_fn",
@@ -538,7 +538,7 @@ def _result_findings(report: PreflightReport, optimizer: Any) -> None:
         )
     elif not o.success:
         report.findings.append(
-            Finding(
+            AuditFinding(
                 code="cannot_overfit",
                 severity="warning",
                 location="model",
@@ -559,7 +559,7 @@ def _result_findings(report: PreflightReport, optimizer: Any) -> None:
         sug += " (measured with the init above: fix that first, then check again)"
     if lr_now >= p.diverge_lr:
         report.findings.append(
-            Finding(
+            AuditFinding(
                 code="optimizer_divergence",
                 severity="error",
                 location="optimizer",
@@ -571,7 +571,7 @@ def _result_findings(report: PreflightReport, optimizer: Any) -> None:
         )
     elif lr_now * LR_NEAR >= p.diverge_lr:
         report.findings.append(
-            Finding(
+            AuditFinding(
                 code="optimizer_divergence",
                 severity="warning",
                 location="optimizer",

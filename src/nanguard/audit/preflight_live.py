@@ -1,6 +1,6 @@
 """`nanguard run --preflight`: the preflight of a script that knows nothing of nanguard.
 
-`LivePreflight` watches an unmodified script (driven by `integrations.discovery.Discovery`)
+`LivePreflight` watches an unmodified script (driven by `run.discovery.Discovery`)
 until its first optimizer step, and then runs `preflight` on copies of what it saw:
 
 * the model: the root module whose output the loss was computed from, and the positional
@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanguard.audit._common import one_line
+from nanguard.audit.common import one_line
 from nanguard.audit.preflight import PreflightConfig, preflight, user_lr
 
 LOSS_FUNCTIONS = (
@@ -86,11 +86,11 @@ def _tensors(obj: Any) -> Iterator[Any]:
             yield from _tensors(v)
 
 
-def _versions(*objs: Any) -> list[tuple[Any, int]]:
+def tensor_versions(*objs: Any) -> list[tuple[Any, int]]:
     return [(t, t._version) for o in objs for t in _tensors(o)]
 
 
-def _find(output: Any, x: Any, path: tuple[Any, ...] = (), depth: int = 0
+def find_path(output: Any, x: Any, path: tuple[Any, ...] = (), depth: int = 0
           ) -> tuple[tuple[Any, ...], tuple[int, ...] | None] | None:
     """Where `x` (the loss's input) sits in a module's output: its path, and the shape to
     reshape to when `x` is a view of it with another shape (`logits.view(-1, V)`)."""
@@ -116,13 +116,13 @@ def _find(output: Any, x: Any, path: tuple[Any, ...] = (), depth: int = 0
     elif isinstance(output, dict):
         items = output.items()
     for k, v in items:
-        found = _find(v, x, (*path, k), depth + 1)
+        found = find_path(v, x, (*path, k), depth + 1)
         if found is not None:
             return found
     return None
 
 
-def _select(output: Any, path: tuple[Any, ...]) -> Any:
+def select_path(output: Any, path: tuple[Any, ...]) -> Any:
     for k in path:
         output = output[k]
     return output
@@ -143,7 +143,7 @@ def _reaches(start: Any, target: Any, limit: int = 5000) -> bool:
     return False
 
 
-def _wrap(name: str, original: Callable[..., Any], me: weakref.ref[LivePreflight]
+def wrap_call(name: str, original: Callable[..., Any], me: weakref.ref[LivePreflight]
           ) -> Callable[..., Any]:
     """`original`, telling the live preflight about each call until it has run."""
 
@@ -192,7 +192,7 @@ class LivePreflight:
             if original is None or name in self._patched:
                 continue
 
-            wrapper = _wrap(name, original, me)
+            wrapper = wrap_call(name, original, me)
             self._patched[name] = original
             setattr(F, name, wrapper)
         return self
@@ -215,7 +215,7 @@ class LivePreflight:
         """A root module's forward starts (grad enabled): a batch candidate."""
         if self.done:
             return
-        self._calls = [*self._calls[-7:], _RootCall(module, tuple(args), _versions(args))]
+        self._calls = [*self._calls[-7:], _RootCall(module, tuple(args), tensor_versions(args))]
 
     def saw_root_output(self, module: Any, output: Any) -> None:
         if self.done:
@@ -244,12 +244,12 @@ class LivePreflight:
             for call in reversed(self._calls):
                 if call.output is None:
                     continue
-                found = _find(call.output, x)
+                found = find_path(call.output, x)
                 if found is not None:
                     path, shape = found
                     self._losses = [*self._losses[-7:], _LossCall(
                         name, fn, call, path, shape, rest, kwargs, out,
-                        _versions(rest, kwargs))]
+                        tensor_versions(rest, kwargs))]
                     return
             self._losses = [*self._losses[-7:],
                             _LossCall(name, fn, None, (), None, rest, kwargs, out)]
@@ -331,7 +331,7 @@ class LivePreflight:
         fn, path, shape = loss.fn, loss.path, loss.shape
 
         def loss_fn(out: Any, targets: Any) -> Any:
-            x = _select(out, path)
+            x = select_path(out, path)
             if shape is not None:
                 x = x.reshape(-1, *shape[1:]) if rows is not None and len(shape) > 1 else \
                     x.reshape(shape)

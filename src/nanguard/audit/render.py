@@ -6,7 +6,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from nanguard.audit._common import Finding
+from nanguard.audit.common import AuditFinding
 
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -31,7 +31,7 @@ def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> 
     return tab
 
 
-def print_findings(con: Any, findings: Sequence[Finding]) -> None:
+def print_findings(con: Any, findings: Sequence[AuditFinding]) -> None:
     from rich.markup import escape
 
     for f in findings:

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from nanguard.audit._common import (
+from nanguard.audit.common import (
+    AuditFinding,
     AuditInputError,
     FieldsToDict,
-    Finding,
     RunningMoments,
     progress,
 )
@@ -84,7 +84,7 @@ class ScanReport:
 
     source: str
     tables: list[TableReport] = field(default_factory=list)
-    findings: list[Finding] = field(default_factory=list)
+    findings: list[AuditFinding] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -179,7 +179,7 @@ class _TableScanner:
                 bad |= y >= self.config.num_classes
         return np.asarray(bad)
 
-    def report(self) -> tuple[TableReport, list[Finding]]:
+    def report(self) -> tuple[TableReport, list[AuditFinding]]:
         m, cols = self.moments, self.table.columns
         std = m.std
         stats = [
@@ -206,7 +206,7 @@ class _TableScanner:
         )
         return table, self._findings(stats)
 
-    def _cell_findings(self, kind: str, hits: _Hits) -> list[Finding]:
+    def _cell_findings(self, kind: str, hits: _Hits) -> list[AuditFinding]:
         words = {
             "nan": ("NaN", "error"),
             "posinf": ("+inf", "error"),
@@ -219,7 +219,7 @@ class _TableScanner:
         for col, rows in sorted(hits.rows.items()):
             name, n = self.table.columns[col], int(hits.count[col])
             out.append(
-                Finding(
+                AuditFinding(
                     code=kind,
                     severity=severity,
                     location=f"row {rows[0]}, column {col} {name!r}",
@@ -231,8 +231,8 @@ class _TableScanner:
             )
         return out
 
-    def _findings(self, stats: list[ColumnStats]) -> list[Finding]:
-        out: list[Finding] = []
+    def _findings(self, stats: list[ColumnStats]) -> list[AuditFinding]:
+        out: list[AuditFinding] = []
         for kind in ("nan", "posinf", "neginf", "missing"):
             out += self._cell_findings(kind, self.hits[kind])
         ext = self.hits["extreme"]
@@ -240,7 +240,7 @@ class _TableScanner:
             name, n = self.table.columns[col], int(ext.count[col])
             peak = max(abs(stats[col].min or 0), abs(stats[col].max or 0))
             out.append(
-                Finding(
+                AuditFinding(
                     code="extreme",
                     severity="warning",
                     location=f"row {rows[0]}, column {col} {name!r}",
@@ -259,7 +259,7 @@ class _TableScanner:
         for s in stats:
             if self.checked[s.index] and s.count >= 2 and s.min == s.max:
                 out.append(
-                    Finding(
+                    AuditFinding(
                         code="zero_variance",
                         severity="warning",
                         location=f"column {s.index} {s.name!r}",
@@ -277,7 +277,7 @@ class _TableScanner:
                 out.append(finding)
         return out
 
-    def _label_findings(self) -> list[Finding]:
+    def _label_findings(self) -> list[AuditFinding]:
         hits, col = self.label_bad, self.label_idx
         assert col is not None
         n = int(hits.count[0])
@@ -288,7 +288,7 @@ class _TableScanner:
         allowed = f"integers in [0, {k})" if k is not None else "integers >= 0"
         shown = ", ".join(f"{r} ({v:g})" for r, v in zip(rows, values, strict=True))
         return [
-            Finding(
+            AuditFinding(
                 code="label_out_of_range",
                 severity="error",
                 location=f"row {rows[0]}, column {col} {self.config.label!r}",
@@ -325,7 +325,7 @@ def scan_tables(source: str, tables: list[Table], config: ScanConfig | None = No
         for name, (ok, bad) in table.mixed.items():
             rows = ", ".join(f"row {r}: {v!r}" for r, v in bad)
             report.findings.append(
-                Finding(
+                AuditFinding(
                     code="non_numeric_values",
                     severity="error",
                     location=f"column '{name}'",
@@ -340,7 +340,7 @@ def scan_tables(source: str, tables: list[Table], config: ScanConfig | None = No
         text = [c for c in table.skipped if c not in table.mixed]
         if text:
             report.findings.append(
-                Finding(
+                AuditFinding(
                     code="skipped_columns",
                     severity="info",
                     location=table.name,

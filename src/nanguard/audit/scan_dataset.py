@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from nanguard.audit._common import AuditInputError
+from nanguard.audit.common import AuditInputError
 from nanguard.audit.scan_readers import Chunk, Table
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nanguard.audit._common import AuditInputError, Finding
+from nanguard.audit.common import AuditFinding, AuditInputError
 
 MAX_ROWS = 10
 AUTO_MIN_ONE_FRACTION = 0.9
@@ -66,7 +66,7 @@ class OneHotGroup:
                 idx = np.flatnonzero(mask)[: MAX_ROWS - len(self.rows[kind])]
                 self.rows[kind].extend((start + int(i), float(sums[i])) for i in idx)
 
-    def finding(self, nrows: int) -> Finding | None:
+    def finding(self, nrows: int) -> AuditFinding | None:
         c = self.counts
         if self.strict:
             kinds = ["bad", "zero", "many"]
@@ -80,7 +80,7 @@ class OneHotGroup:
         rows = sorted(r for k in kinds for r in self.rows[k])[:MAX_ROWS]
         shown = ", ".join(f"{r} (sum {s:g})" for r, s in rows)
         how = "" if self.strict else f" ({c['one'] / nrows:.1%} of rows hold exactly one 1)"
-        return Finding(
+        return AuditFinding(
             code="onehot",
             severity="error" if self.strict else "warning",
             location=f"row {rows[0][0]}, columns {self.prefix}*",

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from nanguard.audit._common import AuditInputError, one_line, require
+from nanguard.audit.common import AuditInputError, one_line, require
 
 # Values per chunk: about 8 MB of float64, whatever the number of columns.
 CHUNK_VALUES = 1 << 20

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from nanguard.cli.main import UserError, add_command
-from nanguard.export._common import run_parts
+from nanguard.export.common import run_parts
 
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")
 # The package each tracker needs, as `pip install nanguard[extra]` names it.

@@ -142,7 +142,7 @@ def _is_user_error(exc: BaseException) -> bool:
         return True
     if not isinstance(exc, ValueError):
         return False
-    from nanguard.audit._common import AuditInputError
+    from nanguard.audit.common import AuditInputError
 
     if isinstance(exc, AuditInputError):
         return True

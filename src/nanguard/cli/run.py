@@ -39,7 +39,7 @@ from nanguard.cli.main import add_command
 from nanguard.config import OBJECTIVES, POLICIES
 from nanguard.errors import UserError
 
-# What a run leaves in its folder (record/store.py, integrations/run_reports.py): replaced by
+# What a run leaves in its folder (record/store.py, run/run_reports.py): replaced by
 # --overwrite; anything else there is the user's and stays.
 RUN_FILES = ("run.db", "run.db-wal", "run.db-shm", "report.json", "report.html",
              "nanguard_error.txt")
@@ -112,8 +112,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nanguard.integrations.runner import RunOptions
-    from nanguard.integrations.runner import run as run_script
+    from nanguard.run.runner import RunOptions
+    from nanguard.run.runner import run as run_script
 
     # `not x >= 0` also refuses nan.
     for flag, value in (("--replay-budget", args.replay_budget), ("--merge-wait", args.merge_wait)):
@@ -151,7 +151,7 @@ def clear_out(out: Path, *, overwrite: bool) -> None:
     `overwrite` remove that run's files, before the script starts. Under torchrun each rank
     looks after its own `rank-R` folder only (rank 0 after the merged report on top too), so
     no rank removes what another has begun to write."""
-    from nanguard.integrations.run_reports import world
+    from nanguard.run.run_reports import world
 
     rank, world_size = world()
     folder = out / f"rank-{rank}" if world_size > 1 else out

@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from nanguard.audit._common import fmt_num
+from nanguard.audit.common import fmt_num
 from nanguard.cli.main import add_command, add_json, wants_json
 from nanguard.errors import UserError
 

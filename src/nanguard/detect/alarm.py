@@ -30,6 +30,11 @@ ALARM_KINDS = (
     "resume_loss",  # the loss right after a resume is far above the loss recorded at save
     # (nanguard.recover.loss_after: recorded, never acted on)
 )
+ACT_ON_KINDS = ("nonfinite", "overflow", "spike", "cascade", "forecast", "divergence",
+                "vanishing", "amp_collapse")
+"""The kinds a policy can act on: the valid names for `GuardConfig.act_on` (the others are
+recorded, never acted on)."""
+assert set(ACT_ON_KINDS) <= set(ALARM_KINDS)
 
 
 @dataclass(kw_only=True)

@@ -25,11 +25,11 @@ FLOAT32_MAX = 3.4028234663852886e38
 # A float32 sum of squares overflows once the norm passes sqrt(float32 max).
 FLOAT32_NORM_LIMIT = math.sqrt(FLOAT32_MAX)
 # Healthy steps of history before a signal's median counts as a typical level (see `peak`).
-_LEVEL_MIN_STEPS = 5
+LEVEL_MIN_STEPS = 5
 # Before `warmup_steps` of history, a spike must also be this many times the largest healthy
 # grad norm so far: a healthy run whose gradients climb steadily in its first steps (a GAN's
 # discriminator learning, an LR warm-up) never jumps 3x over all its earlier steps at once.
-_EARLY_OVER_LARGEST = 3.0
+EARLY_OVER_LARGEST = 3.0
 
 
 def _log10(x: float) -> float:
@@ -242,7 +242,7 @@ class _SeriesDetector(Detector):
 
     def _note_level(self, signal: str, med: float) -> None:
         """Note `med`, the recent median of `signal` in linear units, as a typical level."""
-        if len(self.history[signal]) >= _LEVEL_MIN_STEPS:
+        if len(self.history[signal]) >= LEVEL_MIN_STEPS:
             self.peak[signal] = max(self.peak.get(signal, med), med)
 
     def _reaches_level(self, signal: str, x: float) -> bool:
@@ -405,7 +405,7 @@ class SpikeDetector(_SeriesDetector):
                         f"grad norm {x:.3g} is {10 ** (lx - level):.3g}x its recent level "
                         f"{10 ** level:.3g} ({tz:.0f} sigma of its step-to-step changes)")
         elif (hist and 10 ** (lx - med) >= cfg.early_spike_ratio
-              and 10 ** (lx - hist.largest()) >= _EARLY_OVER_LARGEST):
+              and 10 ** (lx - hist.largest()) >= EARLY_OVER_LARGEST):
             # Too little history for statistics: only the unmistakable case, a jump far above
             # the typical healthy step so far and well above every one of them (the cascade's
             # opening spike at the end of warm-up). The median, not the largest, is the

@@ -32,8 +32,8 @@ from collections import deque
 from typing import Any
 
 from nanguard.detect.detectors import (
-    _EARLY_OVER_LARGEST,
-    _LEVEL_MIN_STEPS,
+    EARLY_OVER_LARGEST,
+    LEVEL_MIN_STEPS,
     CascadeDetector,
     Detector,
     DivergenceDetector,
@@ -129,7 +129,7 @@ class QuietGate:
                             or trend_jump(lx, sp.history["grad_norm"], cfg)):
                         return None
                 elif (n and 10 ** (lx - med) >= cfg.early_spike_ratio
-                      and 10 ** (lx - s[-1]) >= _EARLY_OVER_LARGEST):
+                      and 10 ** (lx - s[-1]) >= EARLY_OVER_LARGEST):
                     return None
                 grad = (lx, 10 ** med if n else None, n)
             loss = stats.loss
@@ -234,7 +234,7 @@ class QuietGate:
                 if part is None:
                     continue
                 lx, v, n = part
-                if n >= _LEVEL_MIN_STEPS:  # `_note_level` on the history before this step
+                if n >= LEVEL_MIN_STEPS:  # `_note_level` on the history before this step
                     sp.peak[signal] = max(sp.peak.get(signal, v), v)
                 adds.append((sp.history[signal], lx))
             sp.last_lr = stats.lr
@@ -269,7 +269,7 @@ class QuietGate:
             dv.recent.append(loss)
             if dv.first is None:
                 dv.first = loss
-            if med is not None and n >= _LEVEL_MIN_STEPS:
+            if med is not None and n >= LEVEL_MIN_STEPS:
                 dv.peak["loss"] = max(dv.peak.get("loss", med), med)
             adds.append((dv.history["loss"], loss))
         if count is not None:
@@ -292,6 +292,6 @@ class QuietGate:
         for signal, hist in levels:  # after the appends: the cascade notes its median then
             s = hist.sorted
             k = len(s)
-            if k >= _LEVEL_MIN_STEPS:
+            if k >= LEVEL_MIN_STEPS:
                 med = s[k // 2] if k % 2 else (s[k // 2 - 1] + s[k // 2]) / 2
                 ca.peak[signal] = max(ca.peak.get(signal, med), med)

@@ -51,7 +51,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nanguard.export._common import Event, Stream, load_run, run_parts, summary
+from nanguard.export.common import Event, Stream, load_run, run_parts, summary
 
 if TYPE_CHECKING:
     from nanguard.guard import Guard

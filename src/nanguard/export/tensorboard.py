@@ -31,7 +31,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nanguard.export._common import SIGNALS, Stream, load_run, run_parts
+from nanguard.export.common import SIGNALS, Stream, load_run, run_parts
 
 if TYPE_CHECKING:
     from nanguard.guard import Guard

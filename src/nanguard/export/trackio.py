@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nanguard.export._common import Stream, load_run, run_parts, summary
+from nanguard.export.common import Stream, load_run, run_parts, summary
 
 if TYPE_CHECKING:
     from nanguard.guard import Guard

@@ -39,7 +39,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nanguard.export._common import RunData, Stream, load_run, run_parts, summary
+from nanguard.export.common import RunData, Stream, load_run, run_parts, summary
 
 if TYPE_CHECKING:
     from nanguard.guard import Guard

@@ -339,7 +339,7 @@ class NanguardCallback(Callback):
         self.report = reports[0]
         if already:
             return
-        from nanguard.integrations.merge import collect_rank_reports, merge_reports
+        from nanguard.record.merge import collect_rank_reports, merge_reports
 
         if self._folder is not None:  # several optimizers: one report over them
             for report, guard in zip(reports, self.guards, strict=True):

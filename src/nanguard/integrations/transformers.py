@@ -293,7 +293,7 @@ class NanguardCallback(TrainerCallback):
         already = guard.closed
         self.report = guard.close(ended, error)
         if not already and self._world > 1 and self._rank == 0 and self.out is not None:
-            from nanguard.integrations.merge import collect_rank_reports, merge_reports
+            from nanguard.record.merge import collect_rank_reports, merge_reports
 
             parts, missing = collect_rank_reports(Path(self.out), self._world)
             merged = merge_reports(parts, {"folder": str(self.out), "world_size": self._world,

@@ -7,7 +7,7 @@ once for N == 0) and left after step N's post-hook. Global module forward hooks 
 module names; the model is discovered as it runs.
 
 A script with no optimizer (hand-written updates) gets its step boundaries from `backward()`
-exactly as `nanguard run` counted them (`integrations.manual.ManualBoundaries`). Such a step
+exactly as `nanguard run` counted them (`run.manual.ManualBoundaries`). Such a step
 ends only at the next backward, after the next forward (raw tensors: no module marks where a
 forward begins), so for step N the checker is entered before step N-1's update and leaves the
 optimizer phase at the first grad-enabled op on a trained tensor (the forward of step N).
@@ -42,10 +42,10 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
-from nanguard.integrations.manual import ManualBoundaries, ManualStep
 from nanguard.pinpoint.attribution import Attribution
 from nanguard.pinpoint.checker import NonfiniteChecker
 from nanguard.pinpoint.origin import Origin
+from nanguard.run.manual import ManualBoundaries, ManualStep
 
 
 @dataclass(kw_only=True)

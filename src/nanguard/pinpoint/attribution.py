@@ -49,7 +49,7 @@ _USER_DIRS = (os.path.join(_NANGUARD_DIR, "scenarios") + os.sep,)
 _internal: dict[str, bool] = {}
 
 
-def _is_internal(filename: str) -> bool:
+def is_internal(filename: str) -> bool:
     hit = _internal.get(filename)
     if hit is None:
         hit = filename.startswith(("<", _TORCH_DIR)) or (
@@ -106,7 +106,7 @@ def user_source() -> str | None:
     f = sys._getframe(1)
     while f is not None:
         name = f.f_code.co_filename
-        if not _is_internal(name):
+        if not is_internal(name):
             return f"{_short(name)}:{f.f_lineno}"
         if _ANCHORS:
             stack = _ANCHORS.get(id(f))

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nanguard.pinpoint.recipe import NotReplayable, _amp
+from nanguard.pinpoint.recipe import NotReplayable, autocast_as
 from nanguard.watch import rng
 
 
@@ -74,7 +74,7 @@ class ClosureRecipe:
     """How to compute one `optimizer.step(closure)` step's loss again: call the closure (it runs
     forward, loss and backward itself), from the RNG and autocast states its first call started
     with. The runner calls that first call itself before the guard checks the step
-    (integrations/discovery.py), so the parameters are still those it saw."""
+    (run/discovery.py), so the parameters are still those it saw."""
 
     closure: Any
     rng: dict[str, Any]
@@ -105,7 +105,7 @@ class ClosureRecipe:
         rng.restore(self.rng)
         try:
             # The closure's prints (a loss log) are the replay's, not the script's: dropped.
-            with _amp(self.amp), contextlib.redirect_stdout(io.StringIO()):
+            with autocast_as(self.amp), contextlib.redirect_stdout(io.StringIO()):
                 out = self.closure()
         finally:
             kept.restore()

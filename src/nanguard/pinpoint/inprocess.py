@@ -60,7 +60,7 @@ def _backpropagated(loss: torch.Tensor) -> bool:
     return ref is not None and ref() is loss
 
 
-class _KeepBuffers:
+class KeepBuffers:
     """Put the model's buffers back after a replay: a train-mode forward updates BatchNorm
     running statistics and counters, and observing must not change training."""
 
@@ -144,7 +144,7 @@ def replay_forward_backward(
             rng.restore(step_rng)
         # A compiled model runs eagerly under the checker: compiling it under a dispatch mode
         # left later compiled runs 1 ulp off (observing must not change training).
-        with _KeepBuffers(model), _eager(), local(model):
+        with KeepBuffers(model), _eager(), local(model):
             origin = find_origin(run_step, model=model, batch=batch, step=step)
     finally:
         for p, g in zip(params, grads, strict=True):
@@ -194,7 +194,7 @@ def spike_sources(
     forward and backward per sample (at most `max_samples`), only on a spike alarm; gradients
     are taken with `torch.autograd.grad`, so `.grad` and the parameters stay untouched.
     """
-    from nanguard.pinpoint.spike import _outliers
+    from nanguard.pinpoint.spike import norm_outliers
 
     layers: list[dict[str, Any]] = []
     for i, v in grad_norms.items():
@@ -207,7 +207,7 @@ def spike_sources(
     losses: list[float] = []  # each sample's own loss (a bad batch's rows stand out in it)
     trainable = [p for p in params if p.requires_grad]
     now = rng.capture()
-    keep = _KeepBuffers(model) if batch_size else None
+    keep = KeepBuffers(model) if batch_size else None
     error = None
     try:
         with local(model):
@@ -226,10 +226,10 @@ def spike_sources(
         if keep is not None:
             keep.__exit__()
         rng.restore(now)
-    found: dict[str, Any] = {"layers": layers[:8], "samples": _outliers(norms, sample_z)[:8]}
+    found: dict[str, Any] = {"layers": layers[:8], "samples": norm_outliers(norms, sample_z)[:8]}
     if len(losses) == len(norms) and losses and min(losses) > 0:
         found["loss_samples"] = [{"index": d["index"], "loss": d["norm"], "z": d["z"]}
-                                 for d in _outliers(losses, sample_z)]
+                                 for d in norm_outliers(losses, sample_z)]
     if error:
         found["error"] = error
     return found

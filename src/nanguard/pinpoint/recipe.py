@@ -24,12 +24,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from nanguard.audit.preflight_live import _select, _versions
+from nanguard.audit.preflight_live import select_path, tensor_versions
 from nanguard.pinpoint import loss_expr
 from nanguard.pinpoint.attribution import replayed_at
 from nanguard.watch import rng
 
-_MAX_CALLS = 8
+MAX_CALLS = 8
 """Root calls and loss calls kept per step; more than that is not a simple step anyway."""
 _AMP_DEVICES = ("cpu", "cuda")
 
@@ -41,7 +41,7 @@ class NotReplayable(Exception):  # noqa: N818 - the word users read in `replay.i
 _ANY_AMP = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
-def _amp_state() -> tuple[tuple[str, torch.dtype], ...]:
+def amp_state() -> tuple[tuple[str, torch.dtype], ...]:
     """The autocast devices on and their dtypes (one C call when none is: the usual case)."""
     if _ANY_AMP is not None and not _ANY_AMP():
         return ()
@@ -50,7 +50,7 @@ def _amp_state() -> tuple[tuple[str, torch.dtype], ...]:
 
 
 @contextlib.contextmanager
-def _amp(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
+def autocast_as(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
     """Autocast as it was when the call was recorded (off for the devices it was off for)."""
     with contextlib.ExitStack() as stack:
         for d in _AMP_DEVICES:
@@ -59,19 +59,19 @@ def _amp(state: tuple[tuple[str, torch.dtype], ...]) -> Iterator[None]:
         yield
 
 
-def _flat_versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Any, int]]:
-    """`_versions(args, kwargs)`, without its recursion for the usual flat call (on the hot
+def flat_versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Any, int]]:
+    """`tensor_versions(args, kwargs)`, without its recursion for the usual flat call (on the hot
     path: once per root call)."""
     out = []
     for v in (*args, *kwargs.values()):
         if isinstance(v, torch.Tensor):
             out.append((v, v._version))
         elif isinstance(v, (tuple, list, dict)):
-            out += _versions(v)
+            out += tensor_versions(v)
     return out
 
 
-def _weak(obj: Any, depth: int = 0) -> Any:
+def weak_tree(obj: Any, depth: int = 0) -> Any:
     """`obj` (a module's output) with weak references in place of its tensors, to the depth
     `_find` looks (tuples and lists become tuples, mappings dicts: the same paths select)."""
     if isinstance(obj, torch.Tensor):
@@ -79,20 +79,20 @@ def _weak(obj: Any, depth: int = 0) -> Any:
     if depth >= 2:
         return None
     if isinstance(obj, (tuple, list)):
-        return tuple(_weak(v, depth + 1) for v in obj)
+        return tuple(weak_tree(v, depth + 1) for v in obj)
     if isinstance(obj, dict):
-        return {k: _weak(v, depth + 1) for k, v in obj.items()}
+        return {k: weak_tree(v, depth + 1) for k, v in obj.items()}
     return None
 
 
-def _live(obj: Any) -> Any:
-    """The tensors of a `_weak` structure that are still alive (None for the others)."""
+def live_tree(obj: Any) -> Any:
+    """The tensors of a `weak_tree` structure that are still alive (None for the others)."""
     if isinstance(obj, weakref.ref):
         return obj()
     if isinstance(obj, tuple):
-        return tuple(_live(v) for v in obj)
+        return tuple(live_tree(v) for v in obj)
     if isinstance(obj, dict):
-        return {k: _live(v) for k, v in obj.items()}
+        return {k: live_tree(v) for k, v in obj.items()}
     return None
 
 
@@ -127,7 +127,7 @@ class RootCall:
     rng: dict[str, Any]
     amp: tuple[tuple[str, torch.dtype], ...]
     output: Any = None
-    """The output as weak references (`_weak`), until the step's backward: the loss input is
+    """The output as weak references (`weak_tree`), until the step's backward: the loss input is
     looked up in it."""
     source: str | None = None
     """The user's line that made the call (`attribution.user_source`): a replayed op of the
@@ -234,16 +234,16 @@ class Recipe:
             if sample is not None:
                 args, kwargs = _rows(args, n, sample), _rows(kwargs, n, sample)
             # Its ops ran at the script's line of this call, not in this frame.
-            with _amp(call.amp), replayed_at(call.source):
+            with autocast_as(call.amp), replayed_at(call.source):
                 outputs[id(call)] = call.module(*args, **kwargs)
         out = outputs[id(self.call)]
         if self.forward_only is not None:
             return _forward_result(out, self.forward_only)
         if not losses:
-            return cast(torch.Tensor, _select(out, self.path))
+            return cast(torch.Tensor, select_path(out, self.path))
 
         def value_of(loss: LossCall) -> torch.Tensor:
-            x = _select(outputs[id(loss.call)], loss.path)
+            x = select_path(outputs[id(loss.call)], loss.path)
             if loss.fn is None:  # the model's own loss, an element of its output
                 return cast(torch.Tensor, x)
             rest, extra, shape = loss.rest, loss.kwargs, loss.shape
@@ -253,7 +253,7 @@ class Recipe:
                     shape = (shape[0] // n, *shape[1:])  # logits.view(-1, V): a sample's rows
             if shape is not None:
                 x = x.reshape(shape)
-            with _amp(loss.amp), replayed_at(loss.source):
+            with autocast_as(loss.amp), replayed_at(loss.source):
                 return cast(torch.Tensor, loss.fn(x, *rest, **extra))
 
         if self.expr is None:

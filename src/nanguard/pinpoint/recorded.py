@@ -12,7 +12,7 @@ pinpoint/recipe.py and pinpoint/closure_recipe.py). What is kept per step:
   keywords), the version counters of the tensors among them, the torch RNG states and the
   autocast state when it started;
 * the loss: the `torch.nn.functional` loss call (loss modules call these too) caught by the
-  wrappers of audit/preflight_live.py (`LOSS_FUNCTIONS`, `_find`: the same mechanism), with its
+  wrappers of audit/preflight_live.py (`LOSS_FUNCTIONS`, `find_path`: the same mechanism), with its
   other arguments and how its input came from the output (the output itself, or a contiguous
   view / reshape of it); or the output element itself when the model returns its loss;
 * which of them each `backward()` of the step took: the loss itself, an element of the output,
@@ -22,7 +22,7 @@ pinpoint/recipe.py and pinpoint/closure_recipe.py). What is kept per step:
   frees its constants.
 
 Everything is held by reference (no copies, no device reads): the arguments until the step's
-update (at most `_MAX_CALLS` calls per backward), the outputs only weakly (a grad-enabled
+update (at most `MAX_CALLS` calls per backward), the outputs only weakly (a grad-enabled
 forward the script throws away keeps no activations alive here), and the loss values weakly
 too. A step is replayable only when it is that simple: per backward, the calls of the model
 before it each reaching a recognised loss (one call, or several whose losses the expression
@@ -38,7 +38,7 @@ non-finite (the step's first non-finite value was then made in the forward). A c
 calls inside one LBFGS `step()` are not replayed here (the parameters have moved by then).
 Anything else gets a one-line reason and the runner falls back to re-running the script.
 
-While a replay runs, `replaying()` (integrations/manual.py) is true for its forward and for the
+While a replay runs, `replaying()` (run/manual.py) is true for its forward and for the
 `backward()` of the loss it returned, so that the step-boundary hooks of the runner
 (`Discovery`, `ManualBoundaries`) do not take nanguard's own forward and backward for the
 script's.
@@ -54,23 +54,23 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from nanguard.audit.preflight_live import LOSS_FUNCTIONS, _find, _select, _wrap
-from nanguard.integrations.manual import REPLAY, forked, replaying
+from nanguard.audit.preflight_live import LOSS_FUNCTIONS, find_path, select_path, wrap_call
 from nanguard.pinpoint import loss_expr
 from nanguard.pinpoint.attribution import user_source
 from nanguard.pinpoint.closure_recipe import ClosureRecipe
 from nanguard.pinpoint.recipe import (
-    _MAX_CALLS,
+    MAX_CALLS,
     LossCall,
     MicroRecipes,
     NotReplayable,
     Recipe,
     RootCall,
-    _amp_state,
-    _flat_versions,
-    _live,
-    _weak,
+    amp_state,
+    flat_versions,
+    live_tree,
+    weak_tree,
 )
+from nanguard.run.manual import REPLAY, forked, replaying
 from nanguard.watch import rng
 
 __all__ = ["ClosureRecipe", "MicroRecipes", "NotReplayable", "Recipe", "StepRecorder",
@@ -79,7 +79,7 @@ __all__ = ["ClosureRecipe", "MicroRecipes", "NotReplayable", "Recipe", "StepReco
 def _scalars(output: Any, path: tuple[Any, ...] = (), depth: int = 0
              ) -> list[tuple[tuple[Any, ...], torch.Tensor]]:
     """The 0-dim floating tensors with a gradient in a module's output, with their paths (to
-    the depth `_find` looks): the candidates for a loss the model returns."""
+    the depth `find_path` looks): the candidates for a loss the model returns."""
     if isinstance(output, torch.Tensor):
         if output.dim() == 0 and output.requires_grad and output.is_floating_point():
             return [(path, output)]
@@ -134,13 +134,13 @@ class StepRecorder:
         """Wrap the `torch.nn.functional` losses (they pass straight through)."""
         import torch.nn.functional as F
 
-        me = cast(Any, weakref.ref(self))  # `_wrap` calls `.done` and `._saw_loss` on it
+        me = cast(Any, weakref.ref(self))  # `wrap_call` calls `.done` and `._saw_loss` on it
         for name in LOSS_FUNCTIONS:
             original = getattr(F, name, None)
             if original is None or name in self._patched:
                 continue
             self._patched[name] = original
-            setattr(F, name, _wrap(name, original, me))
+            setattr(F, name, wrap_call(name, original, me))
         return self
 
     def remove(self) -> None:
@@ -159,7 +159,7 @@ class StepRecorder:
 
     @property
     def done(self) -> bool:
-        """The loss wrappers' question (`preflight_live._wrap`): ignore this call?"""
+        """The loss wrappers' question (`preflight_live.wrap_call`): ignore this call?"""
         return self.paused or forked() or replaying()
 
     # ------------------------------------------------------------------ what the script does
@@ -168,11 +168,11 @@ class StepRecorder:
         """A grad-enabled call of a root module with parameters starts (the global forward
         pre-hook): its positional arguments, RNG and autocast states."""
         w = self._window
-        if len(w.calls) >= _MAX_CALLS:
+        if len(w.calls) >= MAX_CALLS:
             w.dropped = True
             return
-        w.calls.append(RootCall(module, args, {}, _flat_versions(args, {}), rng.capture_step(),
-                                _amp_state(), source=user_source()))
+        w.calls.append(RootCall(module, args, {}, flat_versions(args, {}), rng.capture_step(),
+                                amp_state(), source=user_source()))
 
     def saw_raise(self, module: nn.Module) -> None:
         """A root call raised instead of returning (a script that catches the error and goes
@@ -189,14 +189,14 @@ class StepRecorder:
         w = self._window
         for call in reversed(w.calls):
             if call.module is module and call.output is None:
-                call.output = _weak(output)
+                call.output = weak_tree(output)
                 if kwargs:
                     call.kwargs = dict(kwargs)
-                    call.versions += _flat_versions((), kwargs)
+                    call.versions += flat_versions((), kwargs)
                 # A loss the model returns (`out.loss`) may be backpropagated scaled
                 # (`out.loss / accum_steps`): tagged like a loss call, for the expression.
                 for path, value in _scalars(output):
-                    if len(w.losses) >= _MAX_CALLS:
+                    if len(w.losses) >= MAX_CALLS:
                         break
                     loss = LossCall(None, call, path, None, (), {}, [], call.amp,
                                     weakref.ref(value), source=call.source)
@@ -209,24 +209,24 @@ class StepRecorder:
         """A `torch.nn.functional` loss returned (its wrapper): where its input came from."""
         try:
             w = self._window
-            if not torch.is_grad_enabled() or len(w.losses) >= _MAX_CALLS:
+            if not torch.is_grad_enabled() or len(w.losses) >= MAX_CALLS:
                 return
             kwargs = dict(kwargs)
             x = args[0] if args else kwargs.pop("input", None)
             if not isinstance(x, torch.Tensor) or not x.requires_grad:
                 return  # (`requires_grad`, not `grad_fn`: no autograd node object made here)
             for call in reversed(w.calls):
-                output = _live(call.output)
-                found = _find(output, x) if output is not None else None
+                output = live_tree(call.output)
+                found = find_path(output, x) if output is not None else None
                 if found is None:
                     continue
                 path, shape = found
                 if shape is not None and not (x.is_contiguous()
-                                              and _select(output, path).is_contiguous()):
+                                              and select_path(output, path).is_contiguous()):
                     return  # a transpose or permute: not what a reshape gives back
                 rest = tuple(args[1:])
-                loss = LossCall(fn, call, path, shape, rest, kwargs, _flat_versions(rest, kwargs),
-                                _amp_state(), weakref.ref(out) if isinstance(out, torch.Tensor)
+                loss = LossCall(fn, call, path, shape, rest, kwargs, flat_versions(rest, kwargs),
+                                amp_state(), weakref.ref(out) if isinstance(out, torch.Tensor)
                                 else None, source=user_source())
                 w.losses.append(loss)
                 if isinstance(out, torch.Tensor):
@@ -271,8 +271,8 @@ class StepRecorder:
             target = loss_expr.parse(tensor, w.losses)
         if target is None:
             for call in reversed(w.calls):
-                output = _live(call.output)
-                found = _find(output, tensor) if output is not None else None
+                output = live_tree(call.output)
+                found = find_path(output, tensor) if output is not None else None
                 if found is not None and found[1] is None:
                     return (call, found[0])
         return target
@@ -286,7 +286,7 @@ class StepRecorder:
         (`first_call`, before anything else draws random numbers): a `ClosureRecipe`."""
         w, self._window = self._window, _Window()
         if closure and first_call is not None:
-            return ClosureRecipe(first_call, rng.capture_step(), _amp_state())
+            return ClosureRecipe(first_call, rng.capture_step(), amp_state())
         if closure:
             return ("the optimizer takes a closure it calls itself (not a torch.optim "
                     "optimizer: its forward runs inside step())")
@@ -310,7 +310,7 @@ def _recipe(w: _Window, roots: list[nn.Module]) -> Recipe | str:
     """The recipe of one backward's window (the forward calls before it), or why none."""
     calls = [c for c in w.calls if any(c.module is r for r in roots)]
     if w.dropped:
-        return f"more than {_MAX_CALLS} module calls in a step (or a loss not understood)"
+        return f"more than {MAX_CALLS} module calls in a step (or a loss not understood)"
     if not calls:
         return ("no grad-enabled call of a module holding the trained parameters in that "
                 "step (raw tensors outside any module?)")

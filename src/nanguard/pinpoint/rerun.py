@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanguard.integrations import distributed
-from nanguard.pinpoint.inprocess import _KeepBuffers, local
+from nanguard.pinpoint.inprocess import KeepBuffers, local
+from nanguard.runtime import distributed
 from nanguard.watch import rng
 
 VERDICTS = ("reproducible", "transient", "persistent")
@@ -66,7 +66,7 @@ def run_again(compute_loss: Callable[[Any], torch.Tensor], *, model: nn.Module,
     are), on this rank alone (`local`): the loss and the gradients of `trainable`, with
     `torch.autograd.grad` so `.grad` stays as it is; the buffers and RNG states are put back."""
     now = rng.capture()
-    keep = _KeepBuffers(model)
+    keep = KeepBuffers(model)
     try:
         if step_rng is not None:
             rng.restore(step_rng)

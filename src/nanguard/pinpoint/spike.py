@@ -82,7 +82,7 @@ def spike_attribution(
         report.layers.sort(key=lambda d: -d["ratio"] if math.isfinite(d["ratio"]) else -1e308)
     if per_sample:
         report.sample_norms = _per_sample_norms(model, loss_fn, x, y)
-        report.samples = _outliers(report.sample_norms, sample_z)
+        report.samples = norm_outliers(report.sample_norms, sample_z)
     return report
 
 
@@ -100,7 +100,7 @@ def _per_sample_norms(model: nn.Module, loss_fn: Callable[..., torch.Tensor], x:
     return [float(v) for v in torch.as_tensor(sq).sqrt()]
 
 
-def _outliers(norms: list[float], z: float) -> list[dict[str, Any]]:
+def norm_outliers(norms: list[float], z: float) -> list[dict[str, Any]]:
     if len(norms) < 3:
         return []
     logs = torch.tensor([math.log(max(v, 1e-300)) for v in norms], dtype=torch.float64)

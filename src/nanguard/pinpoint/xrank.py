@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanguard.integrations import distributed
 from nanguard.pinpoint.rerun import run_again
+from nanguard.runtime import distributed
 from nanguard.watch.replicas import combine, tensor_fingerprints
 
 Replay = Callable[[Any], torch.Tensor]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from nanguard.policy.stage import Decision
 from nanguard.recover.effects import Discard, Effect, Record, Stop
-from nanguard.recover.policy import Recovery
+from nanguard.recover.recovery import Recovery
 from nanguard.recover.skips import batch_note
 from nanguard.watch.stats import StepStats
 

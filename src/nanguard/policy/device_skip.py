@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from nanguard.config import GuardConfig
-from nanguard.integrations import distributed
+from nanguard.runtime import distributed
 from nanguard.watch.norms import Norms
 
 _FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)

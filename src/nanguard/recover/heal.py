@@ -27,7 +27,9 @@ before the update:
   the pre-jump value, linearly over `HealConfig.ramp_steps` steps (x old/new at the jump,
   x 1 at its end, on top of the scheduler's value): the warm-up the schedule left out. Spikes
   during the ramp are clipped, never answered with an LR cut (the cut would halve the LR for
-  the rest of the run for a cause the ramp already answers).
+  the rest of the run for a cause the ramp already answers). Precursors that recur soon
+  after the ramp ends (within `lr_change.FOLLOWS` steps) are the jump's target LR being
+  unstable by itself: the LR is cut as for any recurrence, and the cause names the jump.
 - **A bad batch** (a spike the detectors traced to its batch: `detect.bad_batch`) is clipped
   the same way, whatever heal's own thresholds say, and never counted as a precursor: the
   data was the cause, so the LR and the weight decay are left alone.
@@ -48,7 +50,7 @@ import torch
 
 from nanguard.config import HealConfig
 from nanguard.detect.bad_batch import describe, is_bad_batch
-from nanguard.policy.lr_change import Jump, LrChanges
+from nanguard.policy.lr_change import FOLLOWS, Jump, LrChanges
 from nanguard.recover.clip import ema_update
 from nanguard.recover.effects import Record
 from nanguard.watch.stats import StepStats
@@ -267,13 +269,27 @@ class Healer:
             self.lr_factor *= cfg.cut_factor
             self.cause = (f"the LR: lr {lr:.3g}" + (f" (weight decay {wd:.3g}, weight norm not "
                                                     "falling)" if wd > 0 else "")
-                          + f"; {n} grad-norm spikes within {span} steps")
+                          + self._after_ramp(step) + f"; {n} grad-norm spikes within {span} steps")
             what, detail = "lr_cut", (
                 f"LR x{self.lr_factor:.3g} of the scheduler's from now on "
                 f"({lr:.3g} -> {lr * cfg.cut_factor:.3g}): {self.cause}")
         self.cuts.append({"step": step, "action": what, "lr": lr, "weight_decay": wd})
         self.precursors.clear()  # the next cut needs fresh evidence
         self._records.append(Record(step, what, detail))
+
+    def _after_ramp(self, step: int) -> str:
+        """`, the LR a jump went to ...` when the spikes came soon after a ramp ended: the
+        jump's target LR is unstable by itself, warm-up or not (the root cause the person on
+        call wants named, not only the LR heal found)."""
+        if not self.ramps:
+            return ""
+        r = self.ramps[-1]
+        end = int(r["step"]) + int(r["steps"])
+        if not end <= step <= end + FOLLOWS:
+            return ""
+        return (f", the LR the jump at step {r['step']} went to ({r['old_lr']:.3g} -> "
+                f"{r['new_lr']:.3g}), at its full value for {step - end + 1} step(s) after "
+                f"a {r['steps']}-step ramp")
 
     # -- report and state
 

@@ -1,4 +1,4 @@
-"""The guard as recovery sees it (`recover.policy.GuardLink`), over a weak reference.
+"""The guard as recovery sees it (`recover.recovery.GuardLink`), over a weak reference.
 
 Recovery never keeps a dropped guard alive and never imports the Guard: it gets this link,
 built from the guard duck-typed (anything with the attributes of `Guarded`).

@@ -6,7 +6,7 @@ changed by the optimizer and is not copied), their optimizer state, the model's 
 (BatchNorm running statistics), the optimizer's param-group hyperparameters, the LR scheduler,
 the GradScaler and the RNG. Parameters of the same model trained by another optimizer are that
 optimizer's business: restoring them without their optimizer state would leave that optimizer
-inconsistent (its guard restores them, see `nanguard.recover.policy`).
+inconsistent (its guard restores them, see `nanguard.recover.recovery`).
 
 Buffers are allocated once (pinned when the model lives on a GPU, so the device-to-host copy is
 asynchronous) and refreshed in place; a snapshot never holds more than one extra copy of the

@@ -84,7 +84,7 @@ def live_report(folder: str | os.PathLike[str]) -> Report:
 
 def run_parts(folder: str, report: Report, label: str) -> list[tuple[str, str]]:
     """The stores to plot for a run: its own run.db, or each part of a merged run
-    (`run.parts`, see `nanguard.integrations.merge`) that has one."""
+    (`run.parts`, see `nanguard.record.merge`) that has one."""
     if (Path(folder) / DB_NAME).is_file():
         return [(label, folder)]
     out = []

@@ -26,14 +26,14 @@ from nanguard.detect import Alarm, default_detectors
 from nanguard.detect.detectors import Detector
 from nanguard.detect.gate import QuietGate
 from nanguard.detect.objective import Objective
-from nanguard.integrations import distributed
 from nanguard.policy import Policy, device_skip, make_policy
 from nanguard.record.events import Events, Listener
 from nanguard.record.runlog import RunLog
 from nanguard.record.store import NullStore, open_store
 from nanguard.recover.effects import Effect
 from nanguard.recover.link import WeakLink
-from nanguard.recover.policy import Recovery
+from nanguard.recover.recovery import Recovery
+from nanguard.runtime import distributed
 from nanguard.show import live
 from nanguard.step.state import StepState
 from nanguard.watch import loads, replicas, rng, saturation

@@ -35,7 +35,6 @@ from torch.utils.hooks import RemovableHandle
 from nanguard.config import GuardConfig
 from nanguard.detect import Alarm, bad_batch, objective
 from nanguard.errors import NanguardError
-from nanguard.integrations import distributed
 from nanguard.pinpoint import live as pinpoint
 from nanguard.pinpoint import xrank, xrank_log
 from nanguard.pinpoint.baseline import GradBaseline
@@ -48,12 +47,13 @@ from nanguard.record.rows import step_signals, write_step
 from nanguard.record.standdown import note_internal_error
 from nanguard.recover.effects import Discard, Effect, FollowPeers, Record, Stop
 from nanguard.recover.loss_after import LossAfter, loss_level
+from nanguard.runtime import distributed
 from nanguard.step import build
 from nanguard.step.failopen import fail_open
 from nanguard.step.state import StepState
 from nanguard.watch import loads, rng
 from nanguard.watch.lane import LaneStep
-from nanguard.watch.norms import _DTENSOR
+from nanguard.watch.norms import DTENSOR
 from nanguard.watch.stats import StepStats
 from nanguard.watch.step import Pending
 
@@ -328,7 +328,7 @@ class StepPipeline:
         if not self.state.params:
             return torch.device("cpu")
         p = self.state.params[0]  # `local(p)` inline: read every step
-        if _DTENSOR is not None and isinstance(p, _DTENSOR):
+        if DTENSOR is not None and isinstance(p, DTENSOR):
             p = p.to_local()  # type: ignore[attr-defined]
         return p.device
 

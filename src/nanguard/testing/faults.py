@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nanguard.integrations.distributed import rank as _rank
+from nanguard.runtime.distributed import rank as _rank
 from nanguard.testing.bits import describe, flip_bit, unravel
 
 TARGETS = ("param", "grad", "activation", "optimizer_state")

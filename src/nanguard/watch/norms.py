@@ -16,19 +16,19 @@ from typing import Any
 
 import torch
 
-_DTENSOR: type | None
+DTENSOR: type | None
 try:  # sharded parameters (FSDP2, tensor parallel)
-    from torch.distributed.tensor import DTensor as _DTENSOR
+    from torch.distributed.tensor import DTensor as DTENSOR
 except ImportError:  # pragma: no cover - torch built without distributed
-    _DTENSOR = None
+    DTENSOR = None
 
 
-def _is_dtensor(t: Any) -> bool:
-    return _DTENSOR is not None and isinstance(t, _DTENSOR)
+def is_dtensor(t: Any) -> bool:
+    return DTENSOR is not None and isinstance(t, DTENSOR)
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor; any other tensor as it is."""
-    return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 _F32_NORM = (torch.float32, torch.float16, torch.bfloat16)
@@ -38,7 +38,7 @@ _DTYPE = operator.attrgetter("dtype")
 _LAYOUT = operator.attrgetter("layout")
 
 
-def _values(t: torch.Tensor) -> torch.Tensor:
+def dense_values(t: torch.Tensor) -> torch.Tensor:
     """A tensor's stored values as a dense real float64 tensor (sparse: its values; complex: its
     magnitudes), for the rare exact checks on the host."""
     t = t.detach()
@@ -89,8 +89,8 @@ def norm_values(tensors: list[torch.Tensor], like: list[torch.Tensor] | None = N
     conversion of their own (the step's packet stacks all its 0-dim values at once)."""
     # Checked in C (`map`, sets): a generator here was one Python call per tensor and step.
     if (set(map(_LAYOUT, tensors)) <= _STRIDED and set(map(_DTYPE, tensors)) <= _F32_SET
-            and (_DTENSOR is None
-                 or not any(map(isinstance, like or tensors, repeat(_DTENSOR))))):
+            and (DTENSOR is None
+                 or not any(map(isinstance, like or tensors, repeat(DTENSOR))))):
         return torch._foreach_norm(tensors, 2, dtype=torch.float32)
     return foreach_norms(tensors, like=like)
 
@@ -107,9 +107,9 @@ def foreach_norms(tensors: list[torch.Tensor], like: list[torch.Tensor] | None =
     optimizer state of one optimizer.
     """
     specs = like if like is not None else tensors
-    if _DTENSOR is None or not any(isinstance(t, _DTENSOR) for t in specs):
+    if DTENSOR is None or not any(isinstance(t, DTENSOR) for t in specs):
         return _plain_norms(tensors)
-    dts: list[Any] = [t if _is_dtensor(t) else None for t in specs]
+    dts: list[Any] = [t if is_dtensor(t) else None for t in specs]
     norms = _plain_norms([local(t) for t in tensors])
     groups: dict[tuple[int, tuple[int, ...]], tuple[Any, list[int]]] = {}
     for i, d in enumerate(dts):
@@ -190,7 +190,7 @@ class NormPlan:
         shapes = len({(tuple(p.shape), p.dtype) for p in tensors})
         if len(tensors) < cls.PER_GROUP * shapes + 4:
             return False
-        return all(type(p) is not _DTENSOR and p.device.type == "cpu"
+        return all(type(p) is not DTENSOR and p.device.type == "cpu"
                    and p.layout == torch.strided and p.dtype in _F32_NORM for p in tensors)
 
     def grouped(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from nanguard.detect.alarm import Alarm
-from nanguard.integrations import distributed
+from nanguard.runtime import distributed
 
 log = logging.getLogger("nanguard")
 

@@ -26,7 +26,7 @@ from torch import nn
 from nanguard.record.writer import RawHashes, combine_sums
 from nanguard.watch import unread
 from nanguard.watch.layout import FIRST_MOMENT_KEYS, SECOND_MOMENT_KEYS, PostLayout
-from nanguard.watch.norms import NormPlan, Norms, _is_dtensor, _values, local, norm_values
+from nanguard.watch.norms import NormPlan, Norms, dense_values, is_dtensor, local, norm_values
 from nanguard.watch.packet import Packet
 
 
@@ -470,7 +470,7 @@ class StepProbe:
                 else:
                     p = self.params[i]
                     t = p.detach() if key is None else self.optimizer.state[p][key]
-                t64 = _values(t)
+                t64 = dense_values(t)
                 if bool(torch.isfinite(t64).all()):
                     norms[i] = float(torch.linalg.vector_norm(t64))
                     if key != "buffer":
@@ -490,9 +490,9 @@ class StepProbe:
             grad = self.params[i].grad
             if grad is None:
                 continue
-            if _is_dtensor(grad):
+            if is_dtensor(grad):
                 grad = grad.full_tensor()  # type: ignore[attr-defined]  # every rank is here: the norms were all-reduced
-            g = _values(grad)
+            g = dense_values(grad)
             if bool(torch.isfinite(g).all()):
                 stats.grad_norms[i] = float(torch.linalg.vector_norm(g))
                 stats.nonfinite_grads.discard(i)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import ast
 
-from nanguard.audit._common import AuditInputError
+from nanguard.audit.common import AuditInputError
 from nanguard.audit.lint.engine import (
     Context,
     LintFinding,
-    _noqa_lines,
     iter_python_files,
+    noqa_lines,
     read_python,
 )
 from nanguard.audit.lint.rules import run_rules
@@ -33,7 +33,7 @@ def lint_source(source: str, path: str = "<string>") -> list[LintFinding]:
         raise AuditInputError(f"{path}: cannot parse ({exc})") from None
     ctx = Context(tree, path)
     run_rules(ctx)
-    noqa = _noqa_lines(source)
+    noqa = noqa_lines(source)
     seen, out = set(), []
     for f in sorted(ctx.findings, key=lambda f: (f.line, f.col, f.code)):
         codes = noqa.get(f.line, set())

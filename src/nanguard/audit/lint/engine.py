@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from nanguard.audit._common import AuditInputError, json_safe
+from nanguard.audit.common import AuditInputError, json_safe
 
 _NOQA = re.compile(r"#\s*noqa(?::\s*(?P<codes>[A-Z]+\d+(?:[\s,]+[A-Z]+\d+)*))?", re.IGNORECASE)
 # Aliases a script commonly uses without importing them the usual way (e.g. in notebooks).
@@ -151,7 +151,7 @@ class Context:
         )
 
 
-def _noqa_lines(source: str) -> dict[int, set[str] | None]:
+def noqa_lines(source: str) -> dict[int, set[str] | None]:
     """Line -> suppressed codes (None: everything) from ``# noqa`` comments (real comments
     only, found with tokenize, so a string containing '# noqa' does not count)."""
     out: dict[int, set[str] | None] = {}

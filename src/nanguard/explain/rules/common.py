@@ -17,7 +17,7 @@ from nanguard.explain.evidence import Cause, Evidence
 
 Rule = Callable[[Evidence], "Cause | None"]
 
-_SINGULAR_OPS = (
+SINGULAR_OPS = (
     "aten.sqrt",
     "aten.rsqrt",
     "aten.pow",
@@ -26,9 +26,9 @@ _SINGULAR_OPS = (
     "aten.sqrt_backward",
 )
 
-_CASCADE = ("spike", "cascade", "forecast", "overflow")
+CASCADE = ("spike", "cascade", "forecast", "overflow")
 
-_LOW_PRECISION = ("torch.float16", "torch.bfloat16", "float16", "bfloat16")
+LOW_PRECISION = ("torch.float16", "torch.bfloat16", "float16", "bfloat16")
 
 HUGE = 1e6
 """An activation abs-max or a grad norm this large is far beyond a healthy network's (O(1) to
@@ -45,32 +45,33 @@ the init's (its huge gradients make the first updates explode: the jump is its s
 _SINGULAR_NODES = ("Sqrt", "Pow", "Norm", "Dist")
 
 # ... but normalization layers are not: their backward has an eps and no singular point.
-_NORM_LAYERS = ("LayerNorm", "BatchNorm", "GroupNorm", "InstanceNorm", "RmsNorm", "RMSNorm",
+NORM_LAYERS = ("LayerNorm", "BatchNorm", "GroupNorm", "InstanceNorm", "RmsNorm", "RMSNorm",
                 "WeightNorm", "LocalResponseNorm")
 
 
-def _node(ev: Evidence) -> str:
+def origin_node(ev: Evidence) -> str:
     return str((ev.first_nonfinite or {}).get("node") or "")
 
 
-def _singular_node(ev: Evidence) -> bool:
+def singular_node(ev: Evidence) -> bool:
     """The backward op ran inside the gradient of sqrt / rsqrt / pow / a norm (its autograd
     node), not inside a normalization layer's (LayerNorm & co. divide by sqrt(var + eps))."""
-    node = _node(ev)
-    if any(layer in node for layer in _NORM_LAYERS):
+    node = origin_node(ev)
+    if any(layer in node for layer in NORM_LAYERS):
         return False
     return any(name in node for name in _SINGULAR_NODES)
 
 
-def _num(v: object, default: float) -> float:
-    """A range bound from the checker (floats, or "nan"/"inf" strings in JSON)."""
+def json_num(v: object, default: float) -> float:
+    """A number from report JSON: floats, or "nan"/"inf" strings (a checker range bound, a
+    logged lr or norm), `default` when it is neither."""
     try:
         return float(v)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return default
 
 
-def _finfo(dtype: object) -> torch.finfo:
+def finfo_of(dtype: object) -> torch.finfo:
     name = str(dtype or "float32").replace("torch.", "")
     try:
         return torch.finfo(getattr(torch, name))
@@ -78,10 +79,10 @@ def _finfo(dtype: object) -> torch.finfo:
         return torch.finfo(torch.float32)
 
 
-def _overflow_scale(dtype: object) -> float:
+def overflow_scale(dtype: object) -> float:
     """Inputs this large (about sqrt of the dtype's largest value) overflow when multiplied:
     the signature of an overflow of huge finite magnitudes, not of a singular point."""
-    return max(_finfo(dtype).max ** 0.5 / 100, 1e3)
+    return max(finfo_of(dtype).max ** 0.5 / 100, 1e3)
 
 
 def _near_zero(r: dict[str, Any]) -> str | None:
@@ -89,14 +90,14 @@ def _near_zero(r: dict[str, Any]) -> str | None:
     when the range does not straddle 0) is within rounding of 0 for its dtype, else None."""
     if r.get("has_zero"):
         return "zero"
-    lo, hi = _num(r.get("min"), math.nan), _num(r.get("max"), math.nan)
+    lo, hi = json_num(r.get("min"), math.nan), json_num(r.get("max"), math.nan)
     closest = lo if lo >= 0 else -hi if hi <= 0 else math.nan
-    if math.isfinite(closest) and closest <= _finfo(r.get("dtype")).tiny ** 0.5:
+    if math.isfinite(closest) and closest <= finfo_of(r.get("dtype")).tiny ** 0.5:
         return "tiny"
     return None
 
 
-def _singular_input(ev: Evidence) -> tuple[str, str]:
+def singular_input(ev: Evidence) -> tuple[str, str]:
     """Whether the origin op's input at the singular point is at (or within rounding of) it:
     (`zero` | `tiny` | `no` | `missing`, a phrase for the evidence text). For a division the
     denominator is looked at, for pow / sqrt / rsqrt / norm the base, else any input."""
@@ -105,7 +106,7 @@ def _singular_input(ev: Evidence) -> tuple[str, str]:
         return "missing", "the origin op's input ranges were not recorded (no op-level replay)"
     if ev.op.startswith("aten.div") and len(ins) > 1:
         looked, what = [ins[1]], "the denominator"
-    elif ev.op.startswith(("aten.reciprocal", *_SINGULAR_OPS)):
+    elif ev.op.startswith(("aten.reciprocal", *SINGULAR_OPS)):
         looked, what = [ins[0]], "the input"
     else:
         looked, what = ins, "an input"
@@ -122,14 +123,14 @@ def _fmt(v: float | None) -> str:
     return "?" if v is None else f"{v:.3g}"
 
 
-def _where(ev: Evidence) -> str:
+def where_of(ev: Evidence) -> str:
     f = ev.first_nonfinite or {}
     module = f.get("module")
     at = f" in `{module}`" if module else ""
     return f"{f.get('op') or 'an op'}{at} ({f.get('phase') or '?'} phase, step {f.get('step')})"
 
 
-def _recovery_clause(ev: Evidence) -> str:
+def recovery_clause(ev: Evidence) -> str:
     """The fix's last clause: how this user turns on nanguard's own recovery, or, when a
     recovery policy already acted in this run, that it did (not a second proposal)."""
     done = sorted({str(a.get("action")) for a in ev.actions} & set(_RECOVERY))
@@ -144,7 +145,7 @@ _RECOVERY = ("skip", "rollback", "heal_clip", "wd_cut", "lr_cut")
 """Actions of nanguard's recovery policies (report.json `actions`; `record.runlog.RECOVERING`)."""
 
 
-def _jump(ev: Evidence) -> dict[str, Any] | None:
+def first_jump(ev: Evidence) -> dict[str, Any] | None:
     """The first one-step growth of the loss or grad norm by >= `JUMP` (finite values, after
     an update) in the steps up to the failure: `step` (where it showed), `from`, `signal`,
     `before`, `after`, `ratio`, and `growth` (the per-step growth of the error it implies: the
@@ -153,7 +154,7 @@ def _jump(ev: Evidence) -> dict[str, Any] | None:
     for i, (a, b) in enumerate(zip(steps, steps[1:], strict=False)):
         found: list[tuple[float, dict[str, Any]]] = []
         for signal, floor in (("grad_norm", 0.0), ("loss", 1e-3)):
-            x, y = _num(a.get(signal), math.nan), _num(b.get(signal), math.nan)
+            x, y = json_num(a.get(signal), math.nan), json_num(b.get(signal), math.nan)
             if (math.isfinite(x) and math.isfinite(y) and abs(x) > floor and y / x >= JUMP
                     and not _back_next(steps, i + 1, signal, x)):
                 ratio = y / x
@@ -174,7 +175,7 @@ def _back_next(steps: list[dict[str, Any]], k: int, signal: str, before: float) 
     update). Unknown (no next step recorded, or not the next step): False."""
     if k + 1 >= len(steps) or steps[k + 1].get("step") != steps[k].get("step", 0) + 1:
         return False
-    after = _num(steps[k + 1].get(signal), math.nan)
+    after = json_num(steps[k + 1].get(signal), math.nan)
     return math.isfinite(after) and abs(after) <= 3 * abs(before)
 
 
@@ -186,15 +187,15 @@ def transient_jump(ev: Evidence) -> dict[str, Any] | None:
     steps = sorted(ev.steps_until_failure(), key=lambda h: h.get("step", 0))
     for k in range(1, len(steps)):
         a, b = steps[k - 1], steps[k]
-        x, y = _num(a.get("loss"), math.nan), _num(b.get("loss"), math.nan)
+        x, y = json_num(a.get("loss"), math.nan), json_num(b.get("loss"), math.nan)
         if (math.isfinite(x) and math.isfinite(y) and abs(x) > 1e-3 and y / x >= JUMP
                 and b.get("step") == a.get("step", 0) + 1 and _back_next(steps, k, "loss", x)):
             return {"step": b.get("step"), "before": x, "after": y,
-                    "next": _num(steps[k + 1].get("loss"), math.nan)}
+                    "next": json_num(steps[k + 1].get("loss"), math.nan)}
     return None
 
 
-def _preflight_init(ev: Evidence) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+def preflight_init(ev: Evidence) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """The layers the preflight flagged as initialised too large, and the one the failure is
     in: the failing module itself (names may carry a prefix: several roots), else the first
     flagged layer inside it."""
@@ -214,7 +215,7 @@ def _preflight_init(ev: Evidence) -> tuple[list[dict[str, Any]], dict[str, Any] 
     return flagged, None
 
 
-def _ordinary_before(ev: Evidence) -> str | None:
+def ordinary_before(ev: Evidence) -> str | None:
     """The step before the failure had ordinary magnitudes (grad norm / activation abs-max
     measured, finite and below `HUGE`): what it measured, else None."""
     step = ev.step
@@ -222,7 +223,7 @@ def _ordinary_before(ev: Evidence) -> str | None:
         return None
     before = [h for h in ev.history if h.get("step") == step - 1]
     for h in before:
-        seen = [(label, _num(h.get(key), math.nan)) for key, label in
+        seen = [(label, json_num(h.get(key), math.nan)) for key, label in
                 (("grad_norm", "grad norm"), ("act_max", "activation abs-max"))]
         seen = [(label, v) for label, v in seen if math.isfinite(v)]
         if seen and all(v < HUGE for _, v in seen):
@@ -230,13 +231,13 @@ def _ordinary_before(ev: Evidence) -> str | None:
     return None
 
 
-def _args(ev: Evidence) -> dict[str, Any]:
+def origin_args(ev: Evidence) -> dict[str, Any]:
     """The origin op's non-tensor arguments (`first_nonfinite.args`, `pinpoint.op_args`)."""
     got = (ev.first_nonfinite or {}).get("args")
     return got if isinstance(got, dict) else {}
 
 
-def _at_line(ev: Evidence) -> str:
+def at_line(ev: Evidence) -> str:
     """` at FILE:LINE` of the origin op (the user's line), or "" when unknown."""
     src = (ev.first_nonfinite or {}).get("source")
     return f" at {src}" if src else ""

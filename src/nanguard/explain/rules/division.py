@@ -10,7 +10,13 @@ import math
 from typing import Any
 
 from nanguard.explain.evidence import Cause, Evidence
-from nanguard.explain.rules.common import _args, _at_line, _singular_input, _singular_node, _where
+from nanguard.explain.rules.common import (
+    at_line,
+    origin_args,
+    singular_input,
+    singular_node,
+    where_of,
+)
 
 DIV_OPS = ("aten.div", "aten.reciprocal", "aten._foreach_div", "aten.floor_divide",
            "aten.true_divide", "aten.remainder", "aten.fmod")
@@ -36,7 +42,7 @@ def _empty_reduction(ev: Evidence, empty: dict[str, Any]) -> Cause:
     return Cause(
         cause="division_by_zero",
         confidence=0.85,
-        evidence=f"{_where(ev)} reduced an empty tensor: input shape {shape}{rows}; the mean "
+        evidence=f"{where_of(ev)} reduced an empty tensor: input shape {shape}{rows}; the mean "
         "over no elements is 0 / 0 (an empty selection or split of the batch)",
         fix="skip the term when the selection is empty (`if mask.any(): ...`), or average "
         "over a count that cannot be 0: `(per_item * mask).sum() / mask.sum().clamp_min(1)`; "
@@ -59,7 +65,7 @@ def _correction(ev: Evidence) -> Cause | None:
     """`std` / `var` whose n - correction <= 0 (one element with the default correction=1)."""
     if not ev.op.startswith(STD_OPS) or not ev.inputs or ev.phase in ("backward", "optimizer"):
         return None
-    args = _args(ev)
+    args = origin_args(ev)
     corr = args.get("correction")
     if not isinstance(corr, (int, float)) or isinstance(corr, bool):
         corr = 0 if args.get("unbiased") is False else 1  # the default: Bessel's correction
@@ -73,7 +79,7 @@ def _correction(ev: Evidence) -> Cause | None:
     return Cause(
         cause="division_by_zero",
         confidence=0.92,
-        evidence=f"{_where(ev)}{_at_line(ev)}: `{name}` over n = {n} element"
+        evidence=f"{where_of(ev)}{at_line(ev)}: `{name}` over n = {n} element"
         f"{'s' if n != 1 else ''} with correction = {corr:g} divides by n - correction = "
         f"{n - corr:g} (input shape {shape}): a group of one (a last minibatch of one "
         "sample, a batch of one row)",
@@ -87,14 +93,14 @@ def _correction(ev: Evidence) -> Cause | None:
 
 def _scalar_divisor(ev: Evidence) -> Cause | None:
     """A division whose divisor is a Python number equal to 0 (`other` in the arguments)."""
-    other = _args(ev).get("other")
+    other = origin_args(ev).get("other")
     if isinstance(other, bool) or not isinstance(other, (int, float)) or other != 0:
         return None
     num = "0 / 0 = NaN" if _zero_numerator(ev) else "x / 0 = inf"
     return Cause(
         cause="division_by_zero",
         confidence=0.93,
-        evidence=f"{_where(ev)}{_at_line(ev)} divided by the Python scalar {other!r} (not a "
+        evidence=f"{where_of(ev)}{at_line(ev)} divided by the Python scalar {other!r} (not a "
         f"tensor: a size or count the code computed, e.g. `n - 1` with n = 1): {num}",
         fix="at that line the divisor is a Python number that is 0 for this configuration: "
         "guard it (`max(n - 1, 1)`, or branch for n == 1) or reject the flag value that makes "
@@ -122,20 +128,20 @@ def division_by_zero(ev: Evidence) -> Cause | None:
         return found
     if not ev.op.startswith(DIV_OPS):
         return None
-    if ev.phase == "optimizer" or _singular_node(ev):
+    if ev.phase == "optimizer" or singular_node(ev):
         return None  # optimizer_state_nonfinite / singular_gradient explain it better
     if (found := _scalar_divisor(ev)) is not None:
         return found
-    if "other" in _args(ev):
+    if "other" in origin_args(ev):
         return None  # a nonzero scalar divisor: the numerator overflowed
-    at, phrase = _singular_input(ev)
+    at, phrase = singular_input(ev)
     if at == "no" or (at == "missing" and ev.phase == "backward"):
         return None
     conf = {"zero": 0.85, "tiny": 0.8}.get(at, 0.5)
     return Cause(
         cause="division_by_zero",
         confidence=conf,
-        evidence=f"{_where(ev)}{_at_line(ev)} divided by zero: {phrase}",
+        evidence=f"{where_of(ev)}{at_line(ev)} divided by zero: {phrase}",
         fix="add an eps to the denominator at that line: `x / (std + 1e-5)` or "
         "`x / d.clamp_min(1e-12)`",
     )

@@ -12,14 +12,14 @@ from nanguard.explain.evidence import Cause, Evidence
 from nanguard.explain.rules.common import (
     EARLY,
     HUGE,
-    _jump,
-    _num,
-    _ordinary_before,
-    _preflight_init,
-    _where,
+    first_jump,
+    json_num,
+    ordinary_before,
+    preflight_init,
     transient_jump,
+    where_of,
 )
-from nanguard.explain.rules.faults import _weigh_verdict
+from nanguard.explain.rules.faults import weigh_verdict
 
 
 def exploding_init(ev: Evidence) -> Cause | None:
@@ -37,20 +37,20 @@ def exploding_init(ev: Evidence) -> Cause | None:
     confidence is highest when the failing layer is one of those measured. A preflight that
     measured every layer within range lowers the confidence of the rule's other evidence."""
     first = ev.first_nonfinite or {}
-    flagged, hit = _preflight_init(ev)
+    flagged, hit = preflight_init(ev)
     if (flagged and ev.step is not None and ev.step <= EARLY
             and ev.phase not in ("data", "checkpoint") and first.get("kind") not in
             ("state", "input") and not first.get("tensors")):
-        return _weigh_verdict(ev, _init_measured(ev, flagged, hit))
+        return weigh_verdict(ev, _init_measured(ev, flagged, hit))
     cause = _exploding_init(ev)
     layers = (ev.preflight or {}).get("layers") or []
     if cause is not None and layers and not flagged:
-        top = max(layers, key=lambda layer: _num(layer.get("ratio"), 0.0))
+        top = max(layers, key=lambda layer: json_num(layer.get("ratio"), 0.0))
         cause.confidence = round(cause.confidence * 0.5, 3)
         cause.evidence += (f"; but the preflight measured every layer's init within range "
                            f"(largest: `{top.get('name')}` at "
-                           f"{_num(top.get('ratio'), math.nan):.3g}x 1/sqrt(fan_in))")
-    return None if cause is None else _weigh_verdict(ev, cause)
+                           f"{json_num(top.get('ratio'), math.nan):.3g}x 1/sqrt(fan_in))")
+    return None if cause is None else weigh_verdict(ev, cause)
 
 
 def _init_measured(ev: Evidence, flagged: list[dict[str, Any]],
@@ -66,7 +66,7 @@ def _init_measured(ev: Evidence, flagged: list[dict[str, Any]],
                 "(PyTorch's default gives 0.58x, Kaiming 1.4x)"
                 + (f"; the untrained model's loss on the first batch was {loss:.3g}"
                    if loss is not None else "")
-                + f"; {_where(ev)} went non-finite at step {ev.step}")
+                + f"; {where_of(ev)} went non-finite at step {ev.step}")
     call = (lead.get("details") or {}).get("init_call") or "nn.init.kaiming_normal_(w, " \
         "nonlinearity='relu')"
     fix = f"{call}{' for every layer listed' if others else ''}, or drop the custom init " \
@@ -84,11 +84,11 @@ def _exploding_init(ev: Evidence) -> Cause | None:
     first = ev.first_nonfinite or {}
     if first.get("kind") in ("state", "input") or first.get("tensors"):
         return None  # no op made it: it was loaded or fed in (checkpoint / data)
-    if any(i.get("nonfinite") and math.isnan(_num(i.get("min"), 0.0)) for i in ev.inputs):
+    if any(i.get("nonfinite") and math.isnan(json_num(i.get("min"), 0.0)) for i in ev.inputs):
         return None  # the op received a NaN: it carried a value on, it overflowed nothing
-    if ev.warnings_before(("spike", "cascade")) or _jump(ev) or _ordinary_before(ev):
+    if ev.warnings_before(("spike", "cascade")) or first_jump(ev) or ordinary_before(ev):
         return None  # the update made it (optimizer_divergence), not the init
-    seen, what = _early_magnitude(ev)
+    seen, what = early_magnitude(ev)
     if seen is False:
         return None
     if seen is None:
@@ -97,7 +97,7 @@ def _exploding_init(ev: Evidence) -> Cause | None:
         return Cause(
             cause="exploding_init",
             confidence=0.3,
-            evidence=f"{_where(ev)} went non-finite within the first steps, but no magnitude "
+            evidence=f"{where_of(ev)} went non-finite within the first steps, but no magnitude "
             "was measured (no activation abs-max, finite grad norm or op input range): an "
             "init too large is only a guess from the timing; rerun with `activations=True` "
             "or a replay to confirm",
@@ -108,13 +108,13 @@ def _exploding_init(ev: Evidence) -> Cause | None:
         cause="exploding_init",
         confidence=0.8,
         evidence=f"huge magnitudes before training could move the weights ({what}); "
-        f"the value overflowed at {_where(ev)}",
+        f"the value overflowed at {where_of(ev)}",
         fix="use the default init or `nn.init.kaiming_normal_(w, nonlinearity='relu')` "
         "(std = gain / sqrt(fan_in)); check with `nanguard.preflight(model, batch, ...)`",
     )
 
 
-def _early_magnitude(ev: Evidence) -> tuple[bool | None, str]:
+def early_magnitude(ev: Evidence) -> tuple[bool | None, str]:
     """Huge activations / grad norms in steps 0-2 (up to the failure): (True: seen, False:
     measured and not huge, None: nothing measured), with the evidence phrase."""
     measured: list[str] = []
@@ -122,7 +122,7 @@ def _early_magnitude(ev: Evidence) -> tuple[bool | None, str]:
         if h.get("step", 99) > 2:
             continue
         for signal, label in (("act_max", "activation abs-max"), ("grad_norm", "grad norm")):
-            v = _num(h.get(signal), math.nan)
+            v = json_num(h.get(signal), math.nan)
             if math.isfinite(v):
                 if v >= HUGE:
                     return True, f"{label} {v:.3g} at step {h['step']}"
@@ -142,13 +142,13 @@ def _early_magnitude(ev: Evidence) -> tuple[bool | None, str]:
 
 def _layer_text(f: dict[str, Any]) -> str:
     d = f.get("details") or {}
-    return (f"`{f.get('location')}`: weight std {_num(d.get('std'), math.nan):.3g} = "
-            f"{_num(d.get('ratio'), math.nan):.3g}x 1/sqrt(fan_in)")
+    return (f"`{f.get('location')}`: weight std {json_num(d.get('std'), math.nan):.3g} = "
+            f"{json_num(d.get('ratio'), math.nan):.3g}x 1/sqrt(fan_in)")
 
 
 def _untrained_loss(ev: Evidence) -> float | None:
     pf = ev.preflight or {}
-    v = _num((pf.get("overfit") or {}).get("first_loss"), math.nan)
+    v = json_num((pf.get("overfit") or {}).get("first_loss"), math.nan)
     return v if math.isfinite(v) else None
 
 
@@ -177,7 +177,7 @@ def bad_batch(ev: Evidence) -> Cause | None:
         )
     named = sorted({a["step"] for a in spikes if a.get("cause") == "bad_batch"})
     if named:
-        return _weigh_verdict(ev, Cause(
+        return weigh_verdict(ev, Cause(
             cause="bad_batch",
             confidence=0.9,
             evidence=f"the spikes at steps {named[:6]} came from their batches: each batch's "
@@ -189,7 +189,7 @@ def bad_batch(ev: Evidence) -> Cause | None:
             "such batches' updates out meanwhile",
         ))
     steps = sorted({a["step"] for a in spikes})
-    return _weigh_verdict(ev, Cause(
+    return weigh_verdict(ev, Cause(
         cause="bad_batch",
         confidence=0.5,
         evidence=f"gradient spikes at steps {steps[:6]} without a NaN: finite but extreme samples",

@@ -1,7 +1,7 @@
 """Rules for faults outside the model's math: data-parallel replicas that stopped agreeing
 (`replica_divergence`), a step that re-ran differently from the same inputs
 (`nondeterministic`) and a checkpoint changed after its save (`checkpoint_corrupt`); and how a
-re-run's verdict weighs the causes read from the run's numbers (`_weigh_verdict`).
+re-run's verdict weighs the causes read from the run's numbers (`weigh_verdict`).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from nanguard.explain.evidence import Cause, Evidence
-from nanguard.explain.rules.common import _recovery_clause
+from nanguard.explain.rules.common import recovery_clause
 
 
 def replica_divergence(ev: Evidence) -> Cause | None:
@@ -75,7 +75,7 @@ def _rerun_text(r: dict[str, Any]) -> str:
             f"{result} (transient" + (f"; {', '.join(setup)}" if setup else "") + ")")
 
 
-def _weigh_verdict(ev: Evidence, cause: Cause) -> Cause:
+def weigh_verdict(ev: Evidence, cause: Cause) -> Cause:
     """A cause read from the run's numbers, weighed against the cascade's re-run verdict: a
     `reproducible` one is cited (software or data: the cause stands); after a `transient` one
     (`nondeterministic` leads) the cause drops to half its confidence and its fix, measured
@@ -119,13 +119,13 @@ def nondeterministic(ev: Evidence) -> Cause | None:
                        "race)")
             fix = ("test the device (memory errors: ECC counters, a memory test; move the job "
                    "off it if a re-run there differs again); resume from the last checkpoint "
-                   f"before the step (`nanguard audit CKPT` verifies it); {_recovery_clause(ev)}")
+                   f"before the step (`nanguard audit CKPT` verifies it); {recovery_clause(ev)}")
         else:
             suspect = ("deterministic algorithms were off: a non-deterministic kernel (atomic "
                        "adds, autotuning) is the first suspect, a device fault the second")
             fix = ("rerun with `torch.use_deterministic_algorithms(True)`: a re-run that still "
                    "differs points at the device (memory errors: ECC counters, a memory test); "
-                   f"resume from the last good checkpoint; {_recovery_clause(ev)}")
+                   f"resume from the last good checkpoint; {recovery_clause(ev)}")
         return Cause(cause="nondeterministic", confidence=0.9,
                      evidence=f"{_rerun_text(r)}: {suspect}", fix=fix)
     if ev.reproduced is not False or (r is not None and r["verdict"] == "persistent"):

@@ -12,16 +12,16 @@ import math
 from nanguard.explain.evidence import Cause, Evidence
 from nanguard.explain.fixes import log_scale
 from nanguard.explain.rules.common import (
-    _LOW_PRECISION,
-    _NORM_LAYERS,
-    _SINGULAR_OPS,
-    _finfo,
-    _node,
-    _num,
-    _overflow_scale,
-    _singular_input,
-    _singular_node,
-    _where,
+    LOW_PRECISION,
+    NORM_LAYERS,
+    SINGULAR_OPS,
+    finfo_of,
+    json_num,
+    origin_node,
+    overflow_scale,
+    singular_input,
+    singular_node,
+    where_of,
 )
 
 _LOG_OPS = ("aten.log", "aten.log2", "aten.log10", "aten.log1p", "aten.xlogy")
@@ -51,14 +51,14 @@ def log_of_nonpositive(ev: Evidence) -> Cause | None:
     if ev.inputs and not (zero or neg):
         return None
     if ev.op.startswith("aten.log1p") and ev.inputs and min(
-            _num(i.get("min"), 0.0) for i in ev.inputs) > -1.0:
+            json_num(i.get("min"), 0.0) for i in ev.inputs) > -1.0:
         return None  # log1p is finite down to -1 (exclusive): not at its singular point
     what = "zeros" if zero else "negative values" if neg else "values <= 0"
     missing = "" if ev.inputs else " (presumably: its input ranges were not recorded)"
     return Cause(
         cause="log_of_nonpositive",
         confidence=0.9 if (zero or neg) else 0.6,
-        evidence=f"{_where(ev)} received {what}{missing}",
+        evidence=f"{where_of(ev)} received {what}{missing}",
         fix="`torch.log(p.clamp_min(1e-12))`, or stay in log space "
         "(`F.logsigmoid`, `F.log_softmax`, `F.binary_cross_entropy_with_logits`)",
     )
@@ -68,7 +68,8 @@ def _probability(ev: Evidence) -> bool:
     """Every input of the op lies within [0, 1] and one of them touches 0: a probability that
     rounded to exactly 0 (or 1, before `1 - p`)."""
     return bool(ev.inputs) and _any_input(ev, "has_zero") and all(
-        _num(i.get("min"), -1.0) >= 0.0 and _num(i.get("max"), 2.0) <= 1.0 for i in ev.inputs
+        json_num(i.get("min"), -1.0) >= 0.0 and json_num(i.get("max"), 2.0) <= 1.0
+        for i in ev.inputs
     )
 
 
@@ -106,7 +107,7 @@ def saturated_loss(ev: Evidence) -> Cause | None:
     return Cause(
         cause="saturated_loss",
         confidence=conf,
-        evidence=f"{_where(ev)}: {what}",
+        evidence=f"{where_of(ev)}: {what}",
         fix="`F.binary_cross_entropy(torch.sigmoid(z), y)` -> "
         "`F.binary_cross_entropy_with_logits(z, y)`; `softmax` then `log` -> `log_softmax`; "
         "hand-written `-(y*log(h) + (1-y)*log(1-h))` with `h = sigmoid(z)` -> "
@@ -124,13 +125,13 @@ def singular_gradient(ev: Evidence) -> Cause | None:
     if ev.phase != "backward":
         return None
     fwd = str((ev.first_nonfinite or {}).get("forward_op") or "")
-    node = _singular_node(ev)
-    if not (node or ev.op.startswith(_SINGULAR_OPS) or fwd.startswith(_SINGULAR_OPS)
+    node = singular_node(ev)
+    if not (node or ev.op.startswith(SINGULAR_OPS) or fwd.startswith(SINGULAR_OPS)
             or ev.op.startswith(("aten.div", "aten.reciprocal"))):
         return None
-    if any(layer in _node(ev) for layer in _NORM_LAYERS):
+    if any(layer in origin_node(ev) for layer in NORM_LAYERS):
         return None
-    at, phrase = _singular_input(ev)
+    at, phrase = singular_input(ev)
     if at == "no":
         return None
     if at == "missing":
@@ -141,9 +142,9 @@ def singular_gradient(ev: Evidence) -> Cause | None:
     return Cause(
         cause="singular_gradient",
         confidence=conf,
-        evidence=f"{_where(ev)}{' in ' + _node(ev) if _node(ev) else ''}: the forward was "
-        f"finite, its gradient is not — sqrt / norm / pow(x, p<1) at exactly 0 have an "
-        f"infinite derivative; {phrase}",
+        evidence=f"{where_of(ev)}{' in ' + origin_node(ev) if origin_node(ev) else ''}: "
+        f"the forward was finite, its gradient is not — sqrt / norm / pow(x, p<1) at exactly 0 "
+        f"have an infinite derivative; {phrase}",
         fix="`torch.sqrt(x + 1e-12)`; for a norm, `torch.sqrt((v * v).sum(-1) + 1e-12)` or "
         "`F.normalize(v, eps=1e-12)`; in a custom backward, `grad / d.clamp_min(1e-12)`",
     )
@@ -156,13 +157,13 @@ def masked_softmax(ev: Evidence) -> Cause | None:
     fires lower."""
     if not ev.op.startswith(_SOFTMAX_OPS):
         return None
-    masked = any(_num(i.get("min"), 0.0) == -math.inf for i in ev.inputs)
+    masked = any(json_num(i.get("min"), 0.0) == -math.inf for i in ev.inputs)
     if ev.inputs and not masked:
         return None
     return Cause(
         cause="masked_softmax",
         confidence=0.9 if masked else 0.6,
-        evidence=f"{_where(ev)}: a row whose every entry is masked to -inf gives 0/0 = NaN"
+        evidence=f"{where_of(ev)}: a row whose every entry is masked to -inf gives 0/0 = NaN"
         + ("" if masked else " (presumed: the input ranges were not recorded)"),
         fix="keep at least one unmasked position per row (e.g. let padding attend to itself), "
         "or fill with `torch.finfo(dtype).min` instead of -inf and zero the output rows",
@@ -174,8 +175,8 @@ def exp_overflow(ev: Evidence) -> Cause | None:
     float16). Ruled out: inputs all below it. Without input ranges it fires lower."""
     if not ev.op.startswith(("aten.exp", "aten.expm1")):
         return None
-    limit = math.log(_finfo((ev.inputs[0].get("dtype") if ev.inputs else None) or ev.dtype).max)
-    top = max((_num(i.get("max"), -math.inf) for i in ev.inputs), default=None)
+    limit = math.log(finfo_of((ev.inputs[0].get("dtype") if ev.inputs else None) or ev.dtype).max)
+    top = max((json_num(i.get("max"), -math.inf) for i in ev.inputs), default=None)
     if top is not None and top < limit:
         return None
     seen = f"its largest input {top:.4g} > {limit:.3g}" if top is not None else (
@@ -198,7 +199,7 @@ def exp_overflow(ev: Evidence) -> Cause | None:
     return Cause(
         cause="exp_overflow",
         confidence=0.9 if top is not None else 0.6,
-        evidence=f"{_where(ev)}: exp overflows above {limit:.3g} ({seen}){what}",
+        evidence=f"{where_of(ev)}: exp overflows above {limit:.3g} ({seen}){what}",
         fix=fix,
     )
 
@@ -213,18 +214,18 @@ def low_precision_overflow(ev: Evidence) -> Cause | None:
     float32 too (exploding_init / optimizer_divergence); a dtype with float32's range
     (bfloat16 rounds coarsely but overflows only where float32 would). Without ranges it
     fires lower."""
-    if ev.dtype not in _LOW_PRECISION or ev.phase not in ("forward", "loss"):
+    if ev.dtype not in LOW_PRECISION or ev.phase not in ("forward", "loss"):
         return None
-    largest = _finfo(ev.dtype).max
+    largest = finfo_of(ev.dtype).max
     if largest > 1e38:  # bfloat16: float32's 8-bit exponent (3.39e38 against 3.40e38)
         return None
     top = ev.magnitude
-    if top is not None and top >= _overflow_scale("float32"):
+    if top is not None and top >= overflow_scale("float32"):
         return None
     return Cause(
         cause="low_precision_overflow",
         confidence=0.8 if top is not None else 0.6,
-        evidence=f"{_where(ev)} overflowed {ev.dtype} (its largest value: {largest:.6g})"
+        evidence=f"{where_of(ev)} overflowed {ev.dtype} (its largest value: {largest:.6g})"
         + (f"; its inputs reach {top:.3g}, fine in float32" if top is not None
            else "; the input ranges were not recorded"),
         fix="use bfloat16 instead of float16, keep this op in float32 "

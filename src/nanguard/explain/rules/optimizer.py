@@ -15,21 +15,21 @@ import torch
 from nanguard.explain.evidence import Cause, Evidence
 from nanguard.explain.fixes import Flag, find_flag, lr_range, lr_typo, number, plausible_lr
 from nanguard.explain.rules.common import (
-    _CASCADE,
-    _LOW_PRECISION,
-    _finfo,
-    _jump,
-    _num,
-    _ordinary_before,
-    _overflow_scale,
-    _preflight_init,
-    _recovery_clause,
-    _singular_input,
-    _singular_node,
-    _where,
+    CASCADE,
+    LOW_PRECISION,
+    finfo_of,
+    first_jump,
+    json_num,
+    ordinary_before,
+    overflow_scale,
+    preflight_init,
+    recovery_clause,
+    singular_input,
+    singular_node,
+    where_of,
 )
-from nanguard.explain.rules.dynamics import _early_magnitude
-from nanguard.explain.rules.faults import _weigh_verdict
+from nanguard.explain.rules.dynamics import early_magnitude
+from nanguard.explain.rules.faults import weigh_verdict
 
 
 def optimizer_state_nonfinite(ev: Evidence) -> Cause | None:
@@ -38,7 +38,7 @@ def optimizer_state_nonfinite(ev: Evidence) -> Cause | None:
     (optimizer_divergence), a state value already non-finite at step 0 (checkpoint)."""
     if ev.phase != "optimizer":
         return None
-    if ev.warnings_before(_CASCADE) or _jump(ev):
+    if ev.warnings_before(CASCADE) or first_jump(ev):
         return None  # a cascade that overflowed in the update: optimizer_divergence
     if ev.step == 0 and (ev.first_nonfinite or {}).get("kind") == "state":
         return None  # loaded that way: checkpoint_nonfinite
@@ -54,7 +54,7 @@ def optimizer_state_nonfinite(ev: Evidence) -> Cause | None:
                else f"`{name}(params, eps=1e-8)` (never 0)")
     elif rounded is not None:
         # The eps the run set is fine in float32; in the parameters' dtype it is 0.
-        fi = _finfo(rounded)
+        fi = finfo_of(rounded)
         eps_note, conf = (f" with eps={ev.eps:g}, which is 0 in {rounded} parameters (the "
                           f"smallest {rounded} value is {fi.smallest_normal * fi.eps:.3g})"), 0.85
         raise_eps = (f"{flag.now()} -> {flag.set(1e-4)}" if flag is not None
@@ -78,7 +78,7 @@ def optimizer_state_nonfinite(ev: Evidence) -> Cause | None:
 
 def _eps_rounds_to_zero(ev: Evidence) -> str | None:
     """The parameters' low-precision dtype when the run's eps (> 0) rounds to 0 in it."""
-    if not ev.eps or ev.dtype not in _LOW_PRECISION:
+    if not ev.eps or ev.dtype not in LOW_PRECISION:
         return None
     name = str(ev.dtype).replace("torch.", "")
     return name if float(torch.tensor(ev.eps, dtype=getattr(torch, name))) == 0.0 else None
@@ -118,7 +118,7 @@ def _lr_at(ev: Evidence, step: int | None) -> float | None:
         return None
     for h in ev.history:
         if h.get("step") == step:
-            lr = _num(h.get("lr"), math.nan)
+            lr = json_num(h.get("lr"), math.nan)
             return lr if math.isfinite(lr) and lr > 0 else None
     return None
 
@@ -188,7 +188,7 @@ def _typed_lr(ev: Evidence, flag: Flag | None) -> Flag | None:
     if flag is not None:
         return flag
     assert ev.lr is not None
-    lrs = [_num(h.get("lr"), math.nan) for h in ev.history]
+    lrs = [json_num(h.get("lr"), math.nan) for h in ev.history]
     if any(math.isfinite(v) and not math.isclose(v, ev.lr, rel_tol=1e-6) for v in lrs):
         return None
     return Flag(name="lr", text=f"{ev.lr:g}", eq=True)
@@ -210,7 +210,7 @@ def _times(ratio: float) -> str:
 def _healthy_grad_norm(ev: Evidence, before: int | None = None) -> float | None:
     """The median finite grad norm of the recorded steps before step `before` (the jump), else
     the guard's healthy median, else the median of all recorded steps."""
-    norms = [_num(h.get("grad_norm"), math.nan) for h in ev.steps_until_failure()
+    norms = [json_num(h.get("grad_norm"), math.nan) for h in ev.steps_until_failure()
              if before is None or h.get("step", 0) < before]
     norms = [n for n in norms if math.isfinite(n) and n > 0]
     if before is not None and norms:
@@ -227,7 +227,7 @@ def _healed_lr(ev: Evidence) -> tuple[int, float] | None:
     if not cuts:
         return None
     for h in sorted(ev.history, key=lambda h: h.get("step", 0), reverse=True):
-        lr = _num(h.get("lr"), math.nan)
+        lr = json_num(h.get("lr"), math.nan)
         if math.isfinite(lr) and lr > 0:
             return cuts, lr
     return None
@@ -251,11 +251,11 @@ def _big_update(ev: Evidence) -> dict[str, Any] | None:
     first update), not that the update was large: it does not count. Nor does one after an
     init far too large (the preflight flagged layers, or huge magnitudes in steps 0-2): huge
     weights make huge gradients and the first updates follow (exploding_init's evidence)."""
-    if ev.step is None or _preflight_init(ev)[0] or _early_magnitude(ev)[0]:
+    if ev.step is None or preflight_init(ev)[0] or early_magnitude(ev)[0]:
         return None
     for h in sorted(ev.history, key=lambda h: h.get("step", 0)):
         s = h.get("step", 0)
-        r = _num(h.get("update_ratio"), math.nan)
+        r = json_num(h.get("update_ratio"), math.nan)
         if (0 <= ev.step - s - 1 < BIG_UPDATE_WINDOW and math.isfinite(r) and r >= BIG_UPDATE
                 and r != 1.0):
             return {"step": s, "ratio": r}
@@ -342,17 +342,17 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
         return None
     if ev.first_nonfinite is None and _only_bad_batches(ev):
         return None  # spikes the detectors traced to their batches: not the optimizer's
-    warn = ev.warnings_before(_CASCADE)
-    jump = _jump(ev)
+    warn = ev.warnings_before(CASCADE)
+    jump = first_jump(ev)
     top = ev.magnitude
-    huge = ev.step is not None and top is not None and top >= _overflow_scale(
+    huge = ev.step is not None and top is not None and top >= overflow_scale(
         (ev.inputs[0].get("dtype") if ev.inputs else None) or ev.dtype)
-    if huge and _singular_input(ev)[0] in ("zero", "tiny") and _singular_node(ev):
+    if huge and singular_input(ev)[0] in ("zero", "tiny") and singular_node(ev):
         huge = False  # a singular point explains it (singular_gradient)
     big = _big_update(ev)
     if not (warn or jump or huge or big):
         return None
-    ordinary = _ordinary_before(ev) if huge and not (warn or jump) else None
+    ordinary = ordinary_before(ev) if huge and not (warn or jump) else None
     why: list[str] = []
     spike_ratio: float | None = None
     onsets = ([warn[0]["step"]] if warn else []) + ([jump["from"] + 1] if jump else [])
@@ -373,7 +373,7 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
                  f"{o['before']:.3g} -> {o['after']:.3g}" for o in jump["others"]]
         why.append(" and ".join(went) + f" in one update, step {jump['from']} -> {jump['step']}")
     if huge:
-        why.append(f"{_where(ev)} overflowed finite inputs as large as {top:.3g} (no input at "
+        why.append(f"{where_of(ev)} overflowed finite inputs as large as {top:.3g} (no input at "
                    "a singular point)")
     if ordinary:
         why.append(f"one update earlier the run was ordinary ({ordinary})")
@@ -392,13 +392,14 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
     # out-of-range input of whatever op overflowed next: ranked above that op's own cause.
     conf = 0.6 if ev.step is None else 0.92 if big else 0.85 if strong else 0.65
     probe, probed = (ev.preflight or {}).get("lr_probe") or {}, False
-    div, sug = _num(probe.get("diverge_lr"), math.nan), _num(probe.get("suggested_lr"), math.nan)
+    div = json_num(probe.get("diverge_lr"), math.nan)
+    sug = json_num(probe.get("suggested_lr"), math.nan)
     if math.isfinite(div) and ev.lr is not None:
         above = ev.lr >= div
         why.append(f"the preflight's LR probe diverged at lr {div:.2g} on the first batch"
                    + (f", below your lr={ev.lr:g}" if above else f" (your lr={ev.lr:g} is "
                       "below it: the divergence came later in training)"))
-        if above and not _preflight_init(ev)[0]:  # (a huge init lowers the probe's LR too)
+        if above and not preflight_init(ev)[0]:  # (a huge init lowers the probe's LR too)
             conf = min(0.9, conf + 0.05)
         # The probe measured this model's limit: its LR wins over the growth's estimate
         # when the LR is past that limit, else when it is the larger cut.
@@ -415,14 +416,14 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
                    f"weight_decay = {1 - ev.lr * wd:.3g} each step (|{1 - ev.lr * wd:.3g}| > 1: "
                    f"{mult:.3g}x growth a step from the decay alone)")
         target = min(0.1, 0.01 / ev.lr)
-        return _weigh_verdict(ev, Cause(
+        return weigh_verdict(ev, Cause(
             cause="optimizer_divergence",
             confidence=max(conf, 0.85),
             evidence=f"{ev.optimizer or 'the optimizer'}{mom} at {lr} amplified the weights "
             "step after step: " + "; ".join(why),
             fix=f"lower the weight decay ({_decay_change(ev, wd, target)}: "
             f"lr * weight_decay = {ev.lr * target:.3g}, far below 1; your {lr} is ordinary "
-            f"and stays); {_recovery_clause(ev)}",
+            f"and stays); {recovery_clause(ev)}",
         ))
     if ev.lr is not None:
         onset = jump["from"] if jump is not None else (warn[0]["step"] if warn else None)
@@ -441,12 +442,12 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
     clip = _clip_fix(ev, healthy)
     # A script that turned its own clipping off: turning it back on is the first fix.
     fixes = [clip, lower] if ev.clip == 0 else [lower, clip]
-    return _weigh_verdict(ev, Cause(
+    return weigh_verdict(ev, Cause(
         cause="optimizer_divergence",
         confidence=conf,
         evidence=f"{ev.optimizer or 'the optimizer'}{mom} at {lr} "
         + ("replaced the weights in one update: " if big and not (warn or jump)
            else "amplified the error step after step: ") + "; ".join(why)
         + ("" if strong else " (no alarm or loss history shows the growth)"),
-        fix=f"{fixes[0]}; {fixes[1]}; add a warm-up; {_recovery_clause(ev)}",
+        fix=f"{fixes[0]}; {fixes[1]}; add a warm-up; {recovery_clause(ev)}",
     ))

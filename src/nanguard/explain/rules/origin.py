@@ -6,7 +6,7 @@ inputs (`data_nonfinite`) or its targets (`label_nonfinite`).
 from __future__ import annotations
 
 from nanguard.explain.evidence import Cause, Evidence
-from nanguard.explain.rules.common import _where
+from nanguard.explain.rules.common import where_of
 
 
 def _batch_evidence(ev: Evidence) -> bool:
@@ -194,7 +194,7 @@ def _first_reader(ev: Evidence) -> str:
     """`; {op} ({phase}) only read it first` when the origin names another phase than data."""
     if ev.phase in ("data", "") or not ev.op:
         return ""
-    return f"; {_where(ev)} was only the first op to read it"
+    return f"; {where_of(ev)} was only the first op to read it"
 
 
 def data_nonfinite(ev: Evidence) -> Cause | None:

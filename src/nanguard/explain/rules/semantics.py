@@ -17,12 +17,12 @@ import math
 
 from nanguard.explain.evidence import Cause, Evidence
 from nanguard.explain.rules.common import (
-    _LOW_PRECISION,
-    _args,
-    _at_line,
-    _finfo,
-    _num,
-    _where,
+    LOW_PRECISION,
+    at_line,
+    finfo_of,
+    json_num,
+    origin_args,
+    where_of,
 )
 from nanguard.explain.rules.division import DIV_OPS, STD_OPS
 
@@ -69,20 +69,21 @@ def domain_error(ev: Evidence) -> Cause | None:
     op = _base(ev.op)
     if op not in _DOMAIN or ev.phase in ("backward", "optimizer") or not ev.inputs:
         return None
-    scalar = _args(ev).get("self")  # `pow.Scalar`: a Python base, the tensor is the exponent
+    scalar = origin_args(ev).get("self")  # `pow.Scalar`: a Python base, the tensor is the exponent
     if isinstance(scalar, (int, float)) and not isinstance(scalar, bool):
         lo = hi = float(scalar)
     else:
-        lo, hi = _num(ev.inputs[0].get("min"), math.nan), _num(ev.inputs[0].get("max"), math.nan)
-    if math.isnan(lo) or not _outside(op, lo, hi, _args(ev).get("exponent")):
+        first = ev.inputs[0]
+        lo, hi = json_num(first.get("min"), math.nan), json_num(first.get("max"), math.nan)
+    if math.isnan(lo) or not _outside(op, lo, hi, origin_args(ev).get("exponent")):
         return None
     what, fix = _DOMAIN[op]
-    exp = _args(ev).get("exponent")
+    exp = origin_args(ev).get("exponent")
     extra = f", exponent {exp}" if exp is not None else ""
     return Cause(
         cause="domain_error",
         confidence=0.9,
-        evidence=f"{_where(ev)}{_at_line(ev)}: {what}: its input ranges over "
+        evidence=f"{where_of(ev)}{at_line(ev)}: {what}: its input ranges over "
         f"[{lo:.4g}, {hi:.4g}]{extra}",
         fix=f"at that line: {fix}",
     )
@@ -102,12 +103,12 @@ def cast_overflow(ev: Evidence) -> Cause | None:
     if not ev.op.startswith(_CAST_OPS) or not ev.inputs:
         return None
     out = (ev.first_nonfinite or {}).get("output") or {}
-    dtype = str(out.get("dtype") or _args(ev).get("dtype") or "")
+    dtype = str(out.get("dtype") or origin_args(ev).get("dtype") or "")
     top = ev.magnitude
     src = ev.inputs[0]
     if not out.get("inf") or top is None or src.get("nonfinite") or not dtype:
         return None
-    largest = _finfo(dtype).max
+    largest = finfo_of(dtype).max
     if top <= largest:
         return None
     entered = (ev.first_nonfinite or {}).get("entered") or {}
@@ -127,7 +128,7 @@ def cast_overflow(ev: Evidence) -> Cause | None:
     return Cause(
         cause="cast_overflow",
         confidence=0.93,
-        evidence=f"{_where(ev)}{_at_line(ev)}: {what}: its values reach {top:.3g}, beyond "
+        evidence=f"{where_of(ev)}{at_line(ev)}: {what}: its values reach {top:.3g}, beyond "
         f"{dtype}'s largest {largest:.4g}, and became inf on narrowing",
         fix=f"at that line: {fix}",
     )
@@ -165,25 +166,25 @@ def arithmetic_overflow(ev: Evidence) -> Cause | None:
     fix = _OVERFLOW_OPS.get(base) or (_MATMUL_FIX if base.startswith(_MATMUL_OPS) else None)
     if fix is None or ev.phase not in ("forward", "loss", "data") or not ev.inputs:
         return None
-    if any(i.get("nonfinite") for i in ev.inputs) or str(ev.dtype) in _LOW_PRECISION:
+    if any(i.get("nonfinite") for i in ev.inputs) or str(ev.dtype) in LOW_PRECISION:
         return None
     top = ev.magnitude
     if top is None:
         return None
-    exp = _args(ev).get("exponent")
+    exp = origin_args(ev).get("exponent")
     extra = f" to the power {exp}" if exp is not None else ""
     return Cause(
         cause="arithmetic_overflow",
         confidence=0.45,
-        evidence=f"{_where(ev)}{_at_line(ev)}: finite inputs up to |x| = {top:.3g}{extra} "
-        f"overflowed {ev.dtype or 'float32'} (largest {_finfo(ev.dtype).max:.3g})",
+        evidence=f"{where_of(ev)}{at_line(ev)}: finite inputs up to |x| = {top:.3g}{extra} "
+        f"overflowed {ev.dtype or 'float32'} (largest {finfo_of(ev.dtype).max:.3g})",
         fix=f"at that line: {fix}",
     )
 
 
 def _has_inf(i: dict[str, object], sign: int) -> bool:
     key = "min" if sign < 0 else "max"
-    return _num(i.get(key), 0.0) == sign * math.inf
+    return json_num(i.get(key), 0.0) == sign * math.inf
 
 
 def inf_arithmetic(ev: Evidence) -> Cause | None:
@@ -216,7 +217,7 @@ def inf_arithmetic(ev: Evidence) -> Cause | None:
     return Cause(
         cause="inf_arithmetic",
         confidence=0.85,
-        evidence=f"{_where(ev)}{_at_line(ev)}: {what} = NaN; an input already held inf that "
+        evidence=f"{where_of(ev)}{at_line(ev)}: {what} = NaN; an input already held inf that "
         "was made on purpose (a mask or a constant), not by a failing op",
         fix=f"at that line: {fix}",
     )

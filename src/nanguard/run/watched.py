@@ -1,13 +1,13 @@
 """What `nanguard run` keeps for each optimizer it finds, and what that optimizer's guard is given.
 
-`Discovery` (integrations/discovery.py) builds a `Watched` the first time an optimizer steps
+`Discovery` (run/discovery.py) builds a `Watched` the first time an optimizer steps
 (or, at the end of a run, for one that never did) and attaches a guard to it with two things
 from here: the model (`as_model`: the one root module holding its parameters, a `ModuleDict`
 over several, or a holder of bare trained tensors when no module was seen) and, through
 `replay_recorded`, the guard's `replay` function: the step's recorded model call and loss
 (pinpoint/recorded.py), run again by the guard before the update at the first step whose
 signals went non-finite, or on one sample of the batch to find the samples of a spike. The
-runner's epilogue (integrations/run_reports.py, integrations/rerun.py) reads the `Watched` list
+runner's epilogue (run/run_reports.py, run/rerun.py) reads the `Watched` list
 after the script: each part's guard, folder, step starts and in-process replay outcome.
 """
 
@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from nanguard.guard import Guard
-from nanguard.integrations.manual import ManualStep
 from nanguard.pinpoint import loss_expr
 from nanguard.pinpoint.inprocess import compare_as
 from nanguard.pinpoint.recorded import (
@@ -32,6 +31,7 @@ from nanguard.pinpoint.recorded import (
     mark_replayed_loss,
     replay_forward,
 )
+from nanguard.run.manual import ManualStep
 
 __all__ = ["Watched", "as_model", "holds_compiled", "replay_recorded"]
 

@@ -349,10 +349,10 @@ def arm_child(point: _Point, go: dict[str, Any]) -> None:
     global CHILD
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from nanguard.integrations import manual
     from nanguard.pinpoint.armed import armed
+    from nanguard.run import manual
 
-    manual._forked = False  # hooks installed from here on are this process's own
+    manual.own_hooks()
     # Counted from here: a real optimizer's step in progress is counted by the child's hook;
     # a hand-written one's began in the run's own boundaries, which are gone.
     step = int(go["step"]) - point.steps - (1 if point.manual else 0)

@@ -37,7 +37,7 @@ class UnsafeCheckpointError(AuditInputError):
 
 
 @dataclass(kw_only=True)
-class Finding:
+class AuditFinding:
     """One problem an auditor found.
 
     Attributes:

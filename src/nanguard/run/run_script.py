@@ -30,9 +30,9 @@ from typing import Any, NoReturn
 
 from nanguard.audit.preflight_live import PreflightStop
 from nanguard.errors import NanguardError
-from nanguard.integrations import resume
-from nanguard.integrations.discovery import Discovery
-from nanguard.integrations.run_output import ScriptOutcome, say
+from nanguard.run import resume
+from nanguard.run.discovery import Discovery
+from nanguard.run.run_output import ScriptOutcome, say
 
 __all__ = ["HardExit", "Terminated", "run_script", "torch_file"]
 

@@ -7,7 +7,7 @@
 * global module forward pre/post hooks: the root modules (called while no other module's forward
   runs) and the first tensor arguments of each root's forward, i.e. the batch;
 * a wrapper around `torch.Tensor.backward`: the scalar being backpropagated is the loss;
-* `ManualBoundaries` (integrations/manual.py): while the script has no optimizer at all
+* `ManualBoundaries` (run/manual.py): while the script has no optimizer at all
   (hand-written updates), the step boundaries come from `backward()` through a no-op
   `ManualStep` optimizer, which gets a guard like any other;
 * `optimizer.step(closure)` (LBFGS and every torch.optim optimizer): the global pre-hook runs
@@ -33,7 +33,7 @@ must not count as the script's forwards, losses or steps); its verdict goes into
 `RunFacts` (the diagnosis reads it).
 
 What is kept for each optimizer found (`Watched`), the model its guard is given and the guard's
-in-process replay of the recorded step are in integrations/watched.py; this module holds the
+in-process replay of the recorded step are in run/watched.py; this module holds the
 hooks, whose state (roots, inputs, outputs, the last loss, the step count) they share.
 """
 
@@ -64,14 +64,14 @@ from torch.utils.hooks import RemovableHandle
 
 from nanguard.config import GuardConfig, RecordConfig
 from nanguard.guard import Guard
-from nanguard.integrations import held
-from nanguard.integrations.amp_scalers import ScalerTracker, served
-from nanguard.integrations.chains import replaced
-from nanguard.integrations.manual import ManualBoundaries, ManualStep, forked, replaying
-from nanguard.integrations.resume import ResumePoints
-from nanguard.integrations.script_flags import clip_from_argv
-from nanguard.integrations.watched import Watched, as_model, holds_compiled, replay_recorded
 from nanguard.pinpoint.recorded import ClosureRecipe, NotReplayable, StepRecorder
+from nanguard.run import held
+from nanguard.run.amp_scalers import ScalerTracker, served
+from nanguard.run.chains import replaced
+from nanguard.run.manual import ManualBoundaries, ManualStep, forked, replaying
+from nanguard.run.resume import ResumePoints
+from nanguard.run.script_flags import clip_from_argv
+from nanguard.run.watched import Watched, as_model, holds_compiled, replay_recorded
 from nanguard.step.failopen import fail_open
 from nanguard.step.state import RunFacts
 from nanguard.watch import loads
@@ -143,7 +143,7 @@ class Discovery:
         self._in_step = False
         """Between an optimizer step's pre- and post-hooks (a closure's backwards run there)."""
         self.resume: ResumePoints | None = None
-        """Resume points (integrations/resume.py): offered every backward outside a step."""
+        """Resume points (run/resume.py): offered every backward outside a step."""
         self._handles: list[RemovableHandle] = []
         self._backward: Any = None
         self._train_outputs: list[tuple[str, torch.Tensor]] = []
@@ -326,7 +326,7 @@ class Discovery:
 
         With `tb`, the traceback of the exception the script died of: when nothing else
         held one, the tensors held by the module frames it unwound through
-        (integrations/held.py: a forward that raised on its own NaN check).
+        (run/held.py: a forward that raised on its own NaN check).
 
         Returns:
             `{"signals": [...], "module": ...}` naming what held the value (with `phase` when

@@ -19,7 +19,7 @@ guard to every optimizer that steps. When the script is done:
    an unrecognised loss, a model called several times per step, a closure optimizer, ...) or
    the value came from the batch (phase `data`), the step is run again with
    `pinpoint.armed(step)` within `replay_budget` seconds: from the newest resume point before
-   it (integrations/resume.py: a fork of the run taken every `fork_every` seconds while it was
+   it (run/resume.py: a fork of the run taken every `fork_every` seconds while it was
    healthy), else the script from its start, deterministically, in a subprocess (single
    process; same initial RNG states). Its origin refines `first_nonfinite` and the diagnosis
    is redone;
@@ -47,9 +47,9 @@ written with status `interrupted` (or `failed` when a non-finite value came firs
 previous handler is restored afterwards. Every global hook and patch is removed in `finally`,
 and `sys.argv` / `sys.path` restored.
 
-The parts, each in its own module: integrations/run_script.py runs the script and tells how it
-ended; integrations/run_reports.py settles and closes the guards and writes the run folder;
-integrations/rerun.py is the pinpointing re-run; integrations/run_output.py prints the summary
+The parts, each in its own module: run/run_script.py runs the script and tells how it
+ended; run/run_reports.py settles and closes the guards and writes the run folder;
+run/rerun.py is the pinpointing re-run; run/run_output.py prints the summary
 and chooses the exit code. This module holds what `nanguard run` was asked (`RunOptions`), the
 order in which the parts run (`run`), the `--preflight-only` ending and the fail-open epilogue.
 """
@@ -66,11 +66,12 @@ from typing import Any
 
 from nanguard.audit.preflight_live import LivePreflight, verdict_lines
 from nanguard.config import DetectConfig, GuardConfig, RecordConfig, WatchConfig
-from nanguard.integrations.discovery import Discovery
-from nanguard.integrations.merge import collect_rank_reports, merge_reports
-from nanguard.integrations.rerun import go_on, release_findings, rerun_step, seen_nonfinite
-from nanguard.integrations.resume import ResumePoints
-from nanguard.integrations.run_output import (
+from nanguard.record.merge import collect_rank_reports, merge_reports
+from nanguard.record.report import Report
+from nanguard.run.discovery import Discovery
+from nanguard.run.rerun import go_on, release_findings, rerun_step, seen_nonfinite
+from nanguard.run.resume import ResumePoints
+from nanguard.run.run_output import (
     OK_STATUSES,
     ScriptOutcome,
     exit_code,
@@ -78,7 +79,7 @@ from nanguard.integrations.run_output import (
     print_run_summary,
     say,
 )
-from nanguard.integrations.run_reports import (
+from nanguard.run.run_reports import (
     close_guards,
     default_out,
     failing_step,
@@ -91,8 +92,7 @@ from nanguard.integrations.run_reports import (
     world,
     write_folder,
 )
-from nanguard.integrations.run_script import run_script
-from nanguard.record.report import Report
+from nanguard.run.run_script import run_script
 from nanguard.show.progress import waiting
 from nanguard.watch import rng
 
@@ -109,7 +109,7 @@ class RunOptions:
     replay_budget: float = 120.0
     """Seconds the pinpointing re-run may take; 0 turns it off."""
     fork_every: float = 30.0
-    """Seconds between resume points (integrations/resume.py: forks of the run that the
+    """Seconds between resume points (run/resume.py: forks of the run that the
     re-run starts from instead of the script's start); 0 turns them off."""
     merge_wait: float = 30.0
     """Under torchrun: seconds rank 0 waits for the other ranks' reports before merging."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanguard.integrations.watched import Watched
+from nanguard.run.watched import Watched
 
 __all__ = ["chain_note", "chains", "replaced"]
 

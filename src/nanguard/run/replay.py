@@ -1,6 +1,6 @@
 """The re-run of `nanguard run`: the script again, with the op checker armed at one step.
 
-    python -m nanguard.integrations.replay --step N --rng FILE --result FILE -- SCRIPT [ARGS]
+    python -m nanguard.run.replay --step N --rng FILE --result FILE -- SCRIPT [ARGS]
 
 Runs in its own process (started by `rerun.rerun_step`, which bounds it in time): restores the
 RNG states the first run started from, runs the script as `__main__` under
@@ -37,7 +37,7 @@ class _Done(BaseException):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="nanguard.integrations.replay")
+    p = argparse.ArgumentParser(prog="nanguard.run.replay")
     p.add_argument("--step", type=int, required=True)
     p.add_argument("--rng", required=True)
     p.add_argument("--result", required=True)

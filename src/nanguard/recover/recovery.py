@@ -28,7 +28,6 @@ from torch import nn
 
 from nanguard.config import GuardConfig
 from nanguard.detect.alarm import Alarm
-from nanguard.integrations import distributed
 from nanguard.policy.lr_change import LrChanges
 from nanguard.recover.amp import ScalerWatch
 from nanguard.recover.backoff import Backoff, decide
@@ -38,6 +37,7 @@ from nanguard.recover.heal import Healer
 from nanguard.recover.ring import SnapshotRing
 from nanguard.recover.rollback import GiveUp, Rollback, trouble_start
 from nanguard.recover.skips import SkipLedger
+from nanguard.runtime import distributed
 from nanguard.watch import loads
 from nanguard.watch.stats import StepStats
 

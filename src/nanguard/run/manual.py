@@ -51,6 +51,13 @@ def forked() -> bool:
     return _forked
 
 
+def own_hooks() -> None:
+    """Hooks installed in this process from now on are its own (a resume point's child, which
+    removed the run's inherited hooks): `forked()` is false again."""
+    global _forked
+    _forked = False
+
+
 class _Replay:
     """Whether nanguard's in-process replay (pinpoint/recorded.py) is running: its forward,
     and the loss it returned (whose `backward()` is nanguard's, not the script's)."""
@@ -149,13 +156,13 @@ def leaves_of(tensor: torch.Tensor) -> list[torch.Tensor]:
 def _script_names(tensors: list[torch.Tensor]) -> dict[int, str]:
     """Names of raw tensors as the script calls them (the innermost user frame's locals, then
     its globals), so a report can say `W` rather than `param0`."""
-    from nanguard.pinpoint.attribution import _is_internal
+    from nanguard.pinpoint.attribution import is_internal
 
     wanted = {id(t) for t in tensors}
     names: dict[int, str] = {}
     f = sys._getframe(1)
     while f is not None:
-        if not _is_internal(f.f_code.co_filename):
+        if not is_internal(f.f_code.co_filename):
             for scope in (f.f_locals, f.f_globals):
                 for k, v in scope.items():
                     if isinstance(v, torch.Tensor) and id(v) in wanted:

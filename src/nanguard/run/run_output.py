@@ -1,7 +1,7 @@
 """What `nanguard run` tells the person once the script is done, and the exit code it returns.
 
-`ScriptOutcome` is how the script ended (integrations/run_script.py sets it while the script
-unwinds). After the run folder is written (integrations/runner.py), the summary is printed
+`ScriptOutcome` is how the script ended (run/run_script.py sets it while the script
+unwinds). After the run folder is written (run/runner.py), the summary is printed
 (rank 0 only), then one line each for what could not be watched, a re-run that could not
 pinpoint the origin, how the script ended and why nothing was watched; `exit_code` picks the
 code: the script's own non-zero code, or its own error, wins; else 1 when the status is not
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanguard.integrations.discovery import Discovery
-from nanguard.integrations.watched import Watched
 from nanguard.record.report import OK_STATUSES, Report
+from nanguard.run.discovery import Discovery
+from nanguard.run.watched import Watched
 
 # OK_STATUSES (record.report's: the statuses a CI gate passes) is re-exported for runner.py.
 __all__ = ["OK_STATUSES", "ScriptOutcome", "exit_code", "print_outcome", "print_run_summary",

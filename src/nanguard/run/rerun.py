@@ -1,9 +1,9 @@
 """The pinpointing re-run of `nanguard run`: the failing step run again under the op checker.
 
 `rerun_step` runs after the script, when a guard's finding has no origin from its in-process
-replay (integrations/runner.py decides when): from the newest resume point before the failing
-step (integrations/resume.py) and, when there is none or it ran clean there, the whole script
-from its start in a subprocess (`python -m nanguard.integrations.replay`: the same initial RNG
+replay (run/runner.py decides when): from the newest resume point before the failing
+step (run/resume.py) and, when there is none or it ran clean there, the whole script
+from its start in a subprocess (`python -m nanguard.run.replay`: the same initial RNG
 states, `pinpoint.armed` at the step counted over all optimizers), in its own session, killed
 when `--replay-budget` runs out. It returns what the re-run found (`origin`) or why it found
 nothing. `seen_nonfinite` and `go_on` are the callbacks the resume points are built with while
@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nanguard.integrations import resume
-from nanguard.integrations.discovery import Discovery
-from nanguard.integrations.replay import record_nothing
-from nanguard.integrations.resume import ResumePoints
-from nanguard.integrations.watched import Watched
+from nanguard.run import resume
+from nanguard.run.discovery import Discovery
+from nanguard.run.replay import record_nothing
+from nanguard.run.resume import ResumePoints
+from nanguard.run.watched import Watched
 from nanguard.watch import rng
 
 __all__ = ["go_on", "release_findings", "rerun_step", "seen_nonfinite"]
@@ -98,7 +98,7 @@ def rerun_step(
         rng_file, result_file, log_file = (Path(tmp) / n for n in ("rng.pt", "result.json",
                                                                       "stderr.txt"))
         rng_file.write_bytes(rng.dumps(initial_rng))
-        cmd = [sys.executable, "-m", "nanguard.integrations.replay", "--step", str(global_step),
+        cmd = [sys.executable, "-m", "nanguard.run.replay", "--step", str(global_step),
                "--rng", str(rng_file), "--result", str(result_file), "--", str(script), *args]
         env = dict(os.environ)
         if expected is not None:  # `reproduced`: the re-run's loss at that step, bit for bit

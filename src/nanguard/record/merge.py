@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nanguard.integrations.distributed import PHASE_ORDER
 from nanguard.record.report import REPORT_NAME, Report, build_report, load_report
 from nanguard.record.spike_run import merge_measures
+from nanguard.runtime.distributed import PHASE_ORDER
 
 SEVERITY = ("failed", "died", "degraded", "crashed", "interrupted", "unwatched", "recovered",
             "warned", "healthy")

@@ -1,6 +1,6 @@
 """The guards' reports once the script has ended, and the run folder they are written to.
 
-Called by integrations/runner.py after the script, in this order: `late_finding` turns a
+Called by run/runner.py after the script, in this order: `late_finding` turns a
 non-finite value the script held at its end (that no guarded step recorded) into a finding,
 attaching a guard when none was; `settle_in_process` keeps each guard's in-process origin or
 puts its finding back as the watched signals gave it, saying why; `close_guards` closes every
@@ -19,13 +19,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nanguard.integrations.chains import chain_note, chains
-from nanguard.integrations.discovery import Discovery
-from nanguard.integrations.merge import finding_key, merge_reports
-from nanguard.integrations.run_output import ScriptOutcome
-from nanguard.integrations.watched import Watched
 from nanguard.pinpoint.recorded import NotReplayable
+from nanguard.record.merge import finding_key, merge_reports
 from nanguard.record.report import REPORT_NAME, Report
+from nanguard.run.chains import chain_note, chains
+from nanguard.run.discovery import Discovery
+from nanguard.run.run_output import ScriptOutcome
+from nanguard.run.watched import Watched
 
 __all__ = ["close_guards", "default_out", "failing_step", "first_failure", "found_in_process",
            "late_finding", "refine", "set_finding", "settle_in_process", "world", "write_folder"]

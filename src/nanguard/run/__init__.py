@@ -1,0 +1,10 @@
+"""The zero-code runner: `nanguard run SCRIPT` watches an unmodified training script.
+
+runner.py orders the parts: run_script.py runs the script in this process and tells how it
+ended; discovery.py finds its optimizers, models, losses and batches (manual.py: hand-written
+updates; amp_scalers.py: its GradScalers; chains.py: optimizers rebuilt over the same
+parameters; held.py: what a forward that raised held); watched.py is what each optimizer's guard
+is given; run_reports.py closes the guards and writes the run folder; rerun.py and replay.py are
+the pinpointing re-run (resume.py: the resume points it starts from); run_output.py prints the
+summary and picks the exit code.
+"""
