@@ -121,7 +121,7 @@ class Guard:
         """The watch stage: each step's packets, read back as `StepStats`."""
         self.store, self.detectors, self.recovery = parts.store, parts.detectors, parts.recovery
         self.probe, self.act_probe = parts.probe, parts.act_probe
-        self.batch_probe = parts.batch_probe
+        self.batch_probe, self.policy = parts.batch_probe, parts.policy
         self.saturation, self.replicas = parts.saturation, parts.replicas
         pipe.attach(hook_optimizer)  # after the saturation probe's and replica check's hooks
         self._atexit = ending.close_at_exit(self)

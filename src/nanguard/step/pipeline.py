@@ -33,10 +33,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from nanguard.config import GuardConfig
-from nanguard.detect import Alarm, bad_batch, objective
+from nanguard.detect import Alarm, objective
 from nanguard.errors import NanguardError
-from nanguard.pinpoint import live as pinpoint
-from nanguard.pinpoint import xrank, xrank_log
+from nanguard.pinpoint import xrank_log
 from nanguard.pinpoint.baseline import GradBaseline
 from nanguard.pinpoint.rerun import alarms_to_explain
 from nanguard.policy import device_skip, wants_to_act
@@ -50,6 +49,7 @@ from nanguard.recover.loss_after import LossAfter, loss_level
 from nanguard.runtime import distributed
 from nanguard.step import build
 from nanguard.step.failopen import fail_open
+from nanguard.step.replays import StepReplays
 from nanguard.step.state import StepState
 from nanguard.watch import loads, rng
 from nanguard.watch.lane import LaneStep
@@ -88,6 +88,8 @@ class StepPipeline:
         st.params, st.param_names, st.param_order = build.param_table(model, optimizer)
         self.parts = build.build(self, scheduler=scheduler, scaler=scaler, on_alarm=on_alarm,
                                  on_action=on_action, on_finding=on_finding)
+        self.replays = StepReplays(replay, model, self.parts, self.state)
+        """Where a value showed, spikes, re-runs: the steps that need a replay."""
         self._stop_run = stop
         self.hooked = False
         self._handles: list[RemovableHandle] = []
@@ -274,7 +276,7 @@ class StepPipeline:
                 st.rerun_rank = agreed.rerun_rank
                 st.agreed = True
                 if st.rerun_rank is not None:
-                    self._cross_rerun(st.step, None, [], None)
+                    self.replays.cross_rerun(st.step, None, [], None)
             return
         if not replaying and cfg.clip is None and device_skip.applies(
                 cfg, optimizer, grads, scaler_watched=recovery.amp is not None):
@@ -341,15 +343,15 @@ class StepPipeline:
         alarms = self._detect(stats, "pre", cur.rng)
         if replaying and self.parts.log.finding is not None:
             assert isinstance(cur, Pending)  # the lane takes no step with a replay armed
-            self._pinpoint(stats, cur)
+            self.replays.refine(stats, cur)
         elif replaying and stats.amp_skipped:
-            self._check_scaler_skip(stats)
+            self.replays.scaler_skip(stats)
         if cfg.policy != "observe" or self.parts.cross_rank:
             want, own = (xrank_log.request(self.parts.log, stats.step)
                          if self.parts.cross_rank else (0, None))
             act = self._decide(stats, alarms, want=want)
             if self.state.rerun_rank is not None:
-                self._cross_rerun(stats.step, stats.loss, stats.alarms, own)
+                self.replays.cross_rerun(stats.step, stats.loss, stats.alarms, own)
             if act:
                 self._act(stats, alarms)
         if not stats.skipped:
@@ -358,27 +360,6 @@ class StepPipeline:
             if effects:  # a quiet step applies nothing (no call)
                 self.apply(effects)
             stats.lr = _lr(optimizer)  # the LR this update really uses (after any backoff)
-
-    def _check_scaler_skip(self, stats: StepStats) -> None:
-        """The GradScaler skipped the step before this one: with `replay`, was it an fp16
-        overflow or a real fault it hid? (`pinpoint.live.scaler_skip_finding`)."""
-        skipped, self.parts.batch_probe.skipped = self.parts.batch_probe.skipped, []
-        if self.replay is None or self.parts.log.finding is not None:
-            return
-        found = pinpoint.scaler_skip_finding(
-            stats, self.replay, model=self.model, params=self.state.params, skipped=skipped,
-            act_probe=self.parts.act_probe, rank=distributed.rank())
-        if found is not None:
-            self.parts.log.set_finding(found, failing=stats, announce=True)
-
-    def _pinpoint(self, stats: StepStats, cur: Pending) -> None:
-        """Refine the first non-finite finding by replaying this step before its update."""
-        assert self.replay is not None and self.parts.log.finding is not None
-        update, news = pinpoint.refine_by_replay(
-            self.parts.log.finding, stats, self.replay, model=self.model, params=self.state.params,
-            batches=self.parts.batch_probe, act_probe=self.parts.act_probe, step_rng=cur.rng)
-        if update:
-            self.parts.log.refine_finding(update, write=news, announce=news)
 
     # -- after the update: one path, each step read judged the same way ----------------------------
 
@@ -490,14 +471,15 @@ class StepPipeline:
                 alarms = self._settle_objective(stats, alarms)
         if alarms:
             for a in alarms_to_explain(alarms):  # spikes; an overflow at step 0
-                self._explain_spike(stats, a)
+                self.replays.explain_spike(stats, a)
         elif phase != "post" and (every := self.config.detect.rerun_every) and (
                 stats.step % every == 0):
-            alarms += self._sampled_rerun(stats)
+            alarms += self.replays.sampled_rerun(stats)
         if signals:
             log = parts.log
             if log.finding is None:
-                log.finding = Finding.from_dict(self._locate(stats))  # run.db: with the step
+                # run.db: with the step
+                log.finding = Finding.from_dict(self.replays.locate(stats))
             if log.failing is None:
                 log.failing = stats
         if alarms:
@@ -584,28 +566,13 @@ class StepPipeline:
                and wants_to_act(stats, alarms, self.config.acting_on, post))
         if not distributed.active():
             return act
-        phase = self._locate(stats)["phase"] or "" if stats.nonfinite_signals() else None
+        phase = self.replays.locate(stats)["phase"] or "" if stats.nonfinite_signals() else None
         act, bad_rank, self.state.rerun_rank = distributed.agree(act, phase, self._agree_device,
                                                             want=want)
         self.state.agreed = True
         if bad_rank is not None:
             stats.agreed_bad_rank = bad_rank
         return act
-
-    def _cross_rerun(self, step: int, loss: float | None, alarms: list[Alarm],
-                     own: dict[str, Any] | None) -> None:
-        """Every rank, after an agreement that named `_rerun_rank`: re-run that rank's batch
-        there and on a peer, and record the verdict of `step` (`pinpoint.xrank`); `loss`,
-        `own`: the step's loss and this rank's own re-run verdict (the suspect's count).
-        A rank that cannot take part any more raises out of here (a timeout: a peer died)
-        and stands down."""
-        assert self.replay is not None and self.state.rerun_rank is not None
-        cur = self.state.current
-        verdict = xrank.cross_rerun(
-            self.replay, suspect=self.state.rerun_rank, model=self.model, params=self.state.params,
-            batch=self.parts.batch_probe.last, step_rng=cur.rng if cur is not None else None,
-            loss=loss, own=own)
-        xrank_log.record(self.parts.log, step, alarms, verdict)
 
     def _act(self, stats: StepStats, alarms: list[Alarm], post: bool = False) -> None:
         """Apply what the policy stage decides for this step (see `nanguard.policy`)."""
@@ -664,50 +631,6 @@ class StepPipeline:
         report = self._stop_run("stopped", message)
         raise NanguardError(message, report)
 
-    # -- explaining a step: where a value showed, spikes, re-runs ----------------------------------
-
-    def _locate(self, stats: StepStats) -> dict[str, Any]:
-        st = self.state
-        return pinpoint.locate_step(stats, st.param_names, distributed.rank(),
-                                    order=st.param_order, buffer_names=self.parts.buffer_names)
-
-    def _explain_spike(self, stats: StepStats, alarm: Alarm) -> None:
-        """Which layers carry a spike and, seen before its update with `replay`, which samples
-        cause it and whether it re-runs the same (`pinpoint.live.explain_spike`)."""
-        cur = self.state.current
-        before_update = cur is not None and cur.stats is stats
-        found = pinpoint.explain_spike(
-            stats, replay=self.replay if before_update else None, model=self.model,
-            params=self.state.params, param_names=self.state.param_names,
-            batches=self.parts.batch_probe,
-            act_probe=self.parts.act_probe, baseline=self.state.grad_baseline.values(),
-            step_rng=cur.rng if before_update and cur else None,
-            amp=self.parts.recovery.amp is not None)
-        if alarm.kind != "spike":  # an overflow the spike detector could not see (step 0)
-            found["alarm"] = alarm.kind
-        found.update(bad_batch.spike_entry(stats, alarm, found))
-        self.parts.log.add_spike(stats.step, found)
-        alarm.message += pinpoint.spike_note(found)
-
-    def _sampled_rerun(self, stats: StepStats) -> list[Alarm]:
-        """`DetectConfig.rerun_every`: re-run this quiet step before its update and compare
-        bit for bit; a `rerun_mismatch` alarm when it differs (its verdict is kept with the
-        spikes' ones, where the diagnosis reads re-run verdicts)."""
-        cur = self.state.current
-        if self.replay is None or cur is None or cur.stats is not stats:
-            return []  # no forward to re-run, or the step was read after its update
-        found = pinpoint.rerun(stats, self.replay, model=self.model, params=self.state.params,
-                               batches=self.parts.batch_probe, act_probe=self.parts.act_probe,
-                               step_rng=cur.rng, amp=self.parts.recovery.amp is not None)
-        if found.get("verdict") != "transient":
-            return []
-        self.parts.log.add_spike(stats.step, {"layers": [], "samples": [], "rerun": found,
-                                        "alarm": "rerun_mismatch"})
-        return [Alarm(step=stats.step, kind="rerun_mismatch", signal="rerun",
-                      value=float(found.get("differing") or 0),
-                      message=f"a sampled re-run of step {stats.step} differs from the step "
-                      f"itself: {found.get('why')}")]
-
     # -- the end of the run ------------------------------------------------------------------------
 
     @fail_open("close")
@@ -727,7 +650,7 @@ class StepPipeline:
         stats = self.parts.steps.leftover(self.state.step, self._device, self.state.loss)
         self.state.loss = None
         if stats is not None and (stats.nonfinite_signals() or stats.nonfinite_samples):
-            found = self._locate(stats)
+            found = self.replays.locate(stats)
             found["signals"] = found["signals"] or ["data"]
             self.parts.log.set_finding(found, failing=stats)
 
