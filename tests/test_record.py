@@ -13,6 +13,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -225,3 +226,16 @@ def test_a_report_rebuilt_from_the_store_is_diagnosed(tmp_path: Path) -> None:
     rebuilt = load_report(tmp_path / "run")
     assert rebuilt.status == "failed" and rebuilt.first_nonfinite["samples"] == [5]
     assert rebuilt.diagnosis[0]["cause"] == "data_nonfinite", rebuilt.diagnosis
+
+
+@pytest.mark.parametrize("action", ["heal_clip", "lr_cut", "wd_cut", "lr_ramp"])
+def test_a_run_heal_changed_is_never_healthy(action):
+    # heal may clip or cut on a grad-norm jump below every alarm's threshold: the training was
+    # changed, so the status says so even with no alarm and nothing non-finite.
+    from nanguard.record.report import build_report
+
+    actions = [{"step": 40, "action": action, "detail": "x"}]
+    assert build_report(steps=100, alarms=[], actions=actions,
+                        first_nonfinite=None).status == "recovered"
+    assert build_report(steps=100, alarms=[], actions=[],
+                        first_nonfinite=None).status == "healthy"

@@ -9,6 +9,7 @@ key existed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -197,3 +198,17 @@ def test_live_stream_plots_the_measures_step_by_step(spiky: tuple[Path, list[flo
     spikes, scored = ref_score(losses)
     assert series("spike_score_loss")[last] == pytest.approx(spikes / scored, rel=1e-6)
     assert 0 < series("spike_score_grad_norm")[last] < 1
+
+
+def test_no_heal_remedy_on_a_run_the_guard_found_healthy(
+        spiky: tuple[Path, list[float]]) -> None:
+    """The spike measure counts episodes on any noisy loss (off-policy RL, a GAN): the remedy
+    is offered only where the guard raised an alarm of its own, on a stationary objective."""
+    out, _ = spiky
+    report = load_report(out)
+    assert report.alarms and heal_line(report)  # the spiky run: alarms, episodes, remedy
+    quiet = dataclasses.replace(report, alarms=[], status="healthy")
+    assert heal_line(quiet) is None
+    off = dataclasses.replace(report, actions=[*report.actions, {
+        "step": 0, "action": "loss_trend_off", "detail": "a new rollout each iteration"}])
+    assert heal_line(off) is None

@@ -109,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
     step = args.step if args.step is not None else recorded.get("step")
     if step is None:
         raise UserError("the run never went non-finite; pass --step N to check a step")
-    if step < 0 or step >= max(report.steps, 1):
+    # `steps` counts completed updates: the step a stopping policy ended in (the recorded
+    # first non-finite one, `steps` itself) never completed and can still be re-run.
+    if step < 0 or step > report.steps:
         raise UserError(f"--step {step} is outside the run's {report.steps} steps")
     console = Console()
     with waiting(f"re-running the script to step {step} under the op checker"), \

@@ -12,6 +12,11 @@ def diagnose(evidence: Evidence) -> list[Cause]:
     A rule that raises is a bug in that rule, not in the user's run: it is skipped so one bad
     rule never hides the others' answers.
     """
+    if evidence.first_nonfinite is None and not evidence.alarms:
+        # Nothing went non-finite and no detector raised an alarm: a story of what went wrong
+        # would contradict the run's `healthy` (a GAN discriminator's loss going 0.003 -> 6 in
+        # one step read as "optimizer_divergence: lower the LR" on a healthy DCGAN).
+        return []
     causes: list[Cause] = []
     for rule in RULES:
         try:

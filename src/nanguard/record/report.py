@@ -65,8 +65,8 @@ def report_schema() -> dict[str, Any]:
 STATUSES = {
     "healthy": "watched from the first to the last step; no alarm, nothing non-finite",
     "warned": "watched to the end; alarms (spike, cascade, ...) but nothing non-finite",
-    "recovered": "the policy (skip / rollback) acted — on non-finite values or on the early "
-                 "warnings before them — and the loss came back to its level before",
+    "recovered": "the policy (skip / rollback / heal) acted — on non-finite values or on the "
+                 "early warnings before them — and the loss came back to its level before",
     "failed": "non-finite values appeared and the run ended with them or died of an error "
               "after them, or nanguard's `raise` policy (or a rollback give-up) stopped it",
     "unwatched": "no training step was watched (no optimizer step, no backward)",
@@ -79,6 +79,10 @@ STATUSES = {
     "running": "the process that records it is still training (read from run.db so far)",
 }
 """Every status report.json can hold, and what it promises."""
+
+RECOVERING = ("skip", "rollback", "heal_clip", "wd_cut", "lr_cut", "lr_ramp")
+"""Actions after which the run is recovering: its status is at least `recovered` (a policy
+changed the training), and the report says whether the model came back."""
 
 OK_STATUSES = ("healthy", "warned", "recovered")
 """Statuses a CI gate may pass: `nanguard report` exits 0 for these only."""
@@ -169,7 +173,9 @@ def build_report(
     kinds = {a["action"] for a in actions}
     stopped = bool(kinds & {"raise", "give_up"})
     # A finding in a batch the GradScaler skipped was stepped over too.
-    recovering = bool(kinds & {"skip", "rollback"}) or bool(
+    # Any recovery action changed the training (heal's clip or LR cut too, even with no alarm
+    # of its own): such a run is never `healthy`.
+    recovering = bool(kinds & set(RECOVERING)) or bool(
         first_nonfinite and first_nonfinite.get("skipped_by"))
     if failed is None:
         failed = first_nonfinite is not None and not recovering

@@ -19,15 +19,12 @@ from nanguard.detect.alarm import Alarm
 from nanguard.detect.detectors import Detector, SpikeDetector
 from nanguard.record.events import Events
 from nanguard.record.finding import Finding
+from nanguard.record.report import RECOVERING
 from nanguard.record.store import NullStore
 from nanguard.watch.stats import StepStats
 
 HISTORY = 64
 """Steps kept for the summary and the diagnosis (the last ones up to the failure)."""
-
-RECOVERING = ("skip", "rollback", "heal_clip", "wd_cut", "lr_cut", "lr_ramp")
-"""Actions after which the run is recovering: the report says whether the model came back."""
-
 
 class RunLog:
     """Alarms, actions, finding, spikes and step history of one guard's run.

@@ -59,8 +59,8 @@ def spike_line(m: dict[str, Any] | None) -> str | None:
 def heal_line(report: Report) -> str | None:
     """Under `heal`: what it did and what drove the spikes; else, on a run with a loss spike
     episode it came back from (heal's case: spikes that recover or run away, again and again;
-    not a run whose one episode is its end in NaN), the recommendation to try it. None
-    otherwise."""
+    not a run whose one episode is its end in NaN) and an alarm of the guard's own, on an
+    objective it judges stationary, the recommendation to try it. None otherwise."""
     heal = (report.run.get("recovery") or {}).get("heal")
     if report.run.get("policy") == "heal":
         if not heal:
@@ -84,7 +84,11 @@ def heal_line(report: Report) -> str | None:
                 + (f"; what drove the spikes: {heal['cause']}" if heal.get("cause") else "")
                 + overall)
     m = report.spike_measures or {}
-    if any(not e.get("open") for e in m.get("episodes") or []):
+    # Only where the guard itself saw trouble: on a healthy run the measure's episodes are a
+    # noisy or non-stationary loss (off-policy RL, a GAN), not spikes heal would fix.
+    trend_off = any(a.get("action") == "loss_trend_off" for a in report.actions)
+    if (report.alarms and not trend_off
+            and any(not e.get("open") for e in m.get("episodes") or [])):
         return ("remedy: policy='heal' clips the grad-norm jump that comes before a loss spike "
                 "and cuts the weight decay or the LR when the jumps recur")
     return None

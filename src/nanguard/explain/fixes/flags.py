@@ -21,6 +21,8 @@ _NAMES = {
     "weight_decay": re.compile(r"^(?:weightdecay|wd|l2(?:reg)?|decay)$"),
     "clip": re.compile(r"^(?:grad(?:ient)?)?clip(?:grad(?:ient)?)?(?:norm|val(?:ue)?)?$"
                        r"|^maxgrad(?:ient)?norm$"),
+    "gamma": re.compile(r"^(?:gamma|discount(?:factor)?)$"),
+    "batch_size": re.compile(r"^(?:(?:mini)?batch(?:size)?|bs|(?:mini)?batchsz)$"),
 }
 """Flag names (folded) per setting."""
 
@@ -64,6 +66,16 @@ class Flag:
             mantissa, exponent = f"{self.value:.6e}".split("e")
             return f"{float(mantissa):g}e-{int(exponent)}"
         return None
+
+
+def below_one(flag: Flag) -> str | None:
+    """The discount factor a value above 1 was presumably meant as, written as typed
+    (`99` -> `0.99`, `995` -> `0.995`, `9.9` -> `0.99`), or None when no digits read so."""
+    digits = flag.text.replace(".", "", 1)
+    if not digits.isdigit() or flag.value <= 1 or flag.value >= 1000:
+        return None
+    meant = "0." + digits.lstrip("0")
+    return meant if 0.5 <= float(meant) < 1 else None
 
 
 def number(v: float) -> str:

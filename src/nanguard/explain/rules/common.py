@@ -142,7 +142,7 @@ def recovery_clause(ev: Evidence) -> str:
 
 
 _RECOVERY = ("skip", "rollback", "heal_clip", "wd_cut", "lr_cut")
-"""Actions of nanguard's recovery policies (report.json `actions`; `record.runlog.RECOVERING`)."""
+"""Actions of nanguard's recovery policies (report.json `actions`; `record.report.RECOVERING`)."""
 
 
 def first_jump(ev: Evidence) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 from nanguard.explain.evidence import Cause, Evidence
+from nanguard.explain.fixes import find_flag
 from nanguard.explain.rules.common import (
     at_line,
     origin_args,
@@ -76,6 +77,12 @@ def _correction(ev: Evidence) -> Cause | None:
     if n - corr > 0:
         return None
     name = ev.op.removeprefix("aten.").split(".")[0]
+    size = find_flag(ev.argv, "batch_size")
+    lead = ""
+    if size is not None and size.value == n:
+        # The group of one is the batch the user asked for: the flag is the first fix.
+        lead = (f"{size.now()} makes batches of {n} row{'s' if n != 1 else ''}: "
+                f"set {size.set(int(corr) + 1)} or more, or ")
     return Cause(
         cause="division_by_zero",
         confidence=0.92,
@@ -83,11 +90,13 @@ def _correction(ev: Evidence) -> Cause | None:
         f"{'s' if n != 1 else ''} with correction = {corr:g} divides by n - correction = "
         f"{n - corr:g} (input shape {shape}): a group of one (a last minibatch of one "
         "sample, a batch of one row)",
-        fix=f"at that line, never take `{name}` of fewer than {int(corr) + 1} values: guard "
-        f"the size (`x.{name}() if x.numel() > 1 else x.new_zeros(())`, or normalise "
-        f"advantages only when the minibatch holds more than one), use `x.{name}("
-        "correction=0)`, or drop the short last minibatch (`drop_last=True`, a rollout size "
-        "that the minibatch size divides)",
+        fix=(f"{lead}at that line take `{name}` only of {int(corr) + 1} values or more, or use "
+             f"`x.{name}(correction=0)`") if lead else (
+            f"at that line, never take `{name}` of fewer than {int(corr) + 1} values: guard "
+            f"the size (`x.{name}() if x.numel() > 1 else x.new_zeros(())`, or normalise "
+            f"advantages only when the minibatch holds more than one), use `x.{name}("
+            "correction=0)`, or drop the short last minibatch (`drop_last=True`, a rollout size "
+            "that the minibatch size divides)"),
     )
 
 

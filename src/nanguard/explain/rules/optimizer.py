@@ -428,6 +428,10 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
     if ev.lr is not None:
         onset = jump["from"] if jump is not None else (warn[0]["step"] if warn else None)
         lower = _lower_lr(ev, factor, basis, onset, probed)
+    elif (flag := find_flag(ev.argv, "lr")) is not None:
+        # A hand-written update reports no LR, but a flag named for one set it.
+        lower = (f"lower the LR ({flag.now()} -> {flag.set(flag.value / factor)}: "
+                 f"{factor:.3g}x smaller, {basis})")
     else:
         lower = f"lower the LR (your LR / {factor:.3g}: {basis})"
     healed = _healed_lr(ev)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 from nanguard.explain.evidence import Cause, Evidence
+from nanguard.explain.fixes import below_one, find_flag
 from nanguard.explain.rules.common import (
     LOW_PRECISION,
     at_line,
@@ -122,6 +123,13 @@ def cast_overflow(ev: Evidence) -> Cause | None:
            if made else
            f"normalise or clip before the cast: `x.clamp(-{largest:.3g}, {largest:.3g})"
            f".to(torch.{dtype})`, or keep this value in {src.get('dtype')}")
+    gamma = find_flag(ev.argv, "gamma") if made else None
+    if gamma is not None and gamma.value > 1:
+        # A discount factor above 1 grows a return geometrically with the episode's length.
+        meant = below_one(gamma)
+        fix = (f"{gamma.now()} is a discount factor above 1: each step back multiplies the "
+               f"return by {gamma.text}, and a long episode's return passes {dtype}'s range; "
+               + (f"did you mean {gamma.with_text(meant)}?" if meant else "keep it below 1"))
     if entered.get("file"):
         fix += (f"; the values were read from {entered['file']}: `nanguard scan "
                 f"{entered['file']}` lists the rows beyond {largest:.3g}")
