@@ -32,6 +32,10 @@ compiled (`torch.compile` traces the hooks) are not measured.
 from __future__ import annotations
 
 import math
+import os
+import sys
+import warnings
+from types import FrameType
 from typing import Any
 
 import torch
@@ -115,6 +119,63 @@ class _Mode(TorchFunctionMode):
         return out
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+class _WarningsAtCaller:
+    """While a forward is armed, a warning raised inside a function the mode passed on (a
+    deprecation in `F.dropout2d`, say) points at the mode's frame: its `stacklevel` counts the
+    mode as the caller. Installed as `warnings.showwarning` for the armed forward only, this
+    re-issues such a warning at the user's line, under that module's filters and registry, as
+    it would have gone without the mode: shown once, from the user's code, not a second time
+    from nanguard's. Every other warning passes through untouched."""
+
+    def __init__(self) -> None:
+        self.saved: Any = None
+
+    def install(self) -> None:
+        if self.saved is None:
+            self.saved = warnings.showwarning
+            warnings.showwarning = self.show
+
+    def uninstall(self) -> None:
+        saved, self.saved = self.saved, None
+        if saved is not None and warnings.showwarning == self.show:
+            warnings.showwarning = saved  # (someone else's replacement since is left alone)
+
+    def show(self, message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+             line: str | None = None) -> None:
+        saved = self.saved or warnings.showwarning
+        frame = _caller_of_mode() if filename == __file__ else None
+        if frame is None:
+            saved(message, category, filename, lineno, file, line)
+            return
+        g = frame.f_globals
+        warnings.showwarning = saved
+        try:
+            warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                                   module=g.get("__name__"),
+                                   registry=g.setdefault("__warningregistry__", {}),
+                                   module_globals=g)
+        finally:
+            warnings.showwarning = self.show
+
+
+def _caller_of_mode() -> FrameType | None:
+    """The first frame outside torch above the mode's `__torch_function__` (the user's call
+    of the function that warned), or None when the mode is not on the stack."""
+    code = _Mode.__torch_function__.__code__
+    f: FrameType | None = sys._getframe(1)
+    while f is not None and f.f_code is not code:
+        f = f.f_back
+    if f is None:
+        return None
+    f = f.f_back
+    while f is not None and f.f_code.co_filename.startswith(_TORCH_DIR):
+        f = f.f_back
+    return f
+
+
 class AttentionProbe:
     """Measures the largest |attention logit| of `model`'s forward on enabled steps.
 
@@ -132,6 +193,7 @@ class AttentionProbe:
         self._depth = 0
         self._handles: list[RemovableHandle] = []
         self._enabled = False
+        self._warnings = _WarningsAtCaller()
 
     @property
     def enabled(self) -> bool:
@@ -167,6 +229,7 @@ class AttentionProbe:
         mode = _Mode(self)
         mode.__enter__()
         self._mode = mode
+        self._warnings.install()
         self.armed_forwards += 1
 
     def _leave(self, *_: Any) -> None:
@@ -178,6 +241,7 @@ class AttentionProbe:
         """Leave the mode (idempotent). Leaving out of order (a mode entered inside the
         forward and still active) raises in torch: the probe then turns itself off."""
         mode, self._mode = self._mode, None
+        self._warnings.uninstall()
         if mode is not None and not leave(mode):
             self.broken = True
             self.enabled = False
