@@ -144,11 +144,13 @@ def test_the_private_check_sees_each_form() -> None:
 
 
 def test_only_the_guard_and_adapters_import_the_guard() -> None:
-    """The core (watch, detect, policy, recover, record, pinpoint, explain, show) never
-    imports the Guard: it gets plain inputs, a narrow link or callbacks."""
+    """The core (watch, detect, policy, recover, record, pinpoint, explain, show, and the
+    step pipeline the Guard holds) never imports the Guard: it gets plain inputs, a narrow
+    link or callbacks."""
     graph = _graph()
     users = sorted(m for m, deps in graph.items() if "nanguard.guard" in deps)
-    core = ("watch", "detect", "policy", "recover", "record", "pinpoint", "explain", "show")
+    core = ("watch", "detect", "policy", "recover", "record", "pinpoint", "explain", "show",
+            "step")
     assert not [m for m in users if (m.split(".") + [""])[1] in core], users
 
 

@@ -87,6 +87,11 @@ class WatchConfig:
     per_parameter: bool = True
     """Store per-parameter gradient / parameter / optimizer-state norms in the run store."""
 
+    quiet_lane: bool = True
+    """Measure and read the common CPU step on the quiet lane (`watch.lane`: no packets, one
+    host read). False sends every step through the packet path: the same statistics, alarms
+    and record, more Python calls (the differential tests compare)."""
+
 
 @_strict
 @dataclass(kw_only=True)

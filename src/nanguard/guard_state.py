@@ -17,6 +17,9 @@ framework adapters. Its keys, in order, and the part each comes from:
   are compared with it. The LR at save rides in `recovery` (`policy.lr_change`): a resume whose
   first step runs at 10x it is an LR jump at that step.
 
+`take_baselines` hands detector baselines from one live guard to the next (a new optimizer
+over the same parameters every epoch).
+
 Older states may lack `recovery`, `grad_baseline`, `spikes`, `log` and `resume`; they load with
 those parts left as the new guard has them (`grad_baseline` empty).
 """
@@ -30,42 +33,56 @@ from nanguard.detect.detectors import Detector
 from nanguard.pinpoint.baseline import GradBaseline
 from nanguard.record.runlog import HISTORY
 from nanguard.recover.loss_after import LossAfter, loss_level
-from nanguard.step_path import StepPath
+from nanguard.step.build import Parts
+from nanguard.step.state import StepState
 
 
-def gather(guard: StepPath, detectors: list[Detector],
-           plain_log: Mapping[str, Any]) -> dict[str, Any]:
-    """The state of `guard` (see the module docstring); `plain_log`: its `run_log()`, read
-    after every pending step was flushed (the caller's job: flushing may raise an alarm)."""
+def gather(state: StepState, parts: Parts, plain_log: Mapping[str, Any]) -> dict[str, Any]:
+    """The state of a guard's pipeline (`state`, `parts`; see the module docstring);
+    `plain_log`: its `run_log()`, read after every pending step was flushed (the caller's
+    job: flushing may raise an alarm)."""
     return {
-        "step": guard.step,
-        "detectors": [d.state_dict() for d in detectors],
-        **guard.log.state_dict(),
-        "recovery": guard.recovery.state_dict(),
-        "grad_baseline": {str(i): v for i, v in guard._grad_baseline.values().items()},
+        "step": state.step,
+        "detectors": [d.state_dict() for d in parts.detectors],
+        **parts.log.state_dict(),
+        "recovery": parts.recovery.state_dict(),
+        "grad_baseline": {str(i): v for i, v in state.grad_baseline.values().items()},
         "log": {"history": plain_log["history"][-HISTORY:], "failing": plain_log["failing"]},
-        "resume": {"loss": loss_level(s.loss for s in guard.log.history)},
-        "sampling": guard.steps.sampler.state_dict(),
+        "resume": {"loss": loss_level(s.loss for s in parts.log.history)},
+        "sampling": parts.steps.sampler.state_dict(),
     }
 
 
-def restore(guard: StepPath, detectors: list[Detector], state: Mapping[str, Any]) -> None:
-    """Put `state` (what `gather` returned) back into `guard`. Raises ValueError, before
-    anything changed, when it comes from a guard with a different set of detectors."""
-    if len(state["detectors"]) != len(detectors):
+def restore(state: StepState, parts: Parts, saved: Mapping[str, Any]) -> None:
+    """Put `saved` (what `gather` returned) back. Raises ValueError, before anything
+    changed, when it comes from a guard with a different set of detectors."""
+    detectors = parts.detectors
+    if len(saved["detectors"]) != len(detectors):
         raise ValueError("state_dict comes from a guard with a different set of detectors")
-    guard.step = int(state["step"])
-    for d, s in zip(detectors, state["detectors"], strict=True):
+    state.step = int(saved["step"])
+    for d, s in zip(detectors, saved["detectors"], strict=True):
         d.load_state_dict(s)
-    guard.log.load_state_dict(state)
-    if "recovery" in state:
-        guard.recovery.load_state_dict(state["recovery"])
-    healer = guard.recovery.healer
-    if healer is not None and not (state.get("recovery") or {}).get("heal"):
+    parts.log.load_state_dict(saved)
+    recovery = parts.recovery
+    if "recovery" in saved:
+        recovery.load_state_dict(saved["recovery"])
+    healer = recovery.healer
+    if healer is not None and not (saved.get("recovery") or {}).get("heal"):
         # Saved under another policy: heal starts from the grad norms before the save.
-        healer.seed([h.get("grad_norm") for h in (state.get("log") or {}).get("history", [])
+        healer.seed([h.get("grad_norm") for h in (saved.get("log") or {}).get("history", [])
                      if isinstance(h, dict)])
-    guard._grad_baseline = GradBaseline({int(i): float(v)
-                                         for i, v in state.get("grad_baseline", {}).items()})
-    guard._loss_after = LossAfter.resumed(state.get("resume"), guard.step)
-    guard.steps.sampler.load_state_dict(state.get("sampling"))
+    state.grad_baseline = GradBaseline({int(i): float(v)
+                                        for i, v in saved.get("grad_baseline", {}).items()})
+    state.loss_after = LossAfter.resumed(saved.get("resume"), state.step)
+    parts.steps.sampler.load_state_dict(saved.get("sampling"))
+
+
+def take_baselines(mine: list[Detector], theirs: list[Detector]) -> None:
+    """`Guard.take_baselines`: each series detector of `mine` starts from its counterpart's
+    baselines in `theirs` (same order and class); other detectors are left alone."""
+    if len(mine) != len(theirs):
+        return
+    for d, other in zip(mine, theirs, strict=True):
+        take = getattr(d, "take_baselines", None)  # the series detectors'
+        if take is not None and type(d) is type(other):
+            take(other)

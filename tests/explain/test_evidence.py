@@ -20,6 +20,7 @@ from nanguard.explain import rules as R
 from nanguard.explain.context import evidence_from_log
 from nanguard.explain.rules.optimizer import _lr_factor
 from nanguard.pinpoint import find_origin
+from nanguard.step.state import RunFacts
 
 
 def _causes(ev: Evidence) -> list[str]:
@@ -450,9 +451,8 @@ def test_zero_code_users_get_the_run_flag() -> None:
 @pytest.mark.parametrize("entry", ["api", "run"])
 def test_context_reads_the_entry_point(entry: str) -> None:
     model = nn.Linear(2, 1)
-    guard = _guard(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    if entry == "run":
-        guard.run_entry = "run"  # type: ignore[attr-defined]
+    guard = _guard(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                   facts=RunFacts(entry=entry))
     try:
         assert evidence_from_log(guard.run_log()).entry == entry
     finally:

@@ -38,12 +38,13 @@ def main() -> None:
                   replay=(lambda x: nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)))
                   if policy == "observe" else None)
     if rank == 0:  # an internal error of nanguard's own, at one step, on one rank
-        # "pre": the detectors' pass before the update, which every path of the pre-hook runs
-        # (the quiet lane's and the packet path's); at BREAK_AT only (the post-hook's pass
-        # runs after the step counter moved on).
-        target = guard._detect if where == "pre" else guard.recovery.after_update
-        name = "_detect" if where == "pre" else "after_update"
-        owner = guard if where == "pre" else guard.recovery
+        # "pre": recovery's GradScaler check, the first thing of the detectors' pass before
+        # the update, which every path of the pre-hook runs for these policies (the quiet
+        # lane's and the packet path's); at BREAK_AT only (the post-hook's pass runs after the
+        # step counter moved on). "post": recovery's first call after the update.
+        owner = guard.recovery
+        name = "check_amp" if where == "pre" else "after_update"
+        target = getattr(owner, name)
 
         def broken(*args: object, **kwargs: object) -> object:
             if guard.step == BREAK_AT:

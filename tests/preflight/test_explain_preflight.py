@@ -16,6 +16,7 @@ from nanguard import Guard
 from nanguard.explain import diagnose
 from nanguard.explain.context import evidence_from_log
 from nanguard.explain.evidence import Evidence
+from nanguard.step.state import RunFacts
 
 
 def _init_finding(name: str, ratio: float) -> dict[str, Any]:
@@ -113,7 +114,9 @@ def test_evidence_reads_the_guards_preflight(tmp_path: Path) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with Guard(model, opt, out=str(tmp_path / "a")) as guard:
         assert evidence_from_log(guard.run_log()).preflight is None
-        guard.preflight = _preflight([], diverge=0.3)  # type: ignore[attr-defined]
-        assert evidence_from_log(guard.run_log()).preflight == guard.preflight  # type: ignore[attr-defined]
-        guard.preflight = {"ran": False, "reason": "x"}  # type: ignore[attr-defined]
+    verdict = _preflight([], diverge=0.3)
+    with Guard(model, opt, out=str(tmp_path / "b"), facts=RunFacts(preflight=verdict)) as guard:
+        assert evidence_from_log(guard.run_log()).preflight == verdict
+    with Guard(model, opt, out=str(tmp_path / "c"),
+               facts=RunFacts(preflight={"ran": False, "reason": "x"})) as guard:
         assert evidence_from_log(guard.run_log()).preflight is None

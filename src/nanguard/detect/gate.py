@@ -81,8 +81,3 @@ class QuietGate:
             absorb(appends)
         self.passed += passed
         return alarms
-
-    def passes(self, stats: StepStats, phase: str) -> bool:
-        """The gate's former call (a step path not yet moved to `run`): answers False, so the
-        caller runs every `check` itself, which is exact; only `run` takes the quiet updates."""
-        return False

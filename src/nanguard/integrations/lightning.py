@@ -64,6 +64,7 @@ from nanguard.integrations.options import check_options, guard_setup, say_stoppe
 from nanguard.record import ending
 from nanguard.record.events import Event
 from nanguard.record.report import Report
+from nanguard.step.state import RunFacts
 
 try:  # the unified package first, the standalone one else
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -179,8 +180,8 @@ class NanguardCallback(Callback):
                                   if getattr(c.scheduler, "optimizer", None) is optimizer), None)
             folder = self._folder / f"optimizer-{i}" if self._folder is not None else out
             guard = Guard(module, optimizer, policy=self.policy, out=folder, config=cfg,
-                          hook_optimizer=False, scheduler=scheduler, scaler=scaler, **opts)
-            guard.run_entry = "lightning"
+                          hook_optimizer=False, scheduler=scheduler, scaler=scaler,
+                          facts=RunFacts(entry="lightning"), **opts)
             self.guards.append(guard)
             self._labels.append(f"optimizer-{i}")
             self._modules.append(name or type(module).__name__)

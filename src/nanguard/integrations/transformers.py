@@ -72,6 +72,7 @@ from nanguard.integrations.options import check_options, guard_setup, say_stoppe
 from nanguard.record import ending
 from nanguard.record.events import Event
 from nanguard.record.report import Report
+from nanguard.step.state import RunFacts
 
 
 class NanguardCallback(TrainerCallback):
@@ -145,8 +146,7 @@ class NanguardCallback(TrainerCallback):
         if "scheduler" not in opts and lr_scheduler is not None:
             opts["scheduler"] = lr_scheduler
         guard = Guard(model, raw, policy=self.policy, out=out, config=cfg,
-                      hook_optimizer=False, **opts)
-        guard.run_entry = "transformers"
+                      hook_optimizer=False, facts=RunFacts(entry="transformers"), **opts)
         self.guard = guard
         guard.add_listener(self._keep_signals, only="step")
         guard.add_listener(self._count_alarm, only="alarm")

@@ -14,10 +14,13 @@ hooks, installed while at least one Guard is open and removed with the last one:
 
 from __future__ import annotations
 
+import atexit
 import signal
 import sys
 import threading
 import types
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 ENDINGS = ("ok", "error", "interrupted", "stopped")
@@ -107,3 +110,17 @@ def release() -> None:
         except (ValueError, OSError):
             pass
     _previous_term = None
+
+
+def close_at_exit(closeable: Any) -> Callable[[], None]:
+    """Call `closeable.close()` at interpreter exit if the program never did; returns the
+    registered function (for `atexit.unregister` at close). Holds it weakly: a dropped guard
+    is not kept alive."""
+    ref = weakref.ref(closeable)
+
+    def closer() -> None:
+        if (obj := ref()) is not None:
+            obj.close()
+
+    atexit.register(closer)
+    return closer

@@ -151,6 +151,8 @@ class NullStore:
     """Records nothing: used when recording is off, so callers never test `if store:`."""
 
     path: Path | None = None
+    folder: Path | None = None
+    """The run folder (None: nothing is recorded)."""
     error: BaseException | None = None
 
     def write_meta(self, **values: Any) -> None: ...
@@ -337,15 +339,27 @@ def _shut(writer: Writer, db: sqlite3.Connection) -> None:
         writer.error = writer.error or exc
 
 
+_RECORDING = True  # False in a re-run's process (`record_nothing`)
+
+
+def record_nothing() -> None:
+    """For the rest of this process every new store records nothing: a re-run of a step
+    (`nanguard run`'s replay, a resume point's child) must never touch the user's run
+    folders, not even through a Guard the script builds itself (the first run recorded)."""
+    global _RECORDING
+    _RECORDING = False
+
+
 def open_store(out: str | None, if_exists: str = "refuse") -> NullStore:
-    """The store a new guard records to: `out=""` records nothing (a `NullStore`), None a
-    new folder `nanguard_runs/<time>-<pid>[-N]`, else the folder `out`.
+    """The store a new guard records to: `out=""` (or a process that `record_nothing`)
+    records nothing (a `NullStore`), None a new folder `nanguard_runs/<time>-<pid>[-N]`,
+    else the folder `out`.
 
     Raises:
         ValueError: `out` already holds a run and `if_exists` is `refuse`, or it cannot be
             written.
     """
-    if out == "":
+    if out == "" or not _RECORDING:
         return NullStore()
     if out is None:
         return RunStore(unique_folder(Path("nanguard_runs")))

@@ -22,8 +22,10 @@ class Guarded(Protocol):
     config: GuardConfig
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    step: int
     error: dict[str, Any] | None
+
+    @property
+    def step(self) -> int: ...
 
     @property
     def closed(self) -> bool: ...

@@ -13,7 +13,7 @@ jump (the `lr_jump` explain rule then names the jump as the spike's cause).
 
 A run resumed with the wrong weights shows there too, while the detectors' own windows (restored
 with the rest of the state) judge every step as before the resume. Cost: one attribute check per
-step outside a window (`StepPath._loss_after` is None then).
+step outside a window (`StepState.loss_after` is None then).
 """
 
 from __future__ import annotations

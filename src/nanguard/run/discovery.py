@@ -29,8 +29,8 @@ value on the host.
 With a `preflight` (`nanguard run --preflight`, audit/preflight_live.py) the hooks also tell it
 the root forwards, their outputs and the loss backpropagated, and the first optimizer step runs
 it before any guard is attached, with every hook here quiet (`quiet()`: the copies it trains
-must not count as the script's forwards, losses or steps); its verdict is set on every guard
-as `guard.preflight` (the diagnosis reads it).
+must not count as the script's forwards, losses or steps); its verdict goes into the guards'
+`RunFacts` (the diagnosis reads it).
 
 What is kept for each optimizer found (`Watched`), the model its guard is given and the guard's
 in-process replay of the recorded step are in run/watched.py; this module holds the
@@ -40,7 +40,6 @@ hooks, whose state (roots, inputs, outputs, the last loss, the step count) they 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import sys
 import weakref
@@ -49,7 +48,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,7 +63,6 @@ from torch.optim.optimizer import (
 from torch.utils.hooks import RemovableHandle
 
 from nanguard.config import GuardConfig, RecordConfig
-from nanguard.errors import NanguardError
 from nanguard.guard import Guard
 from nanguard.pinpoint.recorded import ClosureRecipe, NotReplayable, StepRecorder
 from nanguard.run import held
@@ -74,6 +72,8 @@ from nanguard.run.manual import ManualBoundaries, ManualStep, forked, replaying
 from nanguard.run.resume import ResumePoints
 from nanguard.run.script_flags import clip_from_argv
 from nanguard.run.watched import Watched, as_model, holds_compiled, replay_recorded
+from nanguard.step.failopen import fail_open
+from nanguard.step.state import RunFacts
 from nanguard.watch import loads
 
 _MAX_OUTPUTS = 32
@@ -89,32 +89,6 @@ class _Inputs:
     """This backward's batch is in `data` already."""
     other: tuple[torch.Tensor, ...] | None = None
     """The first call's inputs when a module produced them (a discriminator fed a generator)."""
-
-
-_Hook = TypeVar("_Hook", bound=Callable[..., Any])
-
-
-def _fail_open(where: str) -> Callable[[_Hook], _Hook]:
-    """A hook of the runner that never breaks the script: an error of nanguard's own inside it
-    makes every guard stand down (`Discovery._stand_down`) and the hooks do nothing from then
-    on. The `raise` policy's NanguardError (and the preflight's stop, a BaseException) pass."""
-
-    def wrap(fn: _Hook) -> _Hook:
-        @functools.wraps(fn)
-        def hook(self: Discovery, *args: Any, **kwargs: Any) -> Any:
-            if self.error is not None:
-                return None
-            try:
-                return fn(self, *args, **kwargs)
-            except NanguardError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
-                self._stand_down(exc, where)
-                return None
-
-        return cast(_Hook, hook)
-
-    return wrap
 
 
 class _Coupling:
@@ -143,13 +117,17 @@ class Discovery:
         self.preflight = preflight
         self._quiet = False
         self.error: dict[str, Any] | None = None
-        """An error of nanguard's own in these hooks (`_stand_down`): they do nothing since."""
+        """An error of nanguard's own in these hooks (`stand_down`): they do nothing since."""
         self.policy = policy
         self.config = config or GuardConfig(record=RecordConfig(summary=False))
         self._coupling = _Coupling()
         self._clip: Any = None
         self.script_clip: float | None = None
         """The `max_norm` the script last passed to `clip_grad_norm_` (0: clipping off)."""
+        self.facts: RunFacts | None = None
+        """How the script runs, given to each of its guards (`Guard(facts=...)`): one object
+        made at the first guard, when `sys.argv` is the script's; the clip the script passes
+        to `clip_grad_norm_` later is noted there too (the diagnosis reads it at the end)."""
         self.clipped: tuple[frozenset[int], Any] | None = None
         """The parameters and total norm of the script's last `clip_grad_norm_` call, handed
         to the guard of the next optimizer step over them (`Guard.note_clip_norm`)."""
@@ -174,7 +152,7 @@ class Discovery:
         read only at the end of the run (the outputs themselves are not kept)."""
         self._manual = ManualBoundaries(
             roots=lambda: list(self._roots.values()),
-            on_error=lambda exc: self._stand_down(exc, "nanguard run's hand-written step "
+            on_error=lambda exc: self.stand_down(exc, "nanguard run's hand-written step "
                                                        "boundaries"))
         self.recorder = StepRecorder()
         self._has_params: weakref.WeakKeyDictionary[nn.Module, bool] = \
@@ -238,9 +216,8 @@ class Discovery:
             if d is None or forked():
                 return clip(parameters, max_norm, *args, **kwargs)
             d.script_clip = float(max_norm)
-            for w in d.watched:
-                if w.guard is not None:
-                    w.guard.script_clip = float(max_norm)
+            if d.facts is not None:
+                d.facts.script_clip = d.script_clip
             # A list, so that the parameters can be told apart after torch has read them (a
             # generator is read once).
             params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -320,7 +297,7 @@ class Discovery:
                 w.guard.detach()
         self.remove()
 
-    def _stand_down(self, exc: BaseException, where: str) -> None:
+    def stand_down(self, exc: BaseException, where: str) -> None:
         """An error inside the runner's own hooks: every guard stands down (its error and
         traceback recorded, its hooks removed: status `degraded`), these hooks do nothing from
         now on, and the script runs on exactly as without nanguard."""
@@ -371,7 +348,7 @@ class Discovery:
 
     # ------------------------------------------------------------------ hooks
 
-    @_fail_open("nanguard run's backward hook")
+    @fail_open("nanguard run's backward hook")
     def _saw_backward(self, tensor: torch.Tensor) -> None:
         if forked() or self._quiet or replaying(tensor):
             return
@@ -394,7 +371,7 @@ class Discovery:
             self._loss = unscaled if unscaled is not None else tensor.detach()
             self._loss_seq += 1
 
-    @_fail_open("nanguard run's forward pre-hook")
+    @fail_open("nanguard run's forward pre-hook")
     def _forward_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if forked() or self._quiet or replaying():
             return
@@ -422,7 +399,7 @@ class Discovery:
         elif rec.other is None:
             rec.other = tensors
 
-    @_fail_open("nanguard run's forward hook")
+    @fail_open("nanguard run's forward hook")
     def _forward_post(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
         """A module's forward returned: `(module, args, kwargs, output)`. Registered with
         `always_call`, so that the depth count stays right when a forward raises (the script's
@@ -477,7 +454,7 @@ class Discovery:
                 return True
         return False
 
-    @_fail_open("nanguard run's optimizer step pre-hook")
+    @fail_open("nanguard run's optimizer step pre-hook")
     def _optimizer_pre(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """Global step pre-hook: runs first in every `optimizer.step()` (and in a
@@ -517,7 +494,7 @@ class Discovery:
             w.guard.watch_micro_batch(batch)
         return result
 
-    @_fail_open("nanguard run's optimizer step post-hook")
+    @fail_open("nanguard run's optimizer step post-hook")
     def _optimizer_post(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         """Global step post-hook: the update is done, the step's recipe is of no more use
         (its batch is let go)."""
@@ -530,7 +507,7 @@ class Discovery:
                 self.recorder.reset()
             w.recipe = None
 
-    @_fail_open("nanguard run's GradScaler hook")
+    @fail_open("nanguard run's GradScaler hook")
     def _scaler_update(self, scaler: Any) -> None:
         """Right before `scaler.update()`, the end of an AMP iteration. An optimizer the scaler
         handled that did not step (inf/NaN gradients: no step hook ran) gets its loss and
@@ -602,19 +579,13 @@ class Discovery:
                     raise NotReplayable("the run is over")
                 return replay_recorded(w, batch)
 
+            facts = self._facts()
             w.guard = Guard(model, optimizer, policy=policy, out=str(folder), config=config,
-                            replay=replay, scaler=self._amp.scaler_for(optimizer))
-            w.guard.run_entry = "run"  # fixes are phrased as `nanguard run` flags
+                            replay=replay, scaler=self._amp.scaler_for(optimizer), facts=facts)
             # The epilogue may re-run the failing step: findings wait for it (runner.py).
             w.guard.events.hold = True
-            # Clipping turned off by the script's own flag never calls clip_grad_norm_.
-            off = 0.0 if clip_from_argv(sys.argv[1:]) == 0 else None
-            w.guard.script_clip = (
-                self.script_clip if self.script_clip is not None else off)
             # A script's optimizers train coupled models (a GAN): they roll back together.
             w.guard.recovery.couple(self._coupling)
-            if self.preflight is not None and self.preflight.result is not None:
-                w.guard.preflight = self.preflight.result
             # How to run it again (`nanguard replay`): sys.argv is the script's here.
             w.guard.store.write_meta(script=os.path.abspath(sys.argv[0]), argv=sys.argv[1:],
                                      cwd=os.getcwd(), optimizers=index + 1)
@@ -632,6 +603,19 @@ class Discovery:
                 if part.guard is not None:
                     part.guard.events.label = part.name
         return w
+
+    def _facts(self) -> RunFacts:
+        """The script's `RunFacts` (made at its first guard): fixes are phrased as `nanguard
+        run` flags; the clip is the script's own, or 0 when its flag turned clipping off (it
+        then never calls `clip_grad_norm_`); the preflight's verdict once it ran."""
+        if self.facts is None:
+            off = 0.0 if clip_from_argv(sys.argv[1:]) == 0 else None
+            self.facts = RunFacts(
+                entry="run", script_clip=self.script_clip if self.script_clip is not None
+                else off)
+        if self.preflight is not None and self.preflight.result is not None:
+            self.facts.preflight = self.preflight.result
+        return self.facts
 
     def _owners(self, optimizer: torch.optim.Optimizer) -> list[nn.Module]:
         """Root modules holding the optimizer's parameters, most parameters first; a root that

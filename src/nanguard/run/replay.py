@@ -20,9 +20,8 @@ from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from nanguard.guard import Guard
 from nanguard.pinpoint import armed
-from nanguard.record.store import NullStore
+from nanguard.record import store
 from nanguard.watch import loads, rng
 
 
@@ -30,8 +29,7 @@ def record_nothing() -> None:
     """In a re-run (this module's process, a resume point's child): any guard the script
     builds itself records nothing, so the user's run folders are never touched (the first run
     already recorded them)."""
-    Guard._open_store = staticmethod(
-        lambda out, if_exists="refuse": NullStore())
+    store.record_nothing()
 
 
 class _Done(BaseException):

@@ -12,13 +12,14 @@ the update: `QuietLane.read_pre` reads the pre-update part there, and `read` the
 part after it (two reads, as the packet path makes). The detectors, the quiet gate, the policy
 and the record then take the step as they take any other: the lane decides nothing.
 
-What the lane leaves to the packet path (`StepWatch`), decided once (`StepPath._make_lane`)
-and per step (`StepPath._pre`): clipping, a replay still armed, a GradScaler, activation
-watching, `read_every` > 1, the cross-rank agreement, a `skip` a fused optimizer decides on the
-device, a parameter off the CPU (a GPU step's packet is copied without a stall and read a step
-late), a step that samples the update norm, the first step and the first after a
-`load_state_dict` (loaded-state flags). The optimizer state is measured on the steps
-`watch.sampling` picks, here as there. `tests/test_quiet_lane.py` checks that the lane and the
+What the lane leaves to the packet path (`StepWatch`), decided once (`step.build`, when the
+parts are made) and per step (`StepPipeline.pre_hook`): clipping, a replay still armed, a
+GradScaler, activation watching, `read_every` > 1, the cross-rank agreement, a `skip` a fused
+optimizer decides on the device, a parameter off the CPU (a GPU step's packet is copied without
+a stall and read a step late), a step that samples the update norm, the first step and the
+first after a `load_state_dict` (loaded-state flags); `WatchConfig.quiet_lane=False` leaves it
+every step. The optimizer state is measured on the steps `watch.sampling` picks, here as
+there. `tests/test_quiet_lane.py` checks that the lane and the
 packet path leave identical statistics, alarms, actions, report.json and run.db.
 """
 

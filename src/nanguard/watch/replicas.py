@@ -52,12 +52,18 @@ _NAMES_SHOWN = 5
 class Host(Protocol):
     """What the check uses of the guard it serves (the Guard is one; never imported here)."""
 
-    step: int
     model: Any
     optimizer: torch.optim.Optimizer
-    params: list[torch.Tensor]
-    param_names: list[str]
     error: dict[str, Any] | None
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def params(self) -> list[torch.Tensor]: ...
+
+    @property
+    def param_names(self) -> list[str]: ...
 
     @property
     def closed(self) -> bool: ...

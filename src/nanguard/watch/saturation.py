@@ -44,9 +44,11 @@ class Host(Protocol):
     """What the probe uses of the guard it serves (the Guard is one; this module never imports
     it)."""
 
-    step: int
     optimizer: torch.optim.Optimizer
     error: dict[str, Any] | None
+
+    @property
+    def step(self) -> int: ...
 
     @property
     def closed(self) -> bool: ...
