@@ -1,10 +1,10 @@
 """Early warning on the LR/momentum cascade (DESIGN.md section 5, "early warning").
 
-Over seeds 0..59 of `nanguard.scenarios.train_cascade` at default thresholds, with activation
-watching on: enough seeds fail, and on every one of them the first warning comes >= 3 steps
-before the first non-finite value; so it does on failures planted in the first 20 steps (before
-any detector has `warmup_steps` of history). Also checks the fields of the cheap, always-on
-finding.
+Over the seeds of 0..59 of `nanguard.scenarios.train_cascade` that fail, at default thresholds,
+with activation watching on: enough seeds fail, and on every one of them the first warning comes
+>= 3 steps before the first non-finite value; so it does on failures planted in the first 20
+steps (before any detector has `warmup_steps` of history). Also checks the fields of the cheap,
+always-on finding.
 """
 
 from __future__ import annotations
@@ -16,7 +16,11 @@ from nanguard.detect import ALARM_KINDS
 from nanguard.scenarios import train_cascade
 
 PHASES = {"data", "forward", "loss", "backward", "optimizer"}
-SEEDS = range(60)
+# The seeds of 0..59 whose cascade overflows (torch 2.13, CPU; the scenario is bit-for-bit
+# deterministic). The other 43 stay finite, and no assertion ever read their runs: training
+# them cost 70% of this file's time for nothing. Should another machine's kernels move the
+# set, the checks below still hold on every listed seed that fails, as long as 10 do.
+SEEDS = (0, 1, 5, 8, 9, 15, 16, 22, 24, 28, 31, 40, 41, 44, 47, 49, 54)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +50,7 @@ def cascade_reports():
 @pytest.mark.slow
 def test_warns_three_steps_ahead_on_every_failing_seed(cascade_reports):
     failing = {s: r for s, r in cascade_reports.items() if r.first_nonfinite is not None}
-    assert len(failing) >= 10, f"only {len(failing)} of {len(SEEDS)} seeds failed"
+    assert len(failing) >= 10, f"only {len(failing)} of the {len(SEEDS)} listed seeds failed"
     late = {s: r.lead_steps for s, r in failing.items()
             if r.lead_steps is None or r.lead_steps < 3}
     assert not late, f"warned < 3 steps ahead (seed: lead): {late}"
