@@ -20,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import helpers`
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from xdist_groups import one_worker_group  # noqa: E402
+
 torch.set_num_threads(1)
 # And one thread in every process a test starts (they inherit this environment): two xdist
 # workers on two cores, each starting a training script with a thread per core, wait on each
@@ -27,43 +29,19 @@ torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"
 
 
-# Tests that share an expensive, once-per-process result run on one xdist worker: otherwise
-# each worker that draws one of them builds it again. Node id prefix -> group.
-_ONE_WORKER = {
-    # docs/doc_shell.py runs each documented training command once per process: the pages'
-    # and transcripts' 20 training commands are 9 distinct ones.
-    "tests/docs/test_fenced_blocks.py": "docs-pages",
-    # A module-scoped fixture that trains (or starts processes) for several tests.
-    "tests/test_early_warning.py": "early-warning",
-    "tests/test_live.py": "live",
-    "tests/cli/test_cli_demo_report_replay.py": "demo-report-replay",
-    "tests/integrations/test_torchrun.py": "torchrun",
-    "tests/recover/test_lr_jump.py": "lr-jump",
-    "tests/test_spike_measures_run.py": "spike-measures-run",
-    "tests/explain/test_transient_verdict.py": "transient-verdict",
-    "tests/frameworks/test_transformers_resume.py": "transformers-resume",
-    "tests/frameworks/test_export_cli.py": "export-cli",
-    "tests/programs/test_programs.py::test_gpt_resume": "gpt-checkpoint",
-}
-
-
-def _group(nodeid: str) -> str:
-    """The group of a test: a key of `_ONE_WORKER` its node id starts with, else its own."""
-    return next((g for prefix, g in _ONE_WORKER.items() if nodeid.startswith(prefix)), nodeid)
-
-
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`--dist loadgroup` (pyproject's addopts), grouped by `_ONE_WORKER`. xdist's own loadgroup
-    reads `xdist_group` marks into node ids through an attribute pytest 9 no longer has, so
-    its groups fall apart silently; this scheduler groups by node id instead. Larger groups go
-    first (xdist's reordering), every other test alone, to whichever worker is free."""
+    """`--dist loadgroup` (pyproject's addopts), grouped by tests/xdist_groups.py. xdist's own
+    loadgroup reads `xdist_group` marks into node ids through an attribute pytest 9 no longer
+    has, so its groups fall apart silently; this scheduler groups by node id instead. Larger
+    groups go first (xdist's reordering), every other test alone, to whichever worker is free.
+    Runs on the controller only, when the run is distributed."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class _Groups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return _group(nodeid)
+            return one_worker_group(nodeid)
 
     return _Groups(config, log)
 
