@@ -21,6 +21,10 @@ PHASES = {"data", "forward", "loss", "backward", "optimizer"}
 # them cost 70% of this file's time for nothing. Should another machine's kernels move the
 # set, the checks below still hold on every listed seed that fails, as long as 10 do.
 SEEDS = (0, 1, 5, 8, 9, 15, 16, 22, 24, 28, 31, 40, 41, 44, 47, 49, 54)
+# (outlier step, seed) of 6/10/14/17 x 0..9 at 60 steps whose first non-finite value comes
+# before step 30 (the other 25 runs stay finite or fail later, and were never read).
+EARLY = ((6, 0), (6, 1), (6, 4), (6, 5), (6, 6), (10, 0), (10, 1), (10, 3), (10, 6), (10, 8),
+         (14, 7), (14, 9), (17, 1), (17, 6), (17, 8))
 
 
 @pytest.fixture(scope="module")
@@ -87,22 +91,22 @@ def test_warns_on_failures_within_the_first_20_steps():
     """The outlier planted at step 6, 10, 14 or 17 (seeds 0..9, 60 steps): failures in the first
     steps, before any detector has `warmup_steps` of history. Every failing run warns >= 3
     steps ahead (history-free rules: a grad norm 20x the median of the earlier steps and 3x
-    their largest, growth of 30x over 3 steps, a loss 10x its first values)."""
+    their largest, growth of 30x over 3 steps, a loss 10x its first values). Only the 15
+    (outlier step, seed) runs of the 40 that fail before step 30 are trained (as `SEEDS`)."""
     leads = {}
-    for at in (6, 10, 14, 17):
-        for seed in range(10):
-            guards: list[Guard] = []
+    for at, seed in EARLY:
+        guards: list[Guard] = []
 
-            def factory(model, optimizer, guards=guards):
-                guard = Guard(model, optimizer, out="", activations=True,
-                              config=GuardConfig(record=RecordConfig(summary=False)))
-                guards.append(guard)
-                return guard
+        def factory(model, optimizer, guards=guards):
+            guard = Guard(model, optimizer, out="", activations=True,
+                          config=GuardConfig(record=RecordConfig(summary=False)))
+            guards.append(guard)
+            return guard
 
-            train_cascade(seed, factory, steps=60, outlier_at=at)
-            report = guards[0].report
-            if report.first_nonfinite is not None and report.first_nonfinite["step"] < 30:
-                leads[(at, seed)] = report.lead_steps
+        train_cascade(seed, factory, steps=60, outlier_at=at)
+        report = guards[0].report
+        if report.first_nonfinite is not None and report.first_nonfinite["step"] < 30:
+            leads[(at, seed)] = report.lead_steps
     assert len(leads) >= 12, leads
     assert sum(1 for k in leads if k[0] == 17) >= 3, leads  # the added outlier step
     late = {k: lead for k, lead in leads.items() if lead is None or lead < 3}
