@@ -27,6 +27,10 @@ torch.set_num_threads(1)
 # workers on two cores, each starting a training script with a thread per core, wait on each
 # other's spinning threads (a 2-seed demo beside another job: 14.5 s with the default, 6.8 s).
 os.environ["OMP_NUM_THREADS"] = "1"
+# W&B writes a running run's records to its .wandb file every 15 s by default, and a test that
+# reads rows while training goes on (the live stream) waited that long for them. Set before
+# any `wandb.setup()` of this process, which reads the environment once.
+os.environ.setdefault("WANDB__TRANSACTION_LOG_FLUSH_INTERVAL", "0.2")
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
