@@ -20,11 +20,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import helpers`
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from xdist_groups import one_worker_group  # noqa: E402
+
 torch.set_num_threads(1)
 # And one thread in every process a test starts (they inherit this environment): two xdist
 # workers on two cores, each starting a training script with a thread per core, wait on each
 # other's spinning threads (a 2-seed demo beside another job: 14.5 s with the default, 6.8 s).
 os.environ["OMP_NUM_THREADS"] = "1"
+# W&B writes a running run's records to its .wandb file every 15 s by default, and a test that
+# reads rows while training goes on (the live stream) waited that long for them. Set before
+# any `wandb.setup()` of this process, which reads the environment once.
+os.environ.setdefault("WANDB__TRANSACTION_LOG_FLUSH_INTERVAL", "0.2")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup` (pyproject's addopts), grouped by tests/xdist_groups.py. xdist's own
+    loadgroup reads `xdist_group` marks into node ids through an attribute pytest 9 no longer
+    has, so its groups fall apart silently; this scheduler groups by node id instead. Larger
+    groups go first (xdist's reordering), every other test alone, to whichever worker is free.
+    Runs on the controller only, when the run is distributed."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return one_worker_group(nodeid)
+
+    return _Groups(config, log)
 
 
 @pytest.fixture

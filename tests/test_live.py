@@ -84,9 +84,16 @@ def first_bad(script: Path) -> int:
     return _first_nonfinite(_run(script, "train.py"))
 
 
-def test_run_warns_before_the_print_of_step_n_minus_3(script: Path, first_bad: int) -> None:
-    lines = _run(script, "-m", "nanguard", "run", "--policy", "observe", "--out", "run",
-                 "train.py")
+@pytest.fixture(scope="module")
+def default_run(script: Path) -> list[str]:
+    """`nanguard run` at its defaults (policy observe, log level warning): the lines of one
+    run that two tests read (a third interpreter start and training saved)."""
+    return _run(script, "-m", "nanguard", "run", "--out", "run", "train.py")
+
+
+def test_run_warns_before_the_print_of_step_n_minus_3(default_run: list[str],
+                                                      first_bad: int) -> None:
+    lines = default_run
     assert _first_nonfinite(lines) == first_bad  # nanguard changed nothing
     deadline = lines.index(next(x for x in lines if x.startswith(f"step {first_bad - 3} ")))
     warnings = [i for i, x in enumerate(lines) if re.match(r"nanguard: step \d+ \w+:", x)]
@@ -102,15 +109,14 @@ def test_run_warns_before_the_print_of_step_n_minus_3(script: Path, first_bad: i
     assert any(re.search(r"non-finite values in \d+ of its steps", x) for x in lines)
 
 
-def test_quiet_and_log_level(script: Path) -> None:
+def test_quiet_and_log_level(script: Path, default_run: list[str]) -> None:
     quiet = _run(script, "-m", "nanguard", "run", "--quiet", "--out", "q", "train.py")
     assert not [x for x in quiet if re.match(r"nanguard: step", x)]
     assert any(x.startswith("nanguard: failed") for x in quiet)  # the summary still prints
     debug = _run(script, "-m", "nanguard", "run", "--log-level", "debug", "--out", "d",
                  "train.py")
-    default = _run(script, "-m", "nanguard", "run", "--out", "w", "train.py")
     count = [len([x for x in out if re.match(r"nanguard: step \d+ \w+:", x)])
-             for out in (debug, default)]
+             for out in (debug, default_run)]
     assert count[0] > count[1] > 0
 
 

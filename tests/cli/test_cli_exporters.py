@@ -71,7 +71,7 @@ def test_mlflow_stream_without_a_tracking_uri(tmp_path: Path,
 def test_wandb_without_a_login_is_the_users_setup(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR", "WANDB_CONFIG_DIR"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc, no saved login
@@ -79,7 +79,15 @@ def test_wandb_without_a_login_is_the_users_setup(tmp_path: Path,
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "run"
     _train(out)
-    assert main(["export", str(out), "--to", "wandb"]) == 2
+    # `wandb.setup()` reads the environment once per process: an earlier test's offline W&B in
+    # this worker would otherwise stand in for the missing login (and this test's setup must
+    # not outlive it either).
+    wandb.teardown()
+    try:
+        code = main(["export", str(out), "--to", "wandb"])
+    finally:
+        wandb.teardown()
+    assert code == 2
     lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("nanguard export: error: --to wandb:"), lines
     assert "WANDB_MODE=offline" in lines[0] and "wandb login" in lines[0]

@@ -11,11 +11,14 @@ own text. nanguard must report `failed` at step K with that cause, op and line.
 
 from __future__ import annotations
 
+import os
 import re
+import runpy
+import sys
 from pathlib import Path
 from typing import Any
 
-from programs_support import SCRIPTS, Guarded, guarded, plain
+from programs_support import SCRIPTS, Guarded, guarded
 
 
 def _note(g: Guarded, what: str) -> int:
@@ -41,7 +44,19 @@ def _got(g: Guarded) -> dict[str, Any]:
 
 
 def _make(cwd: Path, name: str, *flags: str) -> None:
-    assert plain(cwd, "file_regression.py", "--make", name, *flags).returncode == 0
+    """`file_regression.py --make NAME FLAGS` in `cwd`: the script's own data-file writer, run
+    in this process (writing a file needs no interpreter of its own; the training runs black
+    box)."""
+    script = str(SCRIPTS / "file_regression.py")
+    old_argv, old_cwd = sys.argv, os.getcwd()
+    sys.argv = [script, "--make", name, *flags]
+    os.chdir(cwd)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv = old_argv
+        os.chdir(old_cwd)
+    assert (cwd / name).is_file()
 
 
 PPO = "ppo_rollout.py"

@@ -12,12 +12,15 @@ expected line from the script's own text.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from programs_support import SCRIPTS, Guarded, guarded, python, trace
@@ -58,10 +61,22 @@ def _rerun_without_recipe(cwd: Path, script: str, *args: str) -> Guarded:
 
 
 def _replay(folder: Path) -> dict[str, str]:
-    """`nanguard replay RUN`: its source line and top cause's fix, as printed."""
-    r = python(["-m", "nanguard", "replay", str(folder)], folder.parent, COLUMNS="2000")
-    assert r.returncode == 1, r.stdout + r.stderr[-2000:]
-    out = r.stdout
+    """`nanguard replay RUN`: its source line and top cause's fix, as printed. Run in this
+    process (the command's `main`, its exit code and stdout): the replay reads only the run
+    folder, so a process of its own tested no boundary and cost an interpreter start."""
+    from nanguard.cli.main import main
+
+    out_buf, err_buf = io.StringIO(), io.StringIO()
+    old = os.getcwd()
+    os.chdir(folder.parent)  # where the command ran: it names paths from there
+    try:
+        with mock.patch.dict(os.environ, {"COLUMNS": "2000"}), \
+                contextlib.redirect_stdout(out_buf), contextlib.redirect_stderr(err_buf):
+            code = main(["replay", str(folder)])
+    finally:
+        os.chdir(old)
+    out = out_buf.getvalue()
+    assert code == 1, out + err_buf.getvalue()[-2000:]
     source = re.search(r"^\s+source: (.+)$", out, re.M)
     cause = re.search(r"^\s+cause: (\S+) — fix: (.+)$", out, re.M)
     assert source and cause and "matches the recorded finding" in out, out
