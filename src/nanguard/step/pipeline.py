@@ -53,7 +53,7 @@ from nanguard.step.replays import StepReplays
 from nanguard.step.state import StepState
 from nanguard.watch import loads, rng
 from nanguard.watch.lane import LaneStep
-from nanguard.watch.norms import DTENSOR
+from nanguard.watch.norms import is_dtensor
 from nanguard.watch.stats import StepStats
 from nanguard.watch.step import Pending
 
@@ -330,7 +330,7 @@ class StepPipeline:
         if not self.state.params:
             return torch.device("cpu")
         p = self.state.params[0]  # `local(p)` inline: read every step
-        if DTENSOR is not None and isinstance(p, DTENSOR):
+        if type(p) is not nn.Parameter and is_dtensor(p):  # (a plain parameter: no call)
             p = p.to_local()  # type: ignore[attr-defined]
         return p.device
 

@@ -11,20 +11,27 @@ and reduced with one kernel per shape instead (about 3x less time at 400 tensors
 from __future__ import annotations
 
 import operator
+import sys
 from itertools import repeat
 from typing import Any
 
 import torch
 
-DTENSOR: type | None
-try:  # sharded parameters (FSDP2, tensor parallel)
-    from torch.distributed.tensor import DTensor as DTENSOR
-except ImportError:  # pragma: no cover - torch built without distributed
-    DTENSOR = None
+_MODULES = sys.modules
+_DT_MODULE = "torch.distributed.tensor"
+
+
+def dtensor_type() -> type | None:
+    """`DTensor` (sharded parameters: FSDP2, tensor parallel) once something imported it, else
+    None. Not imported here: it costs ~0.5 s of CPU in every process that imports nanguard, and
+    a DTensor cannot exist before its module is imported. (The hot paths inline this lookup.)"""
+    mod = _MODULES.get(_DT_MODULE)
+    return None if mod is None else getattr(mod, "DTensor", None)
 
 
 def is_dtensor(t: Any) -> bool:
-    return DTENSOR is not None and isinstance(t, DTENSOR)
+    mod = _MODULES.get(_DT_MODULE)
+    return mod is not None and isinstance(t, mod.DTensor)
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor; any other tensor as it is."""
@@ -89,8 +96,8 @@ def norm_values(tensors: list[torch.Tensor], like: list[torch.Tensor] | None = N
     conversion of their own (the step's packet stacks all its 0-dim values at once)."""
     # Checked in C (`map`, sets): a generator here was one Python call per tensor and step.
     if (set(map(_LAYOUT, tensors)) <= _STRIDED and set(map(_DTYPE, tensors)) <= _F32_SET
-            and (DTENSOR is None
-                 or not any(map(isinstance, like or tensors, repeat(DTENSOR))))):
+            and ((dt := _MODULES.get(_DT_MODULE)) is None
+                 or not any(map(isinstance, like or tensors, repeat(dt.DTensor))))):
         return torch._foreach_norm(tensors, 2, dtype=torch.float32)
     return foreach_norms(tensors, like=like)
 
@@ -107,7 +114,8 @@ def foreach_norms(tensors: list[torch.Tensor], like: list[torch.Tensor] | None =
     optimizer state of one optimizer.
     """
     specs = like if like is not None else tensors
-    if DTENSOR is None or not any(isinstance(t, DTENSOR) for t in specs):
+    dt = dtensor_type()
+    if dt is None or not any(isinstance(t, dt) for t in specs):
         return _plain_norms(tensors)
     dts: list[Any] = [t if is_dtensor(t) else None for t in specs]
     norms = _plain_norms([local(t) for t in tensors])
@@ -190,7 +198,8 @@ class NormPlan:
         shapes = len({(tuple(p.shape), p.dtype) for p in tensors})
         if len(tensors) < cls.PER_GROUP * shapes + 4:
             return False
-        return all(type(p) is not DTENSOR and p.device.type == "cpu"
+        dt = dtensor_type()
+        return all(type(p) is not dt and p.device.type == "cpu"
                    and p.layout == torch.strided and p.dtype in _F32_NORM for p in tensors)
 
     def grouped(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
