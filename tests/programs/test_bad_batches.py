@@ -73,3 +73,16 @@ def test_bad_batches_named_skipped_clipped_and_the_clean_run_quiet(tmp_path: Pat
     rep = clean.report
     assert rep["status"] == "healthy" and not rep["alarms"] and not rep["actions"], \
         clean.explain()
+
+
+def test_rows_of_a_heavily_corrupted_batch_are_each_named(tmp_path: Path) -> None:
+    """14 of 32 rows corrupted: the batch's own median and MAD no longer describe a clean row
+    (the MAD is inflated by the corrupted rows), so the rows are judged against the loss's
+    level before the spike. Every corrupted row is named and no clean one."""
+    run = guarded(tmp_path, SCRIPT, "--corrupt-at", "110", "--bad-rows", "16", "--iters", "120",
+                  policy="skip")
+    truth = _truth(run)
+    assert list(truth) == [110] and len(truth[110]) == 16
+    spikes = {s["step"]: s for s in run.report["spikes"]}
+    assert spikes[110]["cause"] == "bad_batch", run.explain()
+    assert spikes[110]["rows"] == truth[110], spikes[110]

@@ -185,6 +185,7 @@ def spike_sources(
     layer_ratio: float = 10.0,
     sample_z: float = 3.5,
     max_samples: int = 64,
+    loss_level: float | None = None,
 ) -> dict[str, Any]:
     """A spike without a NaN, before its update: the layers whose gradient norm is far above
     their own healthy level, the samples whose per-sample gradient norm is an outlier and
@@ -193,6 +194,10 @@ def spike_sources(
     Layers come from the step's measured per-parameter norms (no extra work). Samples cost one
     forward and backward per sample (at most `max_samples`), only on a spike alarm; gradients
     are taken with `torch.autograd.grad`, so `.grad` and the parameters stay untouched.
+
+    `loss_level`: the loss's level before the spike (the guard's recent loss), in the units of
+    a sample's own loss; the rows' losses are judged against it (`norm_outliers`), so a batch
+    with half its rows corrupted still has each named. None: against the batch's own median.
     """
     from nanguard.pinpoint.spike import norm_outliers
 
@@ -229,7 +234,7 @@ def spike_sources(
     found: dict[str, Any] = {"layers": layers[:8], "samples": norm_outliers(norms, sample_z)[:8]}
     if len(losses) == len(norms) and losses and min(losses) > 0:
         found["loss_samples"] = [{"index": d["index"], "loss": d["norm"], "z": d["z"]}
-                                 for d in norm_outliers(losses, sample_z)]
+                                 for d in norm_outliers(losses, sample_z, loss_level)]
     if error:
         found["error"] = error
     return found
