@@ -60,6 +60,7 @@ def explain_spike(stats: StepStats, *, replay: Replay | None, model: nn.Module,
                 baseline=baseline,
                 batch_size=len(stats.sample_hashes) if replay else 0,
                 step_rng=step_rng, loss_level=loss_level,
+                batch_loss=stats.loss if stats.loss and stats.loss > 0 else None,
             )
     except Exception as exc:  # noqa: BLE001 - an explanation must never stop training
         found = {"layers": [], "samples": [], "error": f"{type(exc).__name__}: {exc}"}
