@@ -11,6 +11,8 @@ prints `BAD_BATCH step S rows R` for each: the truth, established without nangua
   diagnosis names the bad batches, not the optimizer.
 - `heal`: each bad step is clipped as a bad batch; no LR or weight-decay cut.
 - the clean run (no flag): no alarm, no action, `healthy`.
+- a batch with 16 of 32 rows corrupted: every corrupted row is named and no clean one (the
+  rows are judged against the loss's level before the spike, not the batch's own median).
 """
 
 from __future__ import annotations
@@ -73,3 +75,43 @@ def test_bad_batches_named_skipped_clipped_and_the_clean_run_quiet(tmp_path: Pat
     rep = clean.report
     assert rep["status"] == "healthy" and not rep["alarms"] and not rep["actions"], \
         clean.explain()
+
+
+def test_rows_of_a_heavily_corrupted_batch_are_each_named(tmp_path: Path) -> None:
+    """14 of 32 rows corrupted: the batch's own median and MAD no longer describe a clean row
+    (the MAD is inflated by the corrupted rows), so the rows are judged against the loss's
+    level before the spike. Every corrupted row is named and no clean one."""
+    run = guarded(tmp_path, SCRIPT, "--corrupt-at", "110", "--bad-rows", "16", "--iters", "120",
+                  policy="skip")
+    truth = _truth(run)
+    assert list(truth) == [110] and len(truth[110]) == 16
+    spikes = {s["step"]: s for s in run.report["spikes"]}
+    assert spikes[110]["cause"] == "bad_batch", run.explain()
+    assert spikes[110]["rows"] == truth[110], spikes[110]
+
+
+def test_row_losses_judged_against_the_level_before_the_spike() -> None:
+    """The estimator itself (`pinpoint.spike.norm_outliers`), on row losses made here: 18
+    clean rows spread around the loss's level (log-normal, sigma 0.1), 14 rows at 1.6-2.4x it.
+    Against the level every corrupted row is named and no clean one; the batch's own median
+    and MAD name only some; with fewer than 3 rows at or below the level (a level in other
+    units) the batch's own estimate is used."""
+    import torch
+
+    from nanguard.pinpoint.spike import norm_outliers
+
+    g = torch.Generator().manual_seed(0)
+    level = 1.5
+    clean = (level * torch.exp(0.1 * torch.randn(18, generator=g, dtype=torch.float64))).tolist()
+    bad = (level * torch.linspace(1.6, 2.4, 14, dtype=torch.float64)).tolist()
+    order = torch.randperm(32, generator=g).tolist()
+    losses = [0.0] * 32
+    for i, v in zip(order, clean + bad, strict=True):
+        losses[i] = v
+    truth = sorted(order[18:])
+
+    named = sorted(d["index"] for d in norm_outliers(losses, 3.5, level))
+    assert named == truth
+    own = sorted(d["index"] for d in norm_outliers(losses, 3.5))
+    assert set(own) < set(truth)  # the inflated MAD misses corrupted rows, names no clean one
+    assert norm_outliers(losses, 3.5, level / 10) == norm_outliers(losses, 3.5)

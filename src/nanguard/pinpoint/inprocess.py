@@ -185,6 +185,8 @@ def spike_sources(
     layer_ratio: float = 10.0,
     sample_z: float = 3.5,
     max_samples: int = 64,
+    loss_level: float | None = None,
+    batch_loss: float | None = None,
 ) -> dict[str, Any]:
     """A spike without a NaN, before its update: the layers whose gradient norm is far above
     their own healthy level, the samples whose per-sample gradient norm is an outlier and
@@ -193,6 +195,12 @@ def spike_sources(
     Layers come from the step's measured per-parameter norms (no extra work). Samples cost one
     forward and backward per sample (at most `max_samples`), only on a spike alarm; gradients
     are taken with `torch.autograd.grad`, so `.grad` and the parameters stay untouched.
+
+    `loss_level`: the loss's level before the spike (the guard's recent loss), in the units of
+    a sample's own loss; the rows' losses are judged against it (`norm_outliers`), so a batch
+    with half its rows corrupted still has each named. None: against the batch's own median,
+    as also when the rows' mean loss is not the step's loss `batch_loss` within a third (a
+    summed loss: a row's loss is not in the level's units).
     """
     from nanguard.pinpoint.spike import norm_outliers
 
@@ -228,8 +236,11 @@ def spike_sources(
         rng.restore(now)
     found: dict[str, Any] = {"layers": layers[:8], "samples": norm_outliers(norms, sample_z)[:8]}
     if len(losses) == len(norms) and losses and min(losses) > 0:
+        level = loss_level
+        if batch_loss is not None and not 0.75 <= sum(losses) / len(losses) / batch_loss <= 1.33:
+            level = None  # rows in other units than the step's loss: no common level
         found["loss_samples"] = [{"index": d["index"], "loss": d["norm"], "z": d["z"]}
-                                 for d in norm_outliers(losses, sample_z)]
+                                 for d in norm_outliers(losses, sample_z, level)]
     if error:
         found["error"] = error
     return found

@@ -8,7 +8,7 @@ or explanation becomes part of what is returned, and training goes on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -42,10 +42,13 @@ def locate_step(stats: StepStats, param_names: list[str], rank: int, *, order: l
 def explain_spike(stats: StepStats, *, replay: Replay | None, model: nn.Module,
                   params: list[torch.Tensor], param_names: list[str], batches: BatchProbe,
                   act_probe: ActivationProbe | None, baseline: dict[int, float],
-                  step_rng: dict[str, Any] | None, amp: bool) -> dict[str, Any]:
+                  step_rng: dict[str, Any] | None, amp: bool,
+                  loss_level: float | None = None) -> dict[str, Any]:
     """Which layers carry a spike (always) and which samples cause it (with `replay`: pass it
     only when the spike is seen before its update, so the parameters are the step's own),
-    plus a re-run verdict then (`rerun`). The spike's entry for the run log (no `step`)."""
+    plus a re-run verdict then (`rerun`). `loss_level`: the loss's recent level before the
+    spike, against which the rows' own losses are judged (`pinpoint.inprocess.spike_sources`).
+    The spike's entry for the run log (no `step`)."""
     from nanguard.pinpoint.inprocess import spike_sources
 
     try:
@@ -56,7 +59,8 @@ def explain_spike(stats: StepStats, *, replay: Replay | None, model: nn.Module,
                 batch=batches.last, grad_norms=stats.grad_norms,
                 baseline=baseline,
                 batch_size=len(stats.sample_hashes) if replay else 0,
-                step_rng=step_rng,
+                step_rng=step_rng, loss_level=loss_level,
+                batch_loss=stats.loss if stats.loss and stats.loss > 0 else None,
             )
     except Exception as exc:  # noqa: BLE001 - an explanation must never stop training
         found = {"layers": [], "samples": [], "error": f"{type(exc).__name__}: {exc}"}
@@ -64,6 +68,19 @@ def explain_spike(stats: StepStats, *, replay: Replay | None, model: nn.Module,
         found["rerun"] = rerun(stats, replay, model=model, params=params, batches=batches,
                                act_probe=act_probe, step_rng=step_rng, amp=amp)
     return found
+
+
+def loss_level(detectors: Iterable[object]) -> float | None:
+    """The loss's recent level before this step (the spike detector's: the median of its
+    latest `spike_level_steps` healthy losses, which a spike never joins), or None before it
+    has any: what a spiking batch's rows are judged against (`explain_spike`)."""
+    from nanguard.detect.spike import SpikeDetector
+    from nanguard.detect.trend import recent_level
+
+    for d in detectors:
+        if isinstance(d, SpikeDetector) and (hist := d.history["loss"]):
+            return float(10 ** recent_level(hist, d.config.spike_level_steps))
+    return None
 
 
 def spike_note(found: Mapping[str, Any]) -> str:

@@ -100,12 +100,30 @@ def _per_sample_norms(model: nn.Module, loss_fn: Callable[..., torch.Tensor], x:
     return [float(v) for v in torch.as_tensor(sq).sqrt()]
 
 
-def norm_outliers(norms: list[float], z: float) -> list[dict[str, Any]]:
+def norm_outliers(norms: list[float], z: float, level: float | None = None
+                  ) -> list[dict[str, Any]]:
+    """The values of `norms` (positive: per-sample gradient norms or losses) far above the
+    rest, by a robust z-score of their logs, largest first: `{index, norm, z}`.
+
+    Without `level`: against the batch's own median and MAD, which holds while outliers are a
+    minority (with 11-16 of 32 rows corrupted the MAD is inflated and most go unnamed). With
+    `level` (a per-row loss's level before the spike: the guard's recent loss): corruption
+    raises a row's loss, so the rows at or below `level` are clean; their log-distance below
+    it gives the spread (the MAD of a clean row's log loss around the level, one-sided), and
+    a row is flagged by its distance above `level`, however many rows are corrupted. Falls
+    back to the batch's own estimate when fewer than 3 rows sit at or below `level`.
+    """
     if len(norms) < 3:
         return []
     logs = torch.tensor([math.log(max(v, 1e-300)) for v in norms], dtype=torch.float64)
     med = logs.median()
     mad = (logs - med).abs().median() * 1.4826
+    if level is not None and math.isfinite(level) and level > 0:
+        centre = math.log(level)
+        below = logs[logs <= centre]
+        if below.numel() >= 3:
+            med = torch.tensor(centre, dtype=torch.float64)
+            mad = (centre - below).median() * 1.4826
     scale = float(mad) if float(mad) > 1e-12 else 1e-12
     scores = ((logs - med) / scale).tolist()
     out = [{"index": i, "norm": norms[i], "z": s} for i, s in enumerate(scores) if s > z]

@@ -93,7 +93,8 @@ class StepReplays:
             batches=self._parts.batch_probe,
             act_probe=self._parts.act_probe, baseline=self._state.grad_baseline.values(),
             step_rng=cur.rng if before_update and cur else None,
-            amp=self._parts.recovery.amp is not None)
+            amp=self._parts.recovery.amp is not None,
+            loss_level=pinpoint.loss_level(self._parts.detectors))
         if alarm.kind != "spike":  # an overflow the spike detector could not see (step 0)
             found["alarm"] = alarm.kind
         found.update(bad_batch.spike_entry(stats, alarm, found))
