@@ -227,7 +227,7 @@ class StepPipeline:
     def pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The step pre-hook: runs after backward and clipping, before the update. Measures
         the step (on the quiet lane where it can) and, when something must be decided before
-        the update, reads and judges it there (`_before_update`)."""
+        the update, reads and judges it there (`Judge.before_update`)."""
         cfg, st, parts = self.config, self.state, self.parts
         recovery = parts.recovery
         st.agreed = False
@@ -236,7 +236,7 @@ class StepPipeline:
         groups = optimizer.param_groups
         if sum(map(len, map(_PARAMS, groups))) != len(st.params):  # in C: every step
             before.follow_params(st, parts, self.model, optimizer)  # a group added
-        # The LR of the first group (`_lr` inline: read every step).
+        # The LR of the first group (`judging.lr_of` inline: read every step).
         lr = groups[0].get("lr") if groups else None
         lr = float(lr) if isinstance(lr, (int, float)) else None
         if recovery.skips.pending is not None:  # the step after a skipped update
@@ -311,7 +311,8 @@ class StepPipeline:
     def post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The step post-hook: runs right after the update (or where it would have been).
         One path for every step; only how the step is read differs (the reader: the quiet
-        lane, or the packet path's `_read_after`), and each step read is `_judge`d."""
+        lane, or the packet path's `_read_after`), and each step read is judged
+        (`Judge.after_update`)."""
         st, parts = self.state, self.parts
         cur = st.current
         if cur is None:  # stood down in this very step's pre-hook
@@ -344,7 +345,7 @@ class StepPipeline:
     def _read_after(self, cur: Pending) -> None:
         """The packet path's read after the update: the step joins the pending ones, read
         now (an acting policy, or every `read_every` steps) or, under `observe` on a GPU, one
-        step later, once its copy to host memory is done (no stall); each is `_judge`d."""
+        step later, once its copy to host memory is done (no stall); each is judged."""
         st = self.state
         copying = self.parts.steps.end(cur)
         st.step += 1
