@@ -1,5 +1,6 @@
 """The shape of the code: no import circle anywhere in src/nanguard, no module reaching into
-another's private names, and adapters reach the Guard through its public face only.
+another's private names or writing another's private attributes, and adapters reach the Guard
+through its public face only.
 
 Imports are read from the source (module level, `TYPE_CHECKING` blocks and imports inside
 functions alike: a lazy import still ties two modules together), so a circle shows here before
@@ -141,6 +142,72 @@ def test_the_private_check_sees_each_form() -> None:
         "1: nanguard.a._hidden", "6: private module nanguard.c._inner", "9: nanguard.b._secret"]
     # A module's own private names are its own business.
     assert _private_uses("nanguard.a", "from nanguard.a import _hidden\n", mods) == []
+
+
+def _assigned(node: ast.Assign | ast.AugAssign | ast.AnnAssign) -> list[ast.expr]:
+    """The targets `node` assigns, tuples and starred targets unpacked."""
+    todo = list(node.targets) if isinstance(node, ast.Assign) else [node.target]
+    out: list[ast.expr] = []
+    while todo:
+        t = todo.pop()
+        if isinstance(t, (ast.Tuple, ast.List)):
+            todo.extend(t.elts)
+        elif isinstance(t, ast.Starred):
+            todo.append(t.value)
+        else:
+            out.append(t)
+    return out
+
+
+def _foreign_private_writes(source: str) -> list[str]:
+    """Where a module assigns `obj._x = ...` for a private attribute no class of its own
+    declares or sets on `self`: it writes another module's object's internals (which should
+    be a constructor input or a method of the owner). Patching a stdlib module's attribute
+    (`os._exit`, the runner's hard exit) and nanguard's own `_nanguard*` markers on foreign
+    objects are not that."""
+    tree = ast.parse(source)
+    own: set[str] = set()
+    stdlib = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import)
+              for a in n.names if not a.name.startswith("nanguard")}
+    writes: list[tuple[int, str, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    own.add(item.target.id)
+                elif isinstance(item, ast.Assign):
+                    own.update(t.id for t in item.targets if isinstance(t, ast.Name))
+        if not isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            continue
+        for t in _assigned(node):
+            if not (isinstance(t, ast.Attribute) and _private(t.attr)):
+                continue
+            base = t.value.id if isinstance(t.value, ast.Name) else None
+            if base in ("self", "cls"):
+                own.add(t.attr)
+            elif base not in stdlib and not t.attr.startswith("_nanguard"):
+                writes.append((node.lineno, t.attr, ast.unparse(t)))
+    return [f"{line}: {text}" for line, attr, text in sorted(writes) if attr not in own]
+
+
+def test_no_module_writes_another_modules_private_attributes() -> None:
+    offenders = [f"{name}:{w}" for name, path in sorted(_modules().items())
+                 for w in _foreign_private_writes(path.read_text())]
+    assert offenders == []
+
+
+def test_the_private_write_check_sees_each_form() -> None:
+    source = (
+        "import os\n"
+        "class Mine:\n    _declared: int\n    def __init__(self):\n        self._set = 0\n"
+        "def f(a, b, stats):\n"
+        "    a._set = b._declared = 1\n"  # its own classes' attributes: fine
+        "    stats._signals = None\n"
+        "    a.x, (b._cache, c) = 1, (2, 3)\n"
+        "    os._exit = print\n"
+        "    a._nanguard_own = True\n"
+    )
+    assert _foreign_private_writes(source) == ["8: stats._signals", "9: b._cache"]
 
 
 def test_only_the_guard_and_adapters_import_the_guard() -> None:

@@ -18,8 +18,9 @@ RECORD = {"cause": "domain_error", "confidence": 0.9, "fix": "clamp to [-1, 1]"}
 
 
 def _events(hold: bool, summary: bool = False) -> tuple[Events, list[Event]]:
-    ev = Events()
-    ev.hold, ev.summary_follows = hold, summary
+    ev = Events(summary_follows=summary)
+    if hold:
+        ev.hold_findings()
     seen: list[Event] = []
     ev.add(seen.append)
     ev.add(log_event)

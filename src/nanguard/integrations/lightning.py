@@ -189,7 +189,7 @@ class NanguardCallback(Callback):
             self._handles.append(optimizer.register_step_post_hook(self._after_step))
             prefix = f"nanguard/optimizer-{i}/" if several else "nanguard/"
             if several:  # its live lines say which optimizer's they are
-                guard.events.label = f"optimizer-{i}"
+                guard.events.name_part(f"optimizer-{i}")
             guard.add_listener(self._keeper(prefix), only="step")
             guard.add_listener(self._count_alarm, only="alarm")
         if several:

@@ -7,7 +7,7 @@ handing a rollback to `recover/`, stopping the run) and records it. That keeps e
 *when* to act in one place, testable without a model, and every effect in the place that owns
 the state.
 
-Two moments per step (see `step.pipeline`: `pre_hook` and `_judge`):
+Two moments per step (see `step.judging`: `Judge.before_update` and `after_update`):
 - `post=False`: before the update, with the gradients final. Every policy can still prevent
   the update here.
 - `post=True`: after the update, when parameters or optimizer state turned non-finite in the

@@ -148,6 +148,8 @@ class Events:
 
     Args:
         quiet_steps: see `Episodes`.
+        summary_follows: a closing summary will print the finding (`RecordConfig.summary`):
+            the finding's closing event is then not `notable` (see `summary_follows`).
     """
 
     episodes: Episodes
@@ -161,29 +163,53 @@ class Events:
     errors: list[dict[str, Any]]
     """Listeners dropped after an error: `{listener, step, error}` (in report.json
     `run.listener_errors`)."""
-    summary_follows: bool
-    """A closing summary prints the finding: its closing event is then not `notable`."""
-    hold: bool
-    """A re-run may still change the finding (`nanguard run`, until its epilogue has re-run
-    the failing step or kept the in-process replay's origin): a finding leaves without a
-    cause, once, saying the cause follows; the latest is held and leaves with its cause at
-    `release()`. So no line names a cause the record later contradicts."""
-    label: str | None
-    """This guard's part of a run with several optimizers (`optimizer-1`: set by `nanguard
-    run` and the Lightning callback once there are two), carried by every event it emits:
-    two guards' lines about one step read apart."""
 
-    def __init__(self, quiet_steps: int = 20) -> None:
+    def __init__(self, quiet_steps: int = 20, *, summary_follows: bool = False) -> None:
         self.episodes = Episodes(quiet_steps)
         self.listeners = []
         self.step_listeners = []
         self.close_listeners = []
         self.errors = []
-        self.summary_follows = False
-        self.hold = False
+        self._summary_follows = summary_follows
+        self._hold = False
         self._held: tuple[dict[str, Any], dict[str, Any] | None] | None = None
         self._follows_said = False
-        self.label = None
+        self._label: str | None = None
+
+    @property
+    def summary_follows(self) -> bool:
+        """A closing summary prints the finding: its closing event is then not `notable`."""
+        return self._summary_follows
+
+    @property
+    def hold(self) -> bool:
+        """A re-run may still change the finding (`nanguard run`, until its epilogue has re-run
+        the failing step or kept the in-process replay's origin): a finding leaves without a
+        cause, once, saying the cause follows; the latest is held and leaves with its cause at
+        `release()`. So no line names a cause the record later contradicts."""
+        return self._hold
+
+    @property
+    def label(self) -> str | None:
+        """This guard's part of a run with several optimizers (`optimizer-1`), carried by
+        every event it emits: two guards' lines about one step read apart (`name_part`)."""
+        return self._label
+
+    def hold_findings(self) -> None:
+        """Hold findings until `release()` (see `hold`). Called by `nanguard run` right after
+        it builds a guard, before the guard's first step: its epilogue may re-run the
+        failing step."""
+        self._hold = True
+
+    def name_part(self, label: str) -> None:
+        """Carry `label` in every later event (see `label`). Called by `nanguard run` and the
+        Lightning callback once a run has a second optimizer (before its first step)."""
+        self._label = label
+
+    def expect_summary(self, follows: bool) -> None:
+        """Whether a closing summary prints the finding (see `summary_follows`). Called by
+        `nanguard run` before it closes its guards: its own summary, not the guard's."""
+        self._summary_follows = follows
 
     def add(self, listener: Listener, *, steps: bool = False, close: bool = False) -> None:
         """Subscribe `listener(event)` to every later event but `step` and `close` ones
@@ -264,7 +290,7 @@ class Events:
         record's diagnosis (the same computation report.json holds), or none yet (`follows`:
         the line says the cause follows, as it will at close). `notable` False when a closing
         summary prints it anyway. While `hold`, see there."""
-        if self.hold:
+        if self._hold:
             self._held = (finding, cause)
             if self._follows_said:
                 return
@@ -276,9 +302,9 @@ class Events:
         """The finding is complete (`nanguard run` after its re-run): the held finding leaves
         with the record's cause (not `notable` when the closing summary prints it); later
         findings leave as they come."""
-        held, self._held, self.hold = self._held, None, False
+        held, self._held, self._hold = self._held, None, False
         if held is not None:
-            self._finding(held[0], held[1], notable=not self.summary_follows, follows=False)
+            self._finding(held[0], held[1], notable=not self._summary_follows, follows=False)
 
     def _finding(self, finding: dict[str, Any], cause: dict[str, Any] | None, *,
                  notable: bool, follows: bool) -> None:
@@ -311,8 +337,8 @@ class Events:
         self._emit(event, self.listeners)
 
     def _emit(self, event: Event, listeners: list[Listener]) -> None:
-        if self.label is not None and event.part is None:
-            event = replace(event, part=self.label)
+        if self._label is not None and event.part is None:
+            event = replace(event, part=self._label)
         for listener in list(listeners):
             try:
                 listener(event)

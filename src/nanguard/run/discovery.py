@@ -291,7 +291,7 @@ class Discovery:
         this object and of its guards removed and nothing written or closed: the stores,
         their writer threads and the run folders are the parent's."""
         self._quiet = self.recorder.paused = True
-        self._manual.enabled = self._manual._pending = False
+        self._manual.stand_aside()
         for w in self.watched:
             if w.guard is not None:
                 w.guard.detach()
@@ -583,7 +583,7 @@ class Discovery:
             w.guard = Guard(model, optimizer, policy=policy, out=str(folder), config=config,
                             replay=replay, scaler=self._amp.scaler_for(optimizer), facts=facts)
             # The epilogue may re-run the failing step: findings wait for it (runner.py).
-            w.guard.events.hold = True
+            w.guard.events.hold_findings()
             # A script's optimizers train coupled models (a GAN): they roll back together.
             w.guard.recovery.couple(self._coupling)
             # How to run it again (`nanguard replay`): sys.argv is the script's here.
@@ -601,7 +601,7 @@ class Discovery:
         if len(self.watched) > 1:  # several parts: each one's live lines say which
             for part in self.watched:
                 if part.guard is not None:
-                    part.guard.events.label = part.name
+                    part.guard.events.name_part(part.name)
         return w
 
     def _facts(self) -> RunFacts:

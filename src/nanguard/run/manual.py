@@ -266,6 +266,12 @@ class ManualBoundaries:
         """End the pending step, if any (at the end of the script)."""
         self._end()
 
+    def stand_aside(self) -> None:
+        """No more boundaries, and the pending step dropped, not ended. Called by
+        `Discovery.stand_aside` in a fork that goes on with the script (the parent ends
+        that step)."""
+        self.enabled = self._pending = False
+
     # ------------------------------------------------------------------ boundaries
 
     def _real_optimizer(self) -> None:

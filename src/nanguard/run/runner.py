@@ -192,7 +192,7 @@ def _finish(opts: RunOptions, script: Path, out: Path, folder: Path, disc: Disco
     late = late_finding(disc, outcome, rank)
     for w in disc.watched:
         if w.guard is not None:  # the closing summary below prints the finding
-            w.guard.events.summary_follows = opts.summary
+            w.guard.events.expect_summary(opts.summary)
         settle_in_process(w)
     reports = close_guards(disc, outcome)
     if late is not None:

@@ -1,6 +1,10 @@
 """The step core: what a `Guard` runs at each optimizer step, as one pipeline.
 
 - `pipeline.StepPipeline`: the hooks and what they call, in step order (start there);
+- `before`: what the pre-hook follows (parameters, LR, loaded state) before measuring;
+- `judging`: each step read judged (detectors, finding, decisions), before and after the update;
+- `keeping`: what a judged step leaves in the record and the state;
+- `acting`: the cross-rank agreement, the policy's decision and the effects applied;
 - `build`: the settings and the parts, made once (`Parts`), never assigned from outside;
 - `state`: what the pipeline carries between steps (`StepState`) and the run's facts
   (`RunFacts`), each one declared dataclass;

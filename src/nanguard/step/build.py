@@ -163,8 +163,8 @@ def build(host: Host, *, scheduler: Any, scaler: Any, on_alarm: Listener | None,
     from). Raises ValueError before touching the model when the run folder cannot be used."""
     cfg, model, state = host.config, host.model, host.state
     store = open_store(cfg.record.out, cfg.record.if_exists)
-    events = Events(quiet_steps=max(cfg.detect.lead_window, 10))
-    events.summary_follows = cfg.record.summary
+    events = Events(quiet_steps=max(cfg.detect.lead_window, 10),
+                    summary_follows=cfg.record.summary)
     log = RunLog(store, events)
     live.ensure_handler()
     events.add(live.log_event)

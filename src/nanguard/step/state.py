@@ -55,7 +55,8 @@ class RunFacts:
 @dataclasses.dataclass(kw_only=True)
 class StepState:
     """Everything the step pipeline carries from one step to the next (see the module
-    docstring). Built once, before the first step; changed only by the pipeline."""
+    docstring). Built once, before the first step; changed only by the step package's
+    modules (`pipeline`, `before`, `judging`, `keeping`, `acting`), to which it is passed."""
 
     step: int = 0
     """Optimizer steps completed."""

@@ -280,6 +280,12 @@ class StepStats:
         for key, norms in [("param", self.param_norms), *self.state_norms.items()]:
             self.overflow_norms |= {(key, i) for i, v in norms.items() if math.isinf(v)}
 
+    def unseal(self) -> None:
+        """Forget what `seal` kept. Called by whoever changes a sealed step's values from
+        outside this module (the state norms decoded late, a buffer set aside, activations
+        of a skipped forward dropped); the next `seal` scans again."""
+        self._signals = None
+
     def nonfinite_signals(self) -> list[str]:
         """Names of the signals that hold a non-finite value this step."""
         if self._signals is not None:
@@ -338,6 +344,13 @@ class StepProbe:
         self._all_idx: list[int] = []
         """`range(len(params))` as a list, the gradient layout of a step where every parameter
         has a gradient (read only by the decoder)."""
+
+    def follow(self, params: list[torch.Tensor]) -> None:
+        """Measure `params` from the next step on: called by the step pipeline's pre-hook when
+        the optimizer holds other parameters than before (`add_param_group` after the guard
+        was built). The update-ratio copy is reallocated for them at the next sample."""
+        self.params = params
+        self._update_buf = None
 
     def _norms(self, tensors: list[torch.Tensor], like: list[torch.Tensor] | None = None
                ) -> Norms:

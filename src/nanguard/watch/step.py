@@ -112,7 +112,7 @@ class StepWatch:
         norms, layout = self.probe.post_norms(state=True)
         values = self.read(norms if isinstance(norms, torch.Tensor) else list(norms))
         _, stats.state_norms, _ = layout.decode(values)
-        stats._signals = None
+        stats.unseal()
 
     def read(self, t: torch.Tensor | list[torch.Tensor]) -> list[float]:
         """The one host read: a device tensor to a Python list. On the CPU, a list of CPU
@@ -286,7 +286,7 @@ class StepWatch:
             self.probe.resolve_post_overflow(now)  # an overflow of finite values is no NaN
             if any(s.startswith("optimizer.") for s in now.nonfinite_signals()):
                 last.state_norms = now.state_norms  # the state after that step
-                last._signals = None
+                last.unseal()
                 return last
         if loss is None and not self.batch_probe._parts:
             return None

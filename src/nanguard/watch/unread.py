@@ -50,7 +50,7 @@ def set_aside(stats: Any, buffers: list[torch.Tensor]) -> None:
         module = hit[1]()
         if module is not None and module.training:
             stats.unread_nonfinite[i] = hit[2]
-            stats._signals = None
+            stats.unseal()
 
 
 def training_names() -> set[str]:
