@@ -259,6 +259,7 @@ class Attribution:
         if name in _LOSS_OPS or (name == "index" and len(args) > 1
                                  and isinstance(args[0], torch.Tensor)
                                  and args[0].is_floating_point()
+                                 and isinstance(args[1], (list, tuple))
                                  and sum(i is not None for i in args[1]) > 1):
             self.seen_loss = True
 
