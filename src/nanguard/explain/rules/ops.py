@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from nanguard.explain.evidence import Cause, Evidence
-from nanguard.explain.fixes import log_scale, saturated_log
+from nanguard.explain.fixes import log_scale, saturated_log, sqrt_at_zero
 from nanguard.explain.rules.common import (
     LOW_PRECISION,
     NORM_LAYERS,
@@ -149,8 +149,9 @@ def singular_gradient(ev: Evidence) -> Cause | None:
         evidence=f"{where_of(ev)}{' in ' + origin_node(ev) if origin_node(ev) else ''}: "
         f"the forward was finite, its gradient is not — sqrt / norm / pow(x, p<1) at exactly 0 "
         f"have an infinite derivative; {phrase}",
-        fix="`torch.sqrt(x + 1e-12)`; for a norm, `torch.sqrt((v * v).sum(-1) + 1e-12)` or "
-        "`F.normalize(v, eps=1e-12)`; in a custom backward, `grad / d.clamp_min(1e-12)`",
+        fix=sqrt_at_zero(ev) or "`torch.sqrt(x + 1e-12)`; for a norm, "
+        "`torch.sqrt((v * v).sum(-1) + 1e-12)` or `F.normalize(v, eps=1e-12)`; in a custom "
+        "backward, `grad / d.clamp_min(1e-12)`",
     )
 
 
