@@ -11,9 +11,15 @@ The phase comes from hooks, not guesses:
 * `data` is never the phase of an op: it names non-finite values already present in the batch
   (the checker sets it for those). An op that computes a non-finite value from finite inputs
   before the first model forward of the step is `forward` (outside every module: batch
-  preprocessing feeding the model) when a model is known, and `loss` in code with no
-  `nn.Module` at all (raw tensors: `h = torch.sigmoid(X @ W + b)`, `cost = -(Y * log(h) ...)`),
-  where nothing tells the model's forward from its loss.
+  preprocessing feeding the model) when a model is known.
+
+In code with no `nn.Module` at all (raw tensors: `h = torch.sigmoid(X @ W + b)`, `cost = -(Y *
+log(h) ...)`) no hook tells the model's forward from its loss; the ops do (`note_op`). The
+loss begins at the step's first log (`log`, `log1p`, `log_softmax`, `xlogy`, ...: where a
+hand-written loss takes the log of a probability), its first loss function (`mse_loss`,
+`nll_loss`, `binary_cross_entropy`, ...) or its first pick of one entry per row at the targets
+(`probs[torch.arange(n), ys]`: an index with two or more index tensors); ops before it are
+`forward` (the scratch model: `X @ W`, its softmax's `exp`, a batch norm's `std`).
 
 Backward ops are attributed through their autograd node: forward ops record (module, source)
 into the `metadata` of the node that autograd attaches to their output, and each module's
@@ -47,6 +53,15 @@ _NANGUARD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os
 # Demo training scripts shipped inside the package count as user code.
 _USER_DIRS = (os.path.join(_NANGUARD_DIR, "scenarios") + os.sep,)
 _internal: dict[str, bool] = {}
+
+_LOSS_OPS = frozenset({
+    "log", "log2", "log10", "log1p", "xlogy", "log_softmax", "_log_softmax",
+    "log_sigmoid_forward", "mse_loss", "l1_loss", "nll_loss", "nll_loss2d", "nll_loss_nd",
+    "cross_entropy_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
+    "smooth_l1_loss", "huber_loss", "kl_div", "soft_margin_loss", "margin_ranking_loss",
+    "hinge_embedding_loss", "poisson_nll_loss", "multi_margin_loss", "multilabel_margin_loss",
+})
+"""Ops that begin a loss in code with no `nn.Module` (`Attribution.note_op`)."""
 
 
 def is_internal(filename: str) -> bool:
@@ -144,6 +159,8 @@ class Attribution:
         """The optimizer whose `step()` is running, if any."""
         self.seen_forward = False
         self.seen_backward = False
+        self.seen_loss = False
+        """No-module code only: the step's loss has begun (`note_op`)."""
         self._stack: list[str | None] = []
         self._depth = 0
         self._pending: list[tuple[weakref.ref[torch.Tensor], tuple[str | None, str | None]]] = []
@@ -183,7 +200,7 @@ class Attribution:
 
     def optimizer_post(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self.optimizer = None
-        self.seen_forward = self.seen_backward = False
+        self.seen_forward = self.seen_backward = self.seen_loss = False
 
     def _add_root(self, root: nn.Module) -> None:
         self.roots.append(root)
@@ -229,9 +246,22 @@ class Attribution:
             return "backward"
         if self._depth:
             return "forward"
-        if self.seen_forward or not self.roots:
+        if self.seen_forward or (not self.roots and self.seen_loss):
             return "loss"
         return "forward"
+
+    def note_op(self, name: str, args: Any) -> None:
+        """Before an op runs outside backward and the optimizer, in code with no model known:
+        mark the start of the step's loss (see the module docstring). A name compare per op;
+        only while a checker runs."""
+        if self.roots or self.seen_loss:
+            return
+        if name in _LOSS_OPS or (name == "index" and len(args) > 1
+                                 and isinstance(args[0], torch.Tensor)
+                                 and args[0].is_floating_point()
+                                 and isinstance(args[1], (list, tuple))
+                                 and sum(i is not None for i in args[1]) > 1):
+            self.seen_loss = True
 
     def module(self) -> str | None:
         """The innermost model module whose forward is running, or None."""

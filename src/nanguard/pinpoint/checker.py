@@ -235,6 +235,8 @@ class NonfiniteChecker(TorchDispatchMode):
             # trained tensor is the next step's forward, although no hook has ended the step
             # yet (raw tensors: no module forward marks it; the boundary is the next backward).
             attr.optimizer_post(attr.optimizer)
+        if not in_backward and attr.optimizer is None and not attr.roots:
+            attr.note_op(func.overloadpacket.__name__, args)  # where a scratch loss begins
         mutated = _mutated(func)
         targets = float_tensors([args[i] for i in mutated if i < len(args)]) if mutated else []
         # What an in-place op overwrites must be checked first. Inside optimizer.step() the
@@ -349,7 +351,9 @@ class NonfiniteChecker(TorchDispatchMode):
         before any forward of the step (a collate's `stack`, `.to()`, `.float()`, indexing)
         is loading the batch: `data`, not `loss`."""
         phase = self.attr.phase()
-        if (phase == "loss" and not self.attr.seen_forward
+        # No-module code: the scratch forward is `forward` too (`Attribution.note_op`).
+        if ((phase == "loss" or (phase == "forward" and not self.attr.roots))
+                and not self.attr.seen_forward
                 and name in _TRANSPORT_OPS | _ASSEMBLE_OPS | _ADOPT_OPS):
             return "data"
         return phase

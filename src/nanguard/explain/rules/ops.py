@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from nanguard.explain.evidence import Cause, Evidence
-from nanguard.explain.fixes import log_scale
+from nanguard.explain.fixes import log_scale, saturated_log, sqrt_at_zero
 from nanguard.explain.rules.common import (
     LOW_PRECISION,
     NORM_LAYERS,
@@ -104,14 +104,18 @@ def saturated_loss(ev: Evidence) -> Cause | None:
     if warned:
         what += (f"; the saturation probe warned from step {warned[0]['step']}: "
                  f"{warned[0]['message'].split(';')[0]}")
+    fix = ("`F.binary_cross_entropy(torch.sigmoid(z), y)` -> "
+           "`F.binary_cross_entropy_with_logits(z, y)`; `softmax` then `log` -> `log_softmax`; "
+           "hand-written `-(y*log(h) + (1-y)*log(1-h))` with `h = sigmoid(z)` -> "
+           "`F.binary_cross_entropy_with_logits(z, y)` (or `F.logsigmoid(z)`, `F.logsigmoid(-z)`)")
+    if ev.op.startswith(_LOG_OPS) and (line := saturated_log(ev)) is not None:
+        # The user's line says which loss it writes: its one fix, not the list.
+        what, fix = what + line[0], line[1]
     return Cause(
         cause="saturated_loss",
         confidence=conf,
         evidence=f"{where_of(ev)}: {what}",
-        fix="`F.binary_cross_entropy(torch.sigmoid(z), y)` -> "
-        "`F.binary_cross_entropy_with_logits(z, y)`; `softmax` then `log` -> `log_softmax`; "
-        "hand-written `-(y*log(h) + (1-y)*log(1-h))` with `h = sigmoid(z)` -> "
-        "`F.binary_cross_entropy_with_logits(z, y)` (or `F.logsigmoid(z)`, `F.logsigmoid(-z)`)",
+        fix=fix,
     )
 
 
@@ -145,8 +149,9 @@ def singular_gradient(ev: Evidence) -> Cause | None:
         evidence=f"{where_of(ev)}{' in ' + origin_node(ev) if origin_node(ev) else ''}: "
         f"the forward was finite, its gradient is not — sqrt / norm / pow(x, p<1) at exactly 0 "
         f"have an infinite derivative; {phrase}",
-        fix="`torch.sqrt(x + 1e-12)`; for a norm, `torch.sqrt((v * v).sum(-1) + 1e-12)` or "
-        "`F.normalize(v, eps=1e-12)`; in a custom backward, `grad / d.clamp_min(1e-12)`",
+        fix=sqrt_at_zero(ev) or "`torch.sqrt(x + 1e-12)`; for a norm, "
+        "`torch.sqrt((v * v).sum(-1) + 1e-12)` or `F.normalize(v, eps=1e-12)`; in a custom "
+        "backward, `grad / d.clamp_min(1e-12)`",
     )
 
 

@@ -272,7 +272,13 @@ def _clip_fix(ev: Evidence, healthy: float | None) -> str:
             return f"your script's clip is 0{off}, i.e. clipping is off: clip the grad norm"
         return "clip the grad norm at ~3x its healthy level"
     to = float(f"{3 * healthy:.3g}")
+    # A hand-written update on raw tensors has no `model` to take `.parameters()` of: the
+    # call names the tensors the update changes, where the user would put it.
+    hand = ev.optimizer in ("ManualStep", "your hand-written update")
     call = (flag.set(to) if flag is not None
+            else f"`torch.nn.utils.clip_grad_norm_(params, {number(to)})` with `params` the "
+            "tensors your hand-written update changes (e.g. `[W, b]`), after `backward()` and "
+            "before the update" if hand
             else f"`torch.nn.utils.clip_grad_norm_(model.parameters(), {number(to)})`")
     if ev.clip == 0:
         return (f"your script's clip is 0{off}, i.e. clipping is off: clip at {number(to)} "
