@@ -36,6 +36,8 @@ def test_the_live_finding_never_names_a_cause_the_record_contradicts(tmp_path: P
              if ln.startswith("nanguard: first non-finite value at step")]
     assert lines, g.explain()
     for ln in lines:
+        said = re.search(r": phase (\S+)", ln)  # a phase is said only once an op is found
+        assert said is None or said.group(1) == g.first["phase"], (ln, g.first)
         named = re.search(r"; cause (\S+) \(", ln)
         assert (named is None and ln.endswith("; the cause follows")) or (
             named is not None and named.group(1) == top), (ln, top)

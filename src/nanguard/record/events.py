@@ -308,8 +308,13 @@ class Events:
 
     def _finding(self, finding: dict[str, Any], cause: dict[str, Any] | None, *,
                  notable: bool, follows: bool) -> None:
+        # Without an op, the phase is where the watched signals first showed the value (the
+        # loss, say), not where an op made it: the op-level search may place it earlier (a
+        # hand-written model's forward), so the line says "seen in", never a phase the record
+        # would contradict.
+        phase = finding.get("phase")
         where = " ".join(x for x in (
-            f"phase {finding['phase']}" if finding.get("phase") else "",
+            (f"phase {phase}" if finding.get("op") else f"seen in the {phase}") if phase else "",
             f"op {finding['op']}" if finding.get("op") else "",
             f"in {finding['module']!r}" if finding.get("module") else "",
             f"at {finding['source']}" if finding.get("source") else "",
