@@ -64,18 +64,19 @@ class Guard:
             recurring jumps, skips non-finite updates); overrides `config`.
         out: run folder; None picks `nanguard_runs/<time>`, "" records nothing.
         activations: also watch per-module activation abs-max and headroom.
-        replay: `replay(batch) -> loss`, your forward and loss: the first step whose values
-            go non-finite is replayed in process before the update under the op checker, so
-            that `first_nonfinite` names the op, module, line and samples.
-        scheduler, scaler: the LR scheduler and `torch.amp.GradScaler`, if any: `rollback`
-            restores them; the scaler's skipped steps are counted, a collapsing scale alarms.
+        replay: `replay(batch) -> loss`, your forward and loss: the first non-finite step is
+            replayed under the op checker before its update (its op, module, line, samples).
+        scheduler: the LR scheduler, if any: `rollback` restores it.
+        scaler: the `torch.amp.GradScaler`, if any: `rollback` restores it; its skipped steps
+            are counted, a collapsing scale alarms.
         config: full settings; the keyword arguments above override its fields.
         hook_optimizer: hook `optimizer.step()` (default). False: a framework adapter marks
             the step boundary with `before_update()` / `after_update()`.
-        on_alarm, on_action, on_finding: called with an `Event` for every alarm, action, and
-            the first non-finite finding, as recorded (inside the `optimizer.step()` that
-            raised it; under `observe` on a GPU one step later); an exception inside one is
-            logged once and the callback dropped.
+        on_alarm: called with an `Event` for every alarm as recorded (inside the
+            `optimizer.step()` that raised it; under `observe` on a GPU one step later); an
+            exception inside one is logged once and the callback dropped.
+        on_action: the same, for every action.
+        on_finding: the same, for the first non-finite finding.
         facts: how nanguard was started (`step.state.RunFacts`: entry point, the script's
             clip and argv, the preflight's verdict); adapters and `nanguard run` pass theirs.
 
