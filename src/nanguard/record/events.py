@@ -308,13 +308,14 @@ class Events:
 
     def _finding(self, finding: dict[str, Any], cause: dict[str, Any] | None, *,
                  notable: bool, follows: bool) -> None:
-        # Without an op, the phase is where the watched signals first showed the value (the
-        # loss, say), not where an op made it: the op-level search may place it earlier (a
-        # hand-written model's forward), so the line says "seen in", never a phase the record
-        # would contradict.
+        # Without an op, a loss/backward/forward phase is where the watched signals first
+        # showed the value, not where an op made it: the op-level search may place it earlier
+        # (a hand-written model's forward), so the line says "seen in", never a phase the
+        # record would contradict. Where a value entered (data, a checkpoint) is definite.
         phase = finding.get("phase")
+        seen = not finding.get("op") and phase in ("loss", "backward", "forward")
         where = " ".join(x for x in (
-            (f"phase {phase}" if finding.get("op") else f"seen in the {phase}") if phase else "",
+            (f"seen in the {phase}" if seen else f"phase {phase}") if phase else "",
             f"op {finding['op']}" if finding.get("op") else "",
             f"in {finding['module']!r}" if finding.get("module") else "",
             f"at {finding['source']}" if finding.get("source") else "",
