@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -122,6 +123,33 @@ def guarded(cwd: Path, name: str, *args: str, out: str = "run",
     path = folder / "report.json"
     assert path.is_file(), f"no report.json; exit {proc.returncode}\n{proc.stderr[-4000:]}"
     return Guarded(proc, folder, json.loads(path.read_text()))
+
+
+def script_line(name: str, text: str) -> int:
+    """1-based number of the only line of script `name` that holds `text`."""
+    lines = [i for i, t in enumerate((SCRIPTS / name).read_text().splitlines(), 1) if text in t]
+    assert len(lines) == 1, (text, lines)
+    return lines[0]
+
+
+def script_where(name: str, text: str) -> str:
+    """`name:LINE` of the only line of script `name` that holds `text`."""
+    return f"{name}:{script_line(name, text)}"
+
+
+def noted(g: Guarded, what: str) -> int:
+    """K of the script's own `NOTE {what} at update K` (printed once), from its stdout."""
+    found = re.findall(rf"NOTE {re.escape(what)} at update (\d+)", g.proc.stdout)
+    assert len(found) == 1, g.proc.stdout[-2000:]
+    return int(found[0])
+
+
+def finding_of(g: Guarded) -> dict[str, Any]:
+    """Status, first non-finite step, op, source file:line and top cause of a guarded run."""
+    first = g.report.get("first_nonfinite") or {}
+    return {"status": g.report["status"], "step": first.get("step"), "op": first.get("op"),
+            "source": Path(str(first.get("source"))).name,
+            "cause": g.causes[0] if g.causes else None}
 
 
 def report_exit(folder: Path) -> int:

@@ -14,30 +14,8 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
-from programs_support import SCRIPTS, Guarded, guarded, python
-
-
-def _note(g: Guarded, what: str) -> int:
-    found = re.findall(rf"NOTE {re.escape(what)} at update (\d+)", g.proc.stdout)
-    assert len(found) == 1, g.proc.stdout[-2000:]
-    return int(found[0])
-
-
-def _line(script: str, text: str) -> str:
-    lines = (SCRIPTS / script).read_text().splitlines()
-    hits = [i + 1 for i, ln in enumerate(lines) if text in ln]
-    assert len(hits) == 1, (text, hits)
-    return f"{script}:{hits[0]}"
-
-
-def _got(g: Guarded) -> dict[str, Any]:
-    first = g.report.get("first_nonfinite") or {}
-    return {"status": g.report["status"], "step": first.get("step"), "op": first.get("op"),
-            "source": Path(str(first.get("source"))).name,
-            "cause": g.causes[0] if g.causes else None}
-
+from programs_support import finding_of, guarded, noted, python, script_where
 
 SOFTMAX = "scratch_softmax.py"
 
@@ -46,10 +24,10 @@ def test_hand_written_sgd_lr_typo_is_fixed_in_the_lr_flag(tmp_path: Path) -> Non
     """`--lr 30`: no optimizer reports an LR, the flag named for one set it (was: "your LR /
     100")."""
     g = guarded(tmp_path, SOFTMAX, "--lr", "30", "--epochs", "1", policy="raise")
-    want = {"status": "failed", "step": _note(g, "logits beyond exp's range"),
-            "op": "aten.exp", "source": _line(SOFTMAX, "torch.exp(z)"),
+    want = {"status": "failed", "step": noted(g, "logits beyond exp's range"),
+            "op": "aten.exp", "source": script_where(SOFTMAX, "torch.exp(z)"),
             "cause": "optimizer_divergence"}
-    assert _got(g) == want, g.explain()
+    assert finding_of(g) == want, g.explain()
     fix = g.report["diagnosis"][0]["fix"]
     proposed = re.search(r"`--lr 30` -> `--lr ([0-9.e-]+)`", fix)
     assert proposed is not None and 0 < float(proposed.group(1)) < 30, fix
@@ -65,9 +43,9 @@ BN = "char_bn_mlp.py"
 
 def test_batch_norm_by_hand_over_a_batch_size_of_one(tmp_path: Path) -> None:
     g = guarded(tmp_path, BN, "--batch-size", "1", "--steps", "3", policy="raise")
-    want = {"status": "failed", "step": _note(g, "batch of 1"), "op": "aten.std",
-            "source": _line(BN, "std_i = hpre.std(0"), "cause": "division_by_zero"}
-    assert _got(g) == want, g.explain()
+    want = {"status": "failed", "step": noted(g, "batch of 1"), "op": "aten.std",
+            "source": script_where(BN, "std_i = hpre.std(0"), "cause": "division_by_zero"}
+    assert finding_of(g) == want, g.explain()
     assert g.report["diagnosis"][0]["fix"].startswith(
         "`--batch-size 1` makes batches of 1 row: set `--batch-size 2` or more")
 
@@ -77,10 +55,11 @@ WALK = "reinforce_walk.py"
 
 def test_reinforce_discount_typo_is_read_back_to_its_flag(tmp_path: Path) -> None:
     g = guarded(tmp_path, WALK, "--gamma", "99", "--episodes", "10", policy="raise")
-    want = {"status": "failed", "step": _note(g, "returns beyond float32"),
-            "op": "aten.lift_fresh", "source": _line(WALK, "returns_t = torch.tensor(returns)"),
+    want = {"status": "failed", "step": noted(g, "returns beyond float32"),
+            "op": "aten.lift_fresh",
+            "source": script_where(WALK, "returns_t = torch.tensor(returns)"),
             "cause": "cast_overflow"}
-    assert _got(g) == want, g.explain()
+    assert finding_of(g) == want, g.explain()
     assert "did you mean `--gamma 0.99`?" in g.report["diagnosis"][0]["fix"]
 
 

@@ -13,16 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from programs_support import SCRIPTS, both, guarded, plain
+from programs_support import SCRIPTS, both, guarded, plain, script_line
 
 LATE = "prior_decay.py"
-
-
-def _line(name: str, text: str) -> int:
-    """1-based number of the only line of script `name` holding `text`."""
-    lines = [i for i, t in enumerate((SCRIPTS / name).read_text().splitlines(), 1) if text in t]
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 def _anneal_zero(anneal_steps: int, steps: int) -> int:
@@ -49,7 +42,7 @@ def test_failure_thousands_of_steps_in_is_pinpointed_in_process(tmp_path: Path) 
            "cause": g.report["diagnosis"][0]["cause"] if g.report.get("diagnosis") else None}
     want = {"status": "failed", "exit": 1, "replay": {"status": "in-process", "step": step},
             "step": step, "phase": "forward", "module": "head", "op": "aten.log",
-            "source": f"{SCRIPTS / LATE}:{_line(LATE, 'torch.log(prior)')}",
+            "source": f"{SCRIPTS / LATE}:{script_line(LATE, 'torch.log(prior)')}",
             "reproduced": True, "cause": "log_of_nonpositive"}
     assert got == want, g.explain()
     assert "ran out of its budget" not in g.proc.stderr
@@ -72,7 +65,7 @@ def test_late_failure_under_gradient_accumulation_is_pinpointed_in_process(
            "cause": g.report["diagnosis"][0]["cause"] if g.report.get("diagnosis") else None}
     want = {"replay": {"status": "in-process", "step": step},
             "step": step, "phase": "forward", "module": "head", "op": "aten.log",
-            "source": f"{SCRIPTS / LATE}:{_line(LATE, 'torch.log(prior)')}",
+            "source": f"{SCRIPTS / LATE}:{script_line(LATE, 'torch.log(prior)')}",
             "micro_batch": 0, "cause": "log_of_nonpositive"}
     assert got == want, g.explain()
     assert g.report["status"] == "failed" and g.proc.returncode == 1
@@ -111,7 +104,7 @@ def test_loss_not_replayable_in_process_gets_its_origin_from_the_rerun(tmp_path:
            "replay": replay["status"], "step": first["step"], "phase": first["phase"],
            "op": first["op"], "source": first["source"],
            "cause": g.causes[0] if g.causes else None}
-    line = _line(name, "loss = (per_token * mask).sum() / mask.sum()")
+    line = script_line(name, "loss = (per_token * mask).sum() / mask.sum()")
     want = {"status": "failed", "exit": 1, "replay": "found", "step": 25, "phase": "loss",
             "op": "aten.div", "source": f"{SCRIPTS / name}:{line}", "cause": "division_by_zero"}
     assert got == want, g.explain()

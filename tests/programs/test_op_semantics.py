@@ -12,35 +12,11 @@ own text. nanguard must report `failed` at step K with that cause, op and line.
 from __future__ import annotations
 
 import os
-import re
 import runpy
 import sys
 from pathlib import Path
-from typing import Any
 
-from programs_support import SCRIPTS, Guarded, guarded
-
-
-def _note(g: Guarded, what: str) -> int:
-    """K of the script's own `NOTE {what} at update K` (printed once), from its stdout."""
-    found = re.findall(rf"NOTE {re.escape(what)} at update (\d+)", g.proc.stdout)
-    assert len(found) == 1, g.proc.stdout[-2000:]
-    return int(found[0])
-
-
-def _line(script: str, text: str) -> str:
-    """`script:LINE` of the one line of the script that holds `text`."""
-    lines = (SCRIPTS / script).read_text().splitlines()
-    hits = [i + 1 for i, ln in enumerate(lines) if text in ln]
-    assert len(hits) == 1, (text, hits)
-    return f"{script}:{hits[0]}"
-
-
-def _got(g: Guarded) -> dict[str, Any]:
-    first = g.report.get("first_nonfinite") or {}
-    return {"status": g.report["status"], "step": first.get("step"), "op": first.get("op"),
-            "source": Path(str(first.get("source"))).name,
-            "cause": g.causes[0] if g.causes else None}
+from programs_support import SCRIPTS, finding_of, guarded, noted, script_where
 
 
 def _make(cwd: Path, name: str, *flags: str) -> None:
@@ -66,9 +42,10 @@ def test_ppo_minibatch_of_one_is_std_over_n_le_correction(tmp_path: Path) -> Non
     """`--rollout 33 --minibatch 8`: the last minibatch holds one transition and `adv.std()`
     divides by n - 1 = 0 (was: op and line right, cause undetermined)."""
     g = guarded(tmp_path, PPO, "--rollout", "33", "--iters", "2")
-    want = {"status": "failed", "step": _note(g, "minibatch of 1"), "op": "aten.std",
-            "source": _line(PPO, "(adv - adv.mean()) / (adv.std()"), "cause": "division_by_zero"}
-    assert _got(g) == want, g.explain()
+    want = {"status": "failed", "step": noted(g, "minibatch of 1"), "op": "aten.std",
+            "source": script_where(PPO, "(adv - adv.mean()) / (adv.std()"),
+            "cause": "division_by_zero"}
+    assert finding_of(g) == want, g.explain()
     top = g.report["diagnosis"][0]
     assert "n - correction = 0" in top["evidence"] and "correction=0" in top["fix"]
 
@@ -79,10 +56,10 @@ def test_ppo_returns_beyond_float32_enter_at_their_tensor(tmp_path: Path) -> Non
     NaN of it, cause undetermined)."""
     g = guarded(tmp_path, PPO, "--returns", "python", "--gamma", "9.9", "--rollout", "48",
                 "--iters", "1")
-    want = {"status": "failed", "step": _note(g, "returns overflow float32"),
-            "op": "aten.lift_fresh", "source": _line(PPO, "torch.tensor(rets)"),
+    want = {"status": "failed", "step": noted(g, "returns overflow float32"),
+            "op": "aten.lift_fresh", "source": script_where(PPO, "torch.tensor(rets)"),
             "cause": "cast_overflow"}
-    assert _got(g) == want, g.explain()
+    assert finding_of(g) == want, g.explain()
     assert g.report["first_nonfinite"]["entered"]["how"] == "tensor"
 
 
@@ -93,9 +70,10 @@ def test_ddpm_time_embedding_divides_by_a_python_zero(tmp_path: Path) -> None:
     """`--time-dim 2`: `arange(half) / (half - 1)` with half = 1 divides by the Python int 0,
     which is not among the op's tensor inputs."""
     g = guarded(tmp_path, DDPM, "--time-dim", "2", "--steps", "3")
-    want = {"status": "failed", "step": _note(g, "half-1 = 0"), "op": "aten.div",
-            "source": _line(DDPM, "dtype=torch.float32) / (half - 1)"), "cause": "division_by_zero"}
-    assert _got(g) == want, g.explain()
+    want = {"status": "failed", "step": noted(g, "half-1 = 0"), "op": "aten.div",
+            "source": script_where(DDPM, "dtype=torch.float32) / (half - 1)"),
+            "cause": "division_by_zero"}
+    assert finding_of(g) == want, g.explain()
     assert g.report["first_nonfinite"]["args"] == {"other": 0}
 
 
@@ -108,9 +86,9 @@ def test_batch_norm_over_a_last_batch_of_one_row(tmp_path: Path) -> None:
     _make(tmp_path, "train.csv")
     g = guarded(tmp_path, REG, "--data", "train.csv", "--norm", "batch", "--batch", "19",
                 "--epochs", "2")
-    want = {"status": "failed", "step": _note(g, "batch of 1"), "op": "aten.std",
-            "source": _line(REG, "xb.std(0)"), "cause": "division_by_zero"}
-    assert _got(g) == want, g.explain()
+    want = {"status": "failed", "step": noted(g, "batch of 1"), "op": "aten.std",
+            "source": script_where(REG, "xb.std(0)"), "cause": "division_by_zero"}
+    assert finding_of(g) == want, g.explain()
 
 
 def test_nan_target_in_a_csv_is_a_label_named_at_the_loss(tmp_path: Path) -> None:
@@ -119,13 +97,13 @@ def test_nan_target_in_a_csv_is_a_label_named_at_the_loss(tmp_path: Path) -> Non
     _make(tmp_path, "train.csv", "--nan-row", "37", "--nan-col", "4")
     g = guarded(tmp_path, REG, "--data", "train.csv", "--epochs", "1")
     first = g.report["first_nonfinite"]
-    got = {**_got(g), "entered": first.get("entered")}
-    want = {"status": "failed", "step": _note(g, "nan in target"), "op": "aten.stack",
+    got = {**finding_of(g), "entered": first.get("entered")}
+    want = {"status": "failed", "step": noted(g, "nan in target"), "op": "aten.stack",
             "source": Path(got["source"]).name, "cause": "label_nonfinite",
             "entered": {"how": "target", "op": "aten.mse_loss", "file": "train.csv",
                         "read": "numpy", "source": first["entered"]["source"]}}
     assert got == want, g.explain()
-    assert Path(first["entered"]["source"]).name == _line(REG, "mse_loss(")
+    assert Path(first["entered"]["source"]).name == script_where(REG, "mse_loss(")
     assert "`nanguard scan train.csv`" in g.report["diagnosis"][0]["fix"]
 
 
@@ -135,10 +113,10 @@ def test_a_data_file_read_with_torch_load_is_data_not_a_checkpoint(tmp_path: Pat
     checkpoint_nonfinite); the fix scans that file."""
     _make(tmp_path, "train.pt", "--nan-row", "37", "--nan-col", "1")
     g = guarded(tmp_path, REG, "--data", "train.pt", "--batch", "0", "--epochs", "1")
-    want = {"status": "failed", "step": _note(g, "nan in features"),
+    want = {"status": "failed", "step": noted(g, "nan in features"),
             "op": g.report["first_nonfinite"]["op"],
-            "source": _line(REG, "torch.load(path"), "cause": "data_nonfinite"}
-    assert _got(g) == want, g.explain()
+            "source": script_where(REG, "torch.load(path"), "cause": "data_nonfinite"}
+    assert finding_of(g) == want, g.explain()
     assert "`nanguard scan train.pt`" in g.report["diagnosis"][0]["fix"]
 
 
@@ -149,7 +127,7 @@ def test_a_float64_value_beyond_float32_overflows_at_the_cast(tmp_path: Path) ->
     g = guarded(tmp_path, REG, "--data", "train.csv", "--batch", "0", "--epochs", "1")
     assert "NOTE beyond float32 in the file" in g.proc.stdout
     want = {"status": "failed", "step": 0, "op": "aten._to_copy",
-            "source": _line(REG, "torch.from_numpy(table[:, :4]).float()"),
+            "source": script_where(REG, "torch.from_numpy(table[:, :4]).float()"),
             "cause": "cast_overflow"}
-    assert _got(g) == want, g.explain()
+    assert finding_of(g) == want, g.explain()
     assert "`nanguard scan train.csv`" in g.report["diagnosis"][0]["fix"]

@@ -16,15 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from programs_support import SCRIPTS, both, guarded, plain
+from programs_support import SCRIPTS, both, guarded, plain, script_line
 
 RAW = "raw_logreg.py"
-
-
-def _line(name: str, text: str) -> int:
-    lines = [i for i, t in enumerate((SCRIPTS / name).read_text().splitlines(), 1) if text in t]
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 def _processes_naming(text: str) -> list[int]:
@@ -62,7 +56,7 @@ def test_raw_tensor_script_failing_late_is_rerun_from_a_resume_point(
            "cause": g.causes[0] if g.causes else None}
     want = {"status": "failed", "exit": 1, "replay": "found", "mode": "resume_point",
             "step": step, "phase": "loss", "op": "aten.log",
-            "source": f"{SCRIPTS / RAW}:{_line(RAW, 'cost = -(y * torch.log(h)')}",
+            "source": f"{SCRIPTS / RAW}:{script_line(RAW, 'cost = -(y * torch.log(h)')}",
             "reproduced": True, "cause": "saturated_loss"}
     assert got == want, g.explain()
     assert 0 < replay["from_step"] < step, replay
@@ -84,7 +78,7 @@ def test_script_loss_arithmetic_late_in_a_run_is_rerun_from_a_resume_point(
     got = {"replay": replay["status"], "mode": replay.get("mode"),
            **{k: first.get(k) for k in ("step", "phase", "op", "source")},
            "cause": g.causes[0] if g.causes else None}
-    line = _line(name, "loss = (per_token * mask).sum() / mask.sum()")
+    line = script_line(name, "loss = (per_token * mask).sum() / mask.sum()")
     want = {"replay": "found", "mode": "resume_point", "step": 900, "phase": "loss",
             "op": "aten.div", "source": f"{SCRIPTS / name}:{line}",
             "cause": "division_by_zero"}
