@@ -5,6 +5,7 @@ ended; discovery.py finds its optimizers, models, losses and batches (manual.py:
 updates; amp_scalers.py: its GradScalers; chains.py: optimizers rebuilt over the same
 parameters; held.py: what a forward that raised held); watched.py is what each optimizer's guard
 is given; run_reports.py closes the guards and writes the run folder; rerun.py and replay.py are
-the pinpointing re-run (resume.py: the resume points it starts from); run_output.py prints the
-summary and picks the exit code.
+the pinpointing re-run (resume.py: the resume points it starts from; fork_cost.py: what
+one costs; forks.py: when the process may fork; resume_child.py: a point's child at work);
+run_output.py prints the summary and picks the exit code.
 """

@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 
 from nanguard.audit.preflight_live import PreflightStop
 from nanguard.errors import NanguardError
-from nanguard.run import resume
+from nanguard.run import resume_child
 from nanguard.run.discovery import Discovery
 from nanguard.run.run_output import ScriptOutcome, say
 
@@ -107,7 +107,7 @@ def run_script(script: Path, args: list[str], disc: Discovery) -> ScriptOutcome:
         exc.__traceback__ = None  # let the script's frames (and tensors) go
     finally:
         # A resume point's child ends here, whichever way the script stopped in it.
-        resume.child_done(outcome.message if outcome.kind != "ok" else None)
+        resume_child.child_done(outcome.message if outcome.kind != "ok" else None)
         disc.remove()
         os._exit = real_exit  # type: ignore[assignment]
         _restore_sigterm(previous_term)
