@@ -16,9 +16,9 @@ class RecoverConfig:
 
     snapshot_every: int = 10
     """Take a snapshot of the last good state (host copy of what the optimizer trains, its
-    state, buffers, RNG) every K quiet steps, into the ring (`snapshot_slots`). A capture costs
-    about one step's time of copying on small models; every 10 steps is < 2% of step time on
-    the benchmarks (BENCHMARKS.md, "Recovery")."""
+    state, buffers, RNG) every K quiet steps, into the ring (`snapshot_slots`). A capture
+    copies that state once (on a small model about one step's time), so K spreads the copy
+    over K steps: 10 keeps it a small share of step time (BENCHMARKS.md, "Recovery")."""
 
     snapshot_slots: int = 2
     """Snapshots kept in the ring: a rollback restores the newest one taken before the trouble

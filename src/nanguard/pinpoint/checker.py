@@ -252,8 +252,8 @@ class NonfiniteChecker(TorchDispatchMode):
                 self._fresh = weakref.ref(outs[0])
             return
         # Written in place through a view (`x[:, c] = torch.log(x[:, c])`): the tensor it views
-        # holds the value now, and later ops read that one, not the view. (Not a constant
-        # written on purpose, `x[i] = float("nan")`: that stays with the view, as before.)
+        # holds the value now, and later ops read that one, not the view. (A constant written
+        # on purpose, `x[i] = float("nan")`, is intended: it stays with the view.)
         bases = [b for t in targets if isinstance(b := t._base, torch.Tensor)
                  and b.is_floating_point() and all(b is not o for o in outs)]
         if external:

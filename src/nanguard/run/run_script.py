@@ -174,8 +174,8 @@ def _attach_while_alive(disc: Discovery, outcome: ScriptOutcome) -> None:
     """With evidence of a non-finite value and no guard yet: attach the guard now, while the
     script's objects are still alive (its globals, or the traceback's frames). Discovery holds
     the optimizers and modules it saw weakly; once the script's namespace is gone, whether they
-    survive to `late_finding` depended on garbage-collection timing (seen: a run whose first
-    batch was NaN reported `unwatched` whenever bytecode caches made the start faster)."""
+    survive to `late_finding` would depend on garbage-collection timing (a run whose first
+    batch was NaN could be reported `unwatched` or not from one start to the next)."""
     if outcome.evidence is None:
         return
     with contextlib.suppress(Exception):  # fail open: the evidence is still reported
