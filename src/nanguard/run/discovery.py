@@ -124,6 +124,8 @@ class Discovery:
     # ------------------------------------------------------------------ install / remove
 
     def install(self) -> Discovery:
+        """Install the global hooks and the wrappers (the module docstring lists them), before
+        the script runs; `remove()` undoes every one. Returns this object."""
         self._handles = [
             register_optimizer_step_pre_hook(self._optimizer_pre),
             register_module_forward_pre_hook(self._forward_pre),
