@@ -1,4 +1,4 @@
-"""When the run must not fork, no resume point is taken (run/resume.py): each condition
+"""When the run must not fork, no resume point is taken (run/forks.py): each condition
 made for real in a fresh interpreter, one at a time."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from helpers import run_python
 
 CHECK = """
 import multiprocessing, socket, time
-from nanguard.run.resume import _unsafe
-print("clean:", _unsafe())
+from nanguard.run.forks import fork_refusal
+print("clean:", fork_refusal(2))
 {make}
-print("then:", _unsafe())
+print("then:", fork_refusal(2))
 """
 
 CONDITIONS = {

@@ -127,7 +127,7 @@ def armed(step: int, *, model: nn.Module | None = None, rank: int = 0,
             # forward's first op; this update's own ops are checked (they were finite).
             arm()
             assert state._checker is not None
-            state._checker._scan_state(optimizer)
+            state._checker.scan_state(optimizer)
         return _lift_closure(attr, optimizer, args, kwargs)
 
     def post(optimizer: torch.optim.Optimizer, *_: Any) -> None:

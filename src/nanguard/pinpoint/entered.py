@@ -17,7 +17,6 @@ Only while a checker runs (a replay, the armed re-run), never on the training's 
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -94,11 +93,11 @@ _TARGET_ARGS = frozenset({"target"})
 def follow(checker: Any, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
     """After a batch value was settled as the origin (`kind` input) and before it is placed:
     carry its label on through the ops that read it, until it reaches a model's forward
-    (`NonfiniteChecker._batch_rows`: a model input) or a loss's `target` argument (a label:
+    (the checker's `_batch_rows`: a model input) or a loss's `target` argument (a label:
     `entered` how `target`, at the loss's line). Only while the checker is otherwise
     passing ops through; one identity lookup per tensor argument."""
     origin = checker.origin
-    k = next((i for i, c in enumerate(checker._cands) if c.origin is origin), None)
+    k = checker.candidates.index_of(origin)
     if k is None:
         return
     try:
@@ -109,7 +108,7 @@ def follow(checker: Any, func: Any, args: Any, kwargs: dict[str, Any], out: Any)
     pairs = [(names[i] if i < len(names) else "", v) for i, v in enumerate(args)]
     for name, value in pairs + list(kwargs.items()):
         for t in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(t, torch.Tensor) and checker._label(t) == k:
+            if isinstance(t, torch.Tensor) and checker.candidates.label(t) == k:
                 if name in _TARGET_ARGS:
                     origin.entered = {"how": "target", "source": user_source(),
                                       "op": f"aten.{func.overloadpacket.__name__}"}
@@ -118,7 +117,7 @@ def follow(checker: Any, func: Any, args: Any, kwargs: dict[str, Any], out: Any)
     if hit:
         for t in out if isinstance(out, (list, tuple)) else (out,):
             if isinstance(t, torch.Tensor) and t.is_floating_point():
-                checker._taint[id(t)] = (weakref.ref(t), k)
+                checker.candidates.taint(t, k)
 
 
 def place(origin: Any, tensors: list[torch.Tensor]) -> None:

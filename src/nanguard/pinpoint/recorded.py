@@ -1,10 +1,10 @@
 """The in-process replay of `nanguard run`: each step's forward and loss, kept by reference.
 
-A script run by `nanguard run` never hands nanguard a `replay(batch) -> loss` function, so the
-zero-code runner used to find an origin by re-running the whole script up to the failing step.
-`StepRecorder` instead records, while the script runs, what re-executing a step's forward and
-loss needs, and `Recipe.run()` is then the `replay` function the `Guard` calls at the first
-non-finite step, before the update (pinpoint/inprocess.py; the recipes are in
+A script run by `nanguard run` never hands nanguard a `replay(batch) -> loss` function, and
+re-running the whole script up to the failing step (run/rerun.py, the fallback) costs as long
+as the run did. `StepRecorder` instead records, while the script runs, what re-executing a step's
+forward and loss needs, and `Recipe.run()` is then the `replay` function the `Guard` calls at
+the first non-finite step, before the update (pinpoint/inprocess.py; the recipes are in
 pinpoint/recipe.py and pinpoint/closure_recipe.py). What is kept per step:
 
 * the trained model's root call: the module, its positional and keyword arguments (the global

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nanguard.run import resume
+from nanguard.run import resume_child
 from nanguard.run.discovery import Discovery
 from nanguard.run.replay import record_nothing
 from nanguard.run.resume import ResumePoints
@@ -52,7 +52,7 @@ def go_on(disc: Discovery, point: Any, message: dict[str, Any]) -> None:
     here, nor does any guard the script builds) and arm the checker at the failing step."""
     disc.stand_aside()
     record_nothing()
-    resume.arm_child(point, message)
+    resume_child.arm_child(point, message)
 
 
 def rerun_step(

@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 
 from nanguard.audit.preflight_live import PreflightStop
 from nanguard.errors import NanguardError
-from nanguard.run import resume
+from nanguard.run import resume_child
 from nanguard.run.discovery import Discovery
 from nanguard.run.run_output import ScriptOutcome, say
 
@@ -107,7 +107,7 @@ def run_script(script: Path, args: list[str], disc: Discovery) -> ScriptOutcome:
         exc.__traceback__ = None  # let the script's frames (and tensors) go
     finally:
         # A resume point's child ends here, whichever way the script stopped in it.
-        resume.child_done(outcome.message if outcome.kind != "ok" else None)
+        resume_child.child_done(outcome.message if outcome.kind != "ok" else None)
         disc.remove()
         os._exit = real_exit  # type: ignore[assignment]
         _restore_sigterm(previous_term)
@@ -174,8 +174,8 @@ def _attach_while_alive(disc: Discovery, outcome: ScriptOutcome) -> None:
     """With evidence of a non-finite value and no guard yet: attach the guard now, while the
     script's objects are still alive (its globals, or the traceback's frames). Discovery holds
     the optimizers and modules it saw weakly; once the script's namespace is gone, whether they
-    survive to `late_finding` depended on garbage-collection timing (seen: a run whose first
-    batch was NaN reported `unwatched` whenever bytecode caches made the start faster)."""
+    survive to `late_finding` would depend on garbage-collection timing (a run whose first
+    batch was NaN could be reported `unwatched` or not from one start to the next)."""
     if outcome.evidence is None:
         return
     with contextlib.suppress(Exception):  # fail open: the evidence is still reported

@@ -10,8 +10,8 @@ and a non-finite step is never averaged away.
 
 The page needs the optional `html` extra (`pip install nanguard[html]`): Bokeh, whose
 JavaScript ships inside its PyPI package and is copied into every page. Bokeh rather than
-Plotly because plotly.js alone takes ~1.2 s to evaluate in Chromium, most of the 2 s budget
-of a long run's page; bokeh.min.js takes ~0.15 s (BENCHMARKS.md, "HTML report").
+Plotly because evaluating plotly.js alone in Chromium takes most of the 2 s budget of a long
+run's page, several times what bokeh.min.js takes (BENCHMARKS.md, "HTML report").
 """
 
 from __future__ import annotations
