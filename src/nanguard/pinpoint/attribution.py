@@ -273,6 +273,10 @@ class Attribution:
         self._pending.extend((weakref.ref(t), info) for t in outputs)
 
     def flush_pending(self) -> None:
+        """Tag the autograd nodes of the outputs `defer_tag` remembered. Called before each op
+        the checker sees: by then the previous op's outputs have their `grad_fn`."""
+        if not self._pending:
+            return
         for ref, info in self._pending:
             t = ref()
             fn = None if t is None else t.grad_fn

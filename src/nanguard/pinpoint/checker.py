@@ -180,8 +180,7 @@ class NonfiniteChecker(TorchDispatchMode):
             return out
         self.ops_seen += 1
         attr = self.attr
-        if attr._pending:
-            attr.flush_pending()
+        attr.flush_pending()
         in_backward = torch._C._current_autograd_node() is not None
         if in_backward:
             attr.seen_backward = True
