@@ -362,6 +362,9 @@ def test_cnn_workers_nan_pixel(tmp_path: Path) -> None:
         step, "data"), traced.first
     assert_failed(g, {"step": step, "phase": "data", "cause": "data_nonfinite",
                       "samples": [micro * cnn_workers.BATCH + row]})
+    # The op that adopted the worker's memory is no culprit: the summary says how it arrived.
+    said = " ".join((g.proc.stderr + g.proc.stdout).split())
+    assert "op aten.set_: it arrived with a DataLoader worker's batch" in said, said[-2000:]
 
 
 # --------------------------------------------------------------------- house prices (MLP)

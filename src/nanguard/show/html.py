@@ -30,7 +30,7 @@ from nanguard.record.store import DB_NAME
 from nanguard.show import plots
 from nanguard.show.markers import episode_spans
 from nanguard.show.series import RunSeries, bucket_width, load_series, step_range
-from nanguard.show.summary import heal_line, report_spike_line
+from nanguard.show.summary import first_where, heal_line, report_spike_line
 
 LINE_BUCKETS = 1000
 """At most this many buckets per line series."""
@@ -168,8 +168,7 @@ def build_layout(sources: Sequence[Source], runs: Sequence[RunSeries], *, origin
 
 
 def _finding_line(first: dict[str, Any]) -> str:
-    where = ", ".join(f"{k} {first[k]}" for k in ("phase", "module", "op")
-                      if first.get(k) not in (None, ""))
+    where = first_where(first)
     part = f" in {first['part']}" if first.get("part") else ""
     return f"first non-finite at step {first.get('step')}{part}" + (f" ({where})" if where
                                                                       else "")

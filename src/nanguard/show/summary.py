@@ -33,8 +33,8 @@ from nanguard.show.tables import (
 )
 from nanguard.watch.stats import StepStats
 
-__all__ = ["BUDGET", "SERIES", "heal_line", "headline", "print_last_steps", "print_summary",
-           "report_spike_line", "sparkline", "spike_line", "step_row"]
+__all__ = ["BUDGET", "SERIES", "first_where", "heal_line", "headline", "print_last_steps",
+           "print_summary", "report_spike_line", "sparkline", "spike_line", "step_row"]
 
 BUDGET = 25
 """Lines the default summary may take at the console's width."""
@@ -116,9 +116,29 @@ def _status_line(report: Report, width: int | None = None) -> Text:
     return text
 
 
+# Ops that adopt memory made elsewhere (pinpoint/op_kinds.py ADOPT_OPS): in the data phase the
+# value was not computed by this process, so the op's name alone reads like a culprit.
+_ADOPTED = {"aten.set_": "it arrived with a DataLoader worker's batch",
+            "aten.from_file": "it was read from a mapped file"}
+
+
+def first_where(first: Mapping[str, Any]) -> str:
+    """`phase data, module fc1, op aten.log`: where the first non-finite value was made; for
+    a value the data phase adopted (a worker's batch), how it arrived instead of the op."""
+    parts = []
+    for k in ("phase", "module", "op"):
+        v = first.get(k)
+        if v in (None, ""):
+            continue
+        if k == "op" and first.get("phase") == "data" and v in _ADOPTED:
+            parts.append(f"op {v}: {_ADOPTED[v]}")
+        else:
+            parts.append(f"{k} {v}")
+    return ", ".join(parts)
+
+
 def _first_text(first: dict[str, Any]) -> str:
-    where = ", ".join(
-        f"{k} {first[k]}" for k in ("phase", "module", "op") if first.get(k) not in (None, ""))
+    where = first_where(first)
     part = f" in {first['part']}" if first.get("part") else ""
     samples = [str(s) for s in first.get("samples") or []]
     cut = f" ({SAMPLES} of {len(samples)})" if len(samples) > SAMPLES else ""
