@@ -73,9 +73,15 @@ def lr_at(cause: str, step: int, args: argparse.Namespace) -> float:
     """The LR of `step` under `cause`'s schedule: a linear warm-up over `args.warmup` steps to
     the base LR (`args.wd_lr` for the LR x weight-decay cause), constant after it; `jump`:
     `args.factor` x from `args.jump_at` on, at once; `resume`: the same from the resume on (the
-    resumed run is launched at the higher LR with no warm-up)."""
-    base = args.wd_lr if cause == "lr_wd" else args.lr
+    resumed run is launched at the higher LR with no warm-up); `jump_held`: from
+    `args.held_lr` `args.held_factor` x at `args.jump_at`, to an LR a warmed-up run holds."""
+    base = {"lr_wd": args.wd_lr, "jump_held": args.held_lr}.get(cause, args.lr)
     lr = base * min(1.0, (step + 1) / args.warmup)
-    if cause in ("jump", "resume") and step >= args.jump_at:
-        lr = base * args.factor
+    if cause in ("jump", "resume", "jump_held") and step >= args.jump_at:
+        lr = base * jump_factor(cause, args)
     return lr
+
+
+def jump_factor(cause: str, args: argparse.Namespace) -> float:
+    """The LR jump's factor of `cause` (`jump`, `resume` or `jump_held`)."""
+    return args.held_factor if cause == "jump_held" else args.factor

@@ -7,14 +7,17 @@ optimizer from the same seed, trained on the same batches:
 
     plain     forward, backward, optimizer.step, zero_grad
     clip      + torch.nn.utils.clip_grad_norm_(1.0) after backward (the yardstick)
-    heal      + Guard(model, opt, policy="heal"), watch(loss=..., batch=(x, y)) every step,
-              run store on (as users get it)
-    heal_nb   the same, watch(loss=...) only: no batch fingerprints
+    observe   + Guard(model, opt) (policy "observe"), watch(loss=..., batch=(x, y)) every
+              step, run store on: the guard that watches and never acts
+    heal      the same under policy="heal" (as users get it): `heal - observe` is what acting
+              adds (the pre-update read and judging, heal's own statistics)
+    heal_nb   heal with watch(loss=...) only: no batch fingerprints
 
 Each round times ONE step of every configuration, in a shuffled order, so that load from
 other processes falls on all of them alike; warm-up rounds are discarded. Reported: the median
 step (wall and process CPU time), the median of the paired per-round differences to plain,
-and `x clip`: the configuration's median step over clip's (the target: heal <= 1.05x clip).
+and `x clip`: the configuration's median step over clip's (the target: heal <= 1.05x clip),
+and heal's increment over observe (median of the paired differences).
 
 Then, untimed, per configuration over `--count` steps: the tensor ops dispatched per step
 (a `TorchDispatchMode` counting aten calls; `foreach` ops count once per call, however many
@@ -22,7 +25,8 @@ tensors they touch: what is reported beside is the number of passes over the par
 gradients / values those calls make) and the host reads made from nanguard's code per step
 (`item`, `tolist`, `__float__`, ...: on a GPU each is a sync; the guard's packet read counts
 once; reads on the run store's writer thread, off the step, are left out, as
-tests/test_host_reads.py counts them).
+tests/test_host_reads.py counts them), and the time spent inside heal's own code
+(`Healer.before_update`, `after_update`, `observe`: its statistics and decisions) per step.
 
 Usage:
     python benchmarks/heal_cost.py                  # the run recorded in BENCHMARKS.md
@@ -52,9 +56,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nanguard  # noqa: E402
 from _spiky_model import GPT, Data  # noqa: E402
 from nanguard import GuardConfig, RecordConfig  # noqa: E402
+from nanguard.recover.heal import Healer  # noqa: E402
 from nanguard.watch.step import StepWatch  # noqa: E402
 
-CONFIGS = ("plain", "clip", "heal", "heal_nb")
+CONFIGS = ("plain", "clip", "observe", "heal", "heal_nb")
 NANGUARD_DIR = str(Path(nanguard.__file__).resolve().parent)
 READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__",
          "__array__", "cpu")
@@ -67,15 +72,16 @@ def runner(name: str, data: Data, out: Path, seed: int) -> tuple[Callable[[Any],
     opt = torch.optim.AdamW(model.parameters(), lr=0.003, betas=(0.9, 0.99), weight_decay=0.1)
     params = list(model.parameters())
     guard = None
-    if name.startswith("heal"):
-        guard = nanguard.Guard(model, opt, policy="heal", config=GuardConfig(
-            record=RecordConfig(out=out / name, summary=False)))
+    if name.startswith("heal") or name == "observe":
+        guard = nanguard.Guard(model, opt, policy="observe" if name == "observe" else "heal",
+                               config=GuardConfig(record=RecordConfig(out=out / name,
+                                                                      summary=False)))
 
     def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
         x, y = batch
         loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
         if guard is not None:
-            guard.watch(loss=loss, batch=batch if name == "heal" else None)
+            guard.watch(loss=loss, batch=None if name == "heal_nb" else batch)
         loss.backward()
         if name == "clip":
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -149,13 +155,57 @@ class Reads:
             setattr(owner, name, value)
 
 
+class HealTime:
+    """Time of the training thread inside heal's own code (`Healer`'s per-step methods): the
+    median call of each, less what the timing itself costs (an empty method timed the same
+    way), times its calls per step. Medians: a call the scheduler preempted is left out."""
+
+    METHODS = ("before_update", "after_update", "observe")
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {}
+        self._undo: list[tuple[str, Any]] = []
+
+    def _wrap(self, name: str, f: Any) -> Any:
+        times = self.times.setdefault(name, [])
+
+        def timed(obj: Any, *a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return f(obj, *a, **k)
+            finally:
+                times.append(time.perf_counter() - t0)
+        return timed
+
+    def __enter__(self) -> HealTime:
+        for name in self.METHODS:
+            original = getattr(Healer, name)
+            self._undo.append((name, original))
+            setattr(Healer, name, self._wrap(name, original))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, original in self._undo:
+            setattr(Healer, name, original)
+
+    def per_step(self, steps: int) -> float:
+        """Seconds per step inside heal's own code."""
+        probe = HealTime()
+        empty = probe._wrap("empty", lambda obj: None)
+        for _ in range(5000):
+            empty(None)
+        overhead = statistics.median(probe.times["empty"])
+        return sum(max(0.0, statistics.median(t) - overhead) * len(t) / steps
+                   for t in self.times.values() if t)
+
+
 def count(name: str, data: Data, out: Path, steps: int) -> dict[str, Any]:
-    """Ops and host reads per step of `name` (untimed)."""
+    """Ops, host reads and heal's own time per step of `name` (untimed)."""
     step, guard = runner(name, data, out / "count", 0)
     g = torch.Generator().manual_seed(1)
     for _ in range(20):  # past the guard's first steps
         step(data.batch(32, g))
-    mode, reads = OpCount(), Reads()
+    mode, reads, own = OpCount(), Reads(), HealTime()
     with reads:
         reads.on = True
         for _ in range(steps):
@@ -163,10 +213,14 @@ def count(name: str, data: Data, out: Path, steps: int) -> dict[str, Any]:
             with mode:
                 step(batch)
         reads.on = False
+    with own:  # apart from the op count: its dispatch mode would be timed too
+        for _ in range(steps):
+            step(data.batch(32, g))
     if guard is not None:
         guard.close()
     ops = {k: v / steps for k, v in mode.ops.items()}
     return {"ops": round(sum(ops.values()), 1), "reads": reads.n / steps,
+            "heal_own_us": 1e6 * own.per_step(steps),
             "reads_by": {k: v / steps for k, v in reads.by.most_common()},
             "foreach": {k: v for k, v in sorted(ops.items()) if k.startswith("_foreach")},
             "ops_by": ops}
@@ -223,8 +277,16 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['added_cpu_ms']:>+8.3f}{r['x_clip']:>7.3f}x{r['x_clip_cpu']:>6.3f}x"
               f"{r['ops']:>7.1f}{r['reads']:>7.2f}  "
               + ", ".join(f"{k} {v:g}" for k, v in r["foreach"].items()))
+    inc = [a - b for a, b in zip(wall["heal"], wall["observe"], strict=True)]
+    inc_cpu = [a - b for a, b in zip(cpu["heal"], cpu["observe"], strict=True)]
+    res["heal_over_observe"] = {"ms": statistics.median(inc), "cpu_ms": statistics.median(inc_cpu),
+                                "heal_own_us": res["heal"]["heal_own_us"]}
+    print(f"heal - observe (paired medians): {res['heal_over_observe']['ms']:+.3f} ms "
+          f"(cpu {res['heal_over_observe']['cpu_ms']:+.3f}); inside heal's own code "
+          f"{res['heal']['heal_own_us']:.1f} us per step (counted apart)")
     base = res["plain"]["ops_by"]
-    for c, r in res.items():
+    for c in CONFIGS:
+        r = res[c]
         more = sorted(((v - base.get(k, 0.0), k) for k, v in r["ops_by"].items()), reverse=True)
         if c != "plain":
             print(f"{c} ops per step over plain's: " + ", ".join(

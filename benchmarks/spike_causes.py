@@ -9,12 +9,28 @@ cause of spikes planted per run, through the loader or the schedule (`_spike_pla
     bad       at `--bad` steps the loader fills `--rows` rows (at random positions) of the batch
               from a corrupted region: one symbol repeated, random bytes, the text under the
               wrong code table, in turn. Base LR `--lr`.
-    jump      the schedule jumps `--factor` x at `--jump-at`, without warm-up.
+    jump      the schedule jumps `--factor` x at `--jump-at`, without warm-up: 0.01 -> 0.1, an
+              LR at the edge of stability on this model by itself (below), so two causes at
+              once: the jump, and the LR it goes to.
+    jump_held the schedule jumps `--held-factor` x at `--jump-at` from `--held-lr`, without
+              warm-up, to an LR a warmed-up run holds: 0.001 -> 0.05, the jump alone.
     resume    the run is saved at `--jump-at` (model, optimizer, the loader's position, ZClip's
               statistics, `Guard.state_dict()`), and resumed by fresh objects at `--factor` x
               the LR, with no warm-up.
     lr_wd     spiky_lm.py's cause: LR `--wd-lr` (0.1) x weight decay 0.1, no other fault; run
               for `--wd-steps` (1200) steps: its first spike comes after ~700.
+
+Why the two jumps (measured with this script, plain training, 600 steps, from step 200;
+BENCHMARKS.md "The jump's target LR"): a run warmed up (50 steps) to 0.1 from the start, no
+jump (`--causes lr_wd --wd-lr 0.1 --wd-steps 600 --configs plain --seeds 0,1,2`), spikes on its
+own: 0 / 1 / 1 episodes (0% / 3.0% / 5.75% of steps in spike); warmed up to 0.05 or 0.07 it has
+none on any of the three seeds (peak loss 1.25-1.35). A jump without warm-up to such an LR
+spikes little: 0.01 -> 0.07 (7x, seeds 0-2) and 0.005 -> 0.05 (10x, seeds 0-1) no episode,
+peak 1.34-1.40; 0.01 -> 0.05 (5x) one one-step episode on seed 1 of 0-1; 0.001 -> 0.05 (50x,
+seeds 0-2) no episode of the independent count, one of OLMo's each (1.75-3% of steps), peak
+1.59-1.63. Against 0.01 -> 0.1: 28-67% of steps in spike, peak 5.2-6.8. So `jump` is a jump
+to an LR at the edge (the jump makes the edge's spikes come at once and far larger), and
+`jump_held` the largest jump to a held LR that still spikes by OLMo's measure.
 
 and each remedy, on the same seed, data and initial weights:
 
@@ -63,13 +79,13 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nanguard  # noqa: E402
-from _spike_plant import BadLoader, bad_steps, lr_at  # noqa: E402
+from _spike_plant import BadLoader, bad_steps, jump_factor, lr_at  # noqa: E402
 from _spiky_model import GPT, Data  # noqa: E402
 from nanguard import GuardConfig, RecordConfig  # noqa: E402
 from nanguard.record.spikes import SpikeMeter  # noqa: E402
 from spiky_lm import MedianEpisodes, ZClip  # noqa: E402
 
-CAUSES = ("bad", "jump", "resume", "lr_wd")
+CAUSES = ("bad", "jump", "jump_held", "resume", "lr_wd")
 CONFIGS = ("plain", "clip", "zclip", "observe", "skip", "rollback", "heal")
 LAST = 50  # the final loss: mean of the last LAST training losses
 
@@ -199,8 +215,8 @@ def measures(cause: str, config: str, args: argparse.Namespace, data: Data, mode
         "rows_false": sum(len(set(rows) - set(loader.truth.get(s, [])))
                           for s, rows in named.items()),
         "jumps": jumps,
-        "jump_named_ok": ((args.jump_at, float(args.factor)) in jumps
-                          if cause in ("jump", "resume") else None)})
+        "jump_named_ok": ((args.jump_at, float(jump_factor(cause, args))) in jumps
+                          if cause in ("jump", "resume", "jump_held") else None)})
     return r
 
 
@@ -210,7 +226,7 @@ def _yes(v: Any) -> str:
 
 def table(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
     """Mean over seeds per cause and configuration, one row each."""
-    head = (f"{'cause':<7}{'config':<9}{'med ep':>7}{'in spike':>9}{'ep':>5}{'in sp':>7}"
+    head = (f"{'cause':<10}{'config':<9}{'med ep':>7}{'in spike':>9}{'ep':>5}{'in sp':>7}"
             f"{'final':>8}{'peak':>7}{'val':>8}{'wall s':>7}{'x plain':>8}  {'cuts':<12}"
             f"{'named':<6}{'rows':<9}{'jump':<5}status")
     rows = [head, "-" * len(head)]
@@ -231,7 +247,7 @@ def table(results: dict[str, dict[str, list[dict[str, Any]]]]) -> str:
                 f"+{sum(r['rows_false'] for r in runs)}")
             status = "/".join(sorted({str(r.get("status", "-")) for r in runs}))
             rows.append(
-                f"{cause:<7}{name:<9}{mean('episodes'):>7.2f}{100 * mean('in_spike'):>8.2f}%"
+                f"{cause:<10}{name:<9}{mean('episodes'):>7.2f}{100 * mean('in_spike'):>8.2f}%"
                 f"{mean('episodes_olmo'):>5.1f}{100 * mean('in_spike_olmo'):>6.2f}%"
                 f"{mean('final_loss'):>8.4f}{mean('peak_loss'):>7.3f}{mean('val_loss'):>8.4f}"
                 f"{mean('wall_s'):>7.1f}{ratio:>8}  {cuts[:11]:<12}{_yes(every('bad_named_ok')):<6}"
@@ -251,6 +267,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--wd", type=float, default=0.1)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--factor", type=float, default=10.0, help="the LR jump (jump, resume)")
+    p.add_argument("--held-lr", type=float, default=0.001, help="the LR before jump_held's jump")
+    p.add_argument("--held-factor", type=float, default=50.0,
+                   help="jump_held's jump (to 0.05 by default: an LR a warmed-up run holds)")
     p.add_argument("--jump-at", type=int, default=300, help="the jump's / resume's step")
     p.add_argument("--bad", type=int, default=4, help="bad batches (cause bad)")
     p.add_argument("--rows", default="8,16", help="corrupted rows per bad batch: lo,hi")

@@ -217,3 +217,47 @@ def test_bad_batches_clipped_and_named_no_cut():
     named = [(a["step"], a["signal"]) for a in report.alarms if a.get("cause") == "bad_batch"]
     assert {s for s, _ in named} == set(planted)
     assert report.status != "healthy"
+
+
+def test_a_cut_below_every_alarm_is_said_live_and_the_run_is_not_healthy(caplog):
+    # Grad-norm jumps of 6x (two steps, a batch of ordinary loss): above heal's precursor bar
+    # (3x and 6 sigma) but below every alarm's threshold, so heal clips and cuts the LR with no
+    # alarm raised. The training was changed: the status must say so, and the cut must reach
+    # the person as it happens, with the steps that earned it (issue 40: a status never lies).
+    caplog.set_level("WARNING", logger="nanguard")
+    batches = make_batches(300, seed=1)
+    model = make_model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    guard = Guard(model, opt, config=quiet("heal"))
+    lrs: list[float] = []  # the LR each update used, read by the test (its hook runs after
+    opt.register_step_pre_hook(lambda o, a, k: lrs.append(o.param_groups[0]["lr"]))  # heal's)
+    ratios = {}  # the planted steps' grad norm against the mean of the 50 before, measured here
+    norms: list[float] = []
+    for i, (x, y) in enumerate(batches):
+        loss = nn.functional.mse_loss(model(x), y)
+        guard.watch(loss=loss, batch=(x, y))
+        opt.zero_grad()
+        loss.backward()
+        if i in (150, 250):
+            for p in model.parameters():
+                p.grad.mul_(6)
+        norms.append(float(torch.linalg.vector_norm(torch.stack(
+            [p.grad.norm() for p in model.parameters()]))))
+        if i in (150, 250):
+            ratios[i] = norms[-1] / (sum(norms[-51:-1]) / 50)
+        opt.step()
+    report = guard.close()
+    assert all(r > 3 for r in ratios.values()), ratios  # a jump, established without nanguard
+    assert report.alarms == []  # below every alarm: nothing else would have said a word
+    cuts = [a for a in report.actions if a["action"] == "lr_cut"]
+    assert [a["step"] for a in cuts] == [250]
+    # The cut is real: every update from step 250 on ran at half the scheduler's LR.
+    assert lrs[249] == 1e-2 and lrs[250:] == [5e-3] * 50
+    assert report.status == "recovered"  # changed by the guard: never `healthy`
+    said = [r.getMessage() for r in caplog.records if "action lr_cut" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("step 250 action lr_cut: LR x0.5")
+    m = re.search(r"2 grad-norm spikes within 100 steps \(steps 150 \(([\d.]+)x its rolling "
+                  r"mean\), 250 \(([\d.]+)x\)\)", said[0])
+    assert m is not None, said[0]  # the evidence: which steps, how far out
+    for got, step in ((float(m.group(1)), 150), (float(m.group(2)), 250)):
+        assert abs(got - ratios[step]) < 0.25 * ratios[step]  # the run's own numbers

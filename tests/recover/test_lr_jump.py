@@ -253,7 +253,7 @@ def test_a_cut_soon_after_the_ramp_names_the_jump():
     assert [c["action"] for c in h.cuts] == ["lr_cut"] and h.lr_factor == 0.5
     assert h.cause == ("the LR: lr 0.1, the LR the jump at step 300 went to (0.01 -> 0.1), at "
                        "its full value for 6 step(s) after a 100-step ramp; 2 grad-norm spikes "
-                       "within 1 steps")
+                       "within 1 steps (steps 404, 405)")
     # Long after the ramp, a cut is about the LR alone.
     h.precursors.extend([900, 901])
     h._correct(901)

@@ -83,6 +83,7 @@ class Healer:
         self.lr_factor = 1.0
         self.wd_factor = 1.0
         self.precursors: deque[int] = deque()  # steps of the precursors within `window`
+        self._ratios: deque[float] = deque()  # each one's grad norm / rolling mean (evidence)
         self.total = 0  # precursors acted on over the run
         self.total_bad = 0  # bad batches' updates clipped (never counted as precursors)
         self.bad_batches: deque[int] = deque(maxlen=100)  # steps of the latest bad batches
@@ -171,8 +172,10 @@ class Healer:
         torch._foreach_mul_(grads, scale)
         self.total += 1
         self.precursors.append(step)
+        self._ratios.append(norm / self.mean)
         while self.precursors and self.precursors[0] <= step - cfg.window:
             self.precursors.popleft()
+            self._ratios.popleft()
         std = math.sqrt(max(self.var, 0.0))
         self._records.append(Record(
             step, "heal_clip",
@@ -237,8 +240,8 @@ class Healer:
         cfg = self.config
         if self.ramp is not None:
             self.cause = (f"{self.ramp.text()}; {len(self.precursors)} grad-norm spikes "
-                          "while the LR was ramped back up (clipped, no cut)")
-            self.precursors.clear()
+                          f"while the LR was ramped back up ({self._evidence()}; clipped, no cut)")
+            self._forget()
             return
         groups = self.link.optimizer.param_groups
         lr = float(groups[0].get("lr", 0.0)) * self.lr_factor
@@ -250,6 +253,7 @@ class Healer:
         last = self._pnorm[-1] if self._pnorm else None
         shrank = first is not None and last is not None and last[1] < (1 - _SHRINK) * first[1]
         n, span = len(self.precursors), step - self.precursors[0]
+        seen = f" ({self._evidence()})"
         if wd > 0 and (cfg.correct == "wd" or (shrank and cfg.correct == "auto")):
             for g in groups:
                 g["weight_decay"] = float(g.get("weight_decay", 0.0) or 0.0) * cfg.cut_factor
@@ -269,13 +273,28 @@ class Healer:
             self.lr_factor *= cfg.cut_factor
             self.cause = (f"the LR: lr {lr:.3g}" + (f" (weight decay {wd:.3g}, weight norm not "
                                                     "falling)" if wd > 0 else "")
-                          + self._after_ramp(step) + f"; {n} grad-norm spikes within {span} steps")
+                          + self._after_ramp(step)
+                          + f"; {n} grad-norm spikes within {span} steps{seen}")
             what, detail = "lr_cut", (
                 f"LR x{self.lr_factor:.3g} of the scheduler's from now on "
                 f"({lr:.3g} -> {lr * cfg.cut_factor:.3g}): {self.cause}")
         self.cuts.append({"step": step, "action": what, "lr": lr, "weight_decay": wd})
-        self.precursors.clear()  # the next cut needs fresh evidence
+        self._forget()  # the next cut needs fresh evidence
         self._records.append(Record(step, what, detail))
+
+    def _forget(self) -> None:
+        self.precursors.clear()
+        self._ratios.clear()
+
+    def _evidence(self) -> str:
+        """The precursors behind a correction, as the person on call checks them against the
+        run's grad norms: `steps 150 (6.1x its rolling mean), 250 (7.2x)`."""
+        # (nan where a ratio is unknown: a state saved before they were kept)
+        ratios = [*self._ratios, *[math.nan] * (len(self.precursors) - len(self._ratios))]
+        parts = [f"{s} ({r:.1f}x{'' if i else ' its rolling mean'})" if math.isfinite(r)
+                 else str(s) for i, (s, r) in enumerate(zip(self.precursors, ratios,
+                                                            strict=False))]
+        return "steps " + ", ".join(parts)
 
     def _after_ramp(self, step: int) -> str:
         """`, the LR a jump went to ...` when the spikes came soon after a ramp ended: the
@@ -304,7 +323,8 @@ class Healer:
     def state_dict(self) -> dict[str, Any]:
         return {"mean": self.mean, "var": self.var, "count": self.count,
                 "lr_factor": self.lr_factor, "wd_factor": self.wd_factor, "total": self.total,
-                "precursors": list(self.precursors), "cuts": list(self.cuts),
+                "precursors": list(self.precursors), "precursor_ratios": list(self._ratios),
+                "cuts": list(self.cuts),
                 "cause": self.cause, "seconds": self.seconds, "total_bad": self.total_bad,
                 "bad_batches": list(self.bad_batches), "ramps": list(self.ramps),
                 "ramp": None if self.ramp is None else [self.ramp.step, self.ramp.old,
@@ -316,6 +336,10 @@ class Healer:
         self.lr_factor, self.wd_factor = float(state["lr_factor"]), float(state["wd_factor"])
         self.total = int(state["total"])
         self.precursors = deque(int(s) for s in state["precursors"])
+        ratios = [float(r) for r in state.get("precursor_ratios", ())]  # absent before them
+        if len(ratios) != len(self.precursors):
+            ratios = [math.nan] * len(self.precursors)
+        self._ratios = deque(ratios)
         self.cuts = list(state["cuts"])
         self.cause = state["cause"]
         # Absent in states saved before them:
