@@ -26,7 +26,9 @@ killed at any point leaves a store that opens (`open_run`) and holds
 The WAL with synchronous=NORMAL survives a process crash; only a power loss may drop the last
 transactions, and the database still opens.
 
-Schema notes: NaN is stored as the text 'nan' (SQLite turns a NaN REAL into NULL), infinities
+The tables, how an older store is brought up to date and how a recorded run is opened for
+reading are in `record.schema` (its names are importable from here too). Schema notes: NaN
+is stored as the text 'nan' (SQLite turns a NaN REAL into NULL), infinities
 as REAL. A step's per-parameter values are ONE row of `param_blobs` (`writer.param_blob`: one
 JSON array per parameter, 9 significant digits). `param_stats(step, param_id, grad_norm,
 param_norm, state)` is a VIEW that reads them one row per parameter (SQLite's json_each), with

@@ -285,7 +285,7 @@ class StepPipeline:
                 # Said at load time (`report_mismatch`'s line, with why): not said twice.
                 parts.log.add_alarm(loads.mismatch_alarm(st.step, mismatch), said=True)
         amp = parts.recovery.amp
-        cur, grads = parts.steps.begin(st.step, lr, self._device, st.loss,
+        cur, grads = parts.steps.begin(st.step, lr, self.device, st.loss,
                                        amp.scale_tensor() if amp is not None else None,
                                        loaded, flags, st.step_rng)
         st.current = cur
@@ -316,7 +316,7 @@ class StepPipeline:
         self.judge.before_update(parts.steps.read_pre(cur), cur, replaying)
 
     @property
-    def _device(self) -> torch.device:
+    def device(self) -> torch.device:
         """Where a step's packet is gathered: the first parameter's device (read each step: the
         model may be moved after the guard was built)."""
         if not self.state.params:
@@ -395,27 +395,5 @@ class StepPipeline:
         for p, stats, fresh in self.parts.steps.read_steps(pending, live_last):
             self.judge.after_update(p, stats, fresh)
 
-    # -- the end of the run ------------------------------------------------------------------------
-
-    @fail_open("close")
-    def finish(self) -> None:
-        """At close: read every pending step, check what was handed to `watch` after the last
-        step, and let the store write its last batch (a writer failure: degraded, not lost)."""
-        self.flush()
-        self._check_leftover()
-        self.parts.store.flush()
-
-    def _check_leftover(self) -> None:
-        """At close: a loss or batch handed to `watch` after the last optimizer step (the run
-        died in its first iteration, or before the next step) is checked too, so a NaN that
-        never reached an optimizer step is not lost. One host read, only when there is one."""
-        if self.parts.log.finding is not None:
-            return
-        stats = self.parts.steps.leftover(self.state.step, self._device, self.state.loss)
-        self.state.loss = None
-        if stats is not None and (stats.nonfinite_signals() or stats.nonfinite_samples):
-            found = self.replays.locate(stats)
-            found["signals"] = found["signals"] or ["data"]
-            self.parts.log.set_finding(found, failing=stats)
 
 _PARAMS = operator.itemgetter("params")
