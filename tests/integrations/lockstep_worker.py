@@ -38,16 +38,18 @@ def main() -> None:
                   replay=(lambda x: nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)))
                   if policy == "observe" else None)
     if rank == 0:  # an internal error of nanguard's own, at one step, on one rank
-        # "pre": recovery's GradScaler check, the first thing of the detectors' pass before
-        # the update, which every path of the pre-hook runs for these policies (the quiet
-        # lane's and the packet path's); at BREAK_AT only (the post-hook's pass runs after the
-        # step counter moved on). "post": recovery's first call after the update.
-        owner = guard.recovery
-        name = "check_amp" if where == "pre" else "after_update"
+        # "pre": the step's read before its update (`guard.steps.read`, the one host read),
+        # which every path of the pre-hook makes for these policies (the quiet lane's and the
+        # packet path's), before the step's agreement; the first read at BREAK_AT is the
+        # pre-update one. "post": the step's row in the record (`guard.store.write_step`),
+        # written in the post-hook before the post-update agreement (the next step's, under
+        # `observe`).
+        owner, name = (guard.steps, "read") if where == "pre" else (guard.store, "write_step")
         target = getattr(owner, name)
 
         def broken(*args: object, **kwargs: object) -> object:
-            if guard.step == BREAK_AT:
+            at = guard.step if where == "pre" else args[0]["step"]  # type: ignore[index]
+            if at == BREAK_AT:
                 raise RuntimeError("injected internal error")
             return target(*args, **kwargs)
 

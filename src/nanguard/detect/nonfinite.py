@@ -37,8 +37,7 @@ class NonFiniteDetector(Detector):
         return None if self._active else []
 
     def check(self, stats: StepStats) -> list[Alarm]:
-        # As sealed by the guard (no copy), else scanned now.
-        signals = stats._signals if stats._signals is not None else stats.nonfinite_signals()
+        signals = stats.seal()  # as sealed by the guard (no copy, no scan), else scanned now
         if not signals and not self._active and not stats.overflowed and (
                 not stats.unread_nonfinite or self._unread_warned):
             return []  # the quiet step: nothing non-finite now, no episode to end

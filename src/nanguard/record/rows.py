@@ -32,10 +32,11 @@ def step_signals(stats: StepStats) -> dict[str, float]:
 
 
 def write_step(store: NullStore, stats: StepStats, n_params: int, per_parameter: bool,
-               clip_norm: Any = None) -> None:
+               clip_norm: Any = None, signals: list[str] | None = None) -> None:
     """Record the step row, per-parameter stats, activations, batch fingerprints and alarms.
     `clip_norm`: the total norm the script's own clipping measured this step (a 0-dim tensor,
-    read on the writer thread: no host sync here), or None."""
+    read on the writer thread: no host sync here), or None. `signals`: the step's non-finite
+    signals as the detectors sealed them (None: `stats.seal()` says)."""
     grad_norm, param_norm, momentum_norm = stats.global_norms()
     row = {
         "step": stats.step, "loss": stats.loss, "grad_norm": grad_norm,
@@ -44,9 +45,9 @@ def write_step(store: NullStore, stats: StepStats, n_params: int, per_parameter:
         "update_ratio": stats.update_ratio if stats.update_norm is not None else None,
         "momentum_norm": momentum_norm,
         "act_max": stats.act_max if stats.activations else None, "lr": stats.lr,
-        # Sealed by the detectors (a copy of the kept list, no call); else scanned.
-        "nonfinite": list(stats._signals) if stats._signals is not None
-        else stats.nonfinite_signals(), "skipped": stats.skipped,
+        # As the detectors sealed them (a copy: no call); else scanned.
+        "nonfinite": list(signals if signals is not None else stats.seal()),
+        "skipped": stats.skipped,
         "amp_scale": stats.amp_scale, "act_limit": stats.act_limit,
         # (No call without optimizer state: plain SGD's quiet step stays as it was.)
         "second_moment_norm": stats.second_moment_norm if stats.state_norms else None,

@@ -26,7 +26,9 @@ killed at any point leaves a store that opens (`open_run`) and holds
 The WAL with synchronous=NORMAL survives a process crash; only a power loss may drop the last
 transactions, and the database still opens.
 
-Schema notes: NaN is stored as the text 'nan' (SQLite turns a NaN REAL into NULL), infinities
+The tables, how an older store is brought up to date and how a recorded run is opened for
+reading are in `record.schema` (its names are importable from here too). Schema notes: NaN
+is stored as the text 'nan' (SQLite turns a NaN REAL into NULL), infinities
 as REAL. A step's per-parameter values are ONE row of `param_blobs` (`writer.param_blob`: one
 JSON array per parameter, 9 significant digits). `param_stats(step, param_id, grad_norm,
 param_norm, state)` is a VIEW that reads them one row per parameter (SQLite's json_each), with
@@ -47,11 +49,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nanguard.record import files
 from nanguard.record.compact import Compactor, step_count
 from nanguard.record.process import identity
+from nanguard.record.schema import (
+    DB_NAME,
+    SCHEMA,
+    add_missing_columns,
+    dec,
+    open_run,
+    prepare,
+    step_columns,
+)
 from nanguard.record.writer import (
     STEP_ROW,
+    WAKE_WEIGHT,
     PerParam,
     RawHashes,
     StoreError,
@@ -62,90 +73,6 @@ from nanguard.record.writer import (
 
 __all__ = ["DB_NAME", "SCHEMA", "STEP_ROW", "NullStore", "RunStore", "StoreError",
            "add_missing_columns", "dec", "enc", "open_run", "step_columns", "step_count"]
-
-_BLOBS = """SELECT b.step, CAST(j.key AS INTEGER), json_extract(j.value, '$[0]'),
-        json_extract(j.value, '$[1]'), json_extract(j.value, '$[2]')
-    FROM param_blobs b, json_each(b.rows) j"""
-_VIEW = "CREATE VIEW param_stats (step, param_id, grad_norm, param_norm, state) AS "
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
-CREATE TABLE IF NOT EXISTS params (id INTEGER PRIMARY KEY, name TEXT, shape TEXT, numel INTEGER);
-CREATE TABLE IF NOT EXISTS steps (
-    step INTEGER PRIMARY KEY, time REAL, loss, grad_norm, param_norm, update_ratio,
-    momentum_norm, act_max, lr, nonfinite TEXT, skipped INTEGER, amp_scale, act_limit,
-    second_moment_norm, attn_logit_max, clip_norm);
-CREATE TABLE IF NOT EXISTS param_stats_rows (
-    step INTEGER, param_id INTEGER, grad_norm, param_norm, state TEXT,
-    PRIMARY KEY (step, param_id));
-CREATE TABLE IF NOT EXISTS param_blobs (step INTEGER PRIMARY KEY, rows TEXT);
-CREATE TABLE IF NOT EXISTS activations (step INTEGER, module TEXT, absmax,
-    PRIMARY KEY (step, module));
-CREATE TABLE IF NOT EXISTS batches (step INTEGER PRIMARY KEY, fingerprint TEXT, samples TEXT,
-    nonfinite_samples TEXT);
-CREATE TABLE IF NOT EXISTS rng (step INTEGER PRIMARY KEY, state BLOB);
-CREATE TABLE IF NOT EXISTS alarms (step INTEGER, kind TEXT, signal TEXT, value, message TEXT);
-CREATE INDEX IF NOT EXISTS alarms_step ON alarms (step);
-CREATE TABLE IF NOT EXISTS actions (step INTEGER, action TEXT, detail TEXT);
-CREATE INDEX IF NOT EXISTS actions_step ON actions (step);
-CREATE TABLE IF NOT EXISTS findings (id INTEGER PRIMARY KEY, body TEXT);
-CREATE TABLE IF NOT EXISTS step_buckets (first INTEGER PRIMARY KEY, last INTEGER, n INTEGER,
-    kept INTEGER, nonfinite_steps INTEGER, skipped INTEGER, nonfinite TEXT, signals TEXT);
-CREATE TABLE IF NOT EXISTS store_state (key TEXT PRIMARY KEY, value);
-CREATE VIEW IF NOT EXISTS param_stats (step, param_id, grad_norm, param_norm, state) AS
-    SELECT step, param_id, grad_norm, param_norm, state FROM param_stats_rows
-    UNION ALL {BLOBS};
-CREATE TRIGGER IF NOT EXISTS param_stats_insert INSTEAD OF INSERT ON param_stats BEGIN
-    INSERT OR REPLACE INTO param_stats_rows
-    VALUES (NEW.step, NEW.param_id, NEW.grad_norm, NEW.param_norm, NEW.state);
-END;
-""".replace("{BLOBS}", _BLOBS)
-"""The store's tables. `param_stats` is a view of both forms of per-parameter rows (INSERTs into it
-land in `param_stats_rows`); `RunStore` makes a new store's view read `param_blobs` only (faster:
-SQLite cannot flatten a UNION ALL view under GROUP BY)."""
-
-DB_NAME = files.DB_NAME
-
-_LATER_STEP_COLUMNS = ("amp_scale", "act_limit", "second_moment_norm", "attn_logit_max",
-                       "clip_norm")
-"""`steps` columns that came later: a store written before them lacks them (`add_missing_columns`
-adds them when it is reopened for writing; readers check `step_columns`)."""
-
-
-def step_columns(db: sqlite3.Connection) -> set[str]:
-    """The columns the `steps` table of this store has (older stores lack the later ones)."""
-    return {str(r[1]) for r in db.execute("PRAGMA table_info(steps)")}
-
-
-def add_missing_columns(db: sqlite3.Connection) -> None:
-    """Add the `steps` columns a store written by an older version lacks (NULL for its rows)."""
-    have = step_columns(db)
-    for col in _LATER_STEP_COLUMNS:
-        if col not in have:
-            db.execute(f"ALTER TABLE steps ADD COLUMN {col}")
-
-
-def _upgrade(db: sqlite3.Connection) -> None:
-    """A store written before `param_blobs` has a real `param_stats` table: it becomes
-    `param_stats_rows`, read through the view like before."""
-    kind = db.execute("SELECT type FROM sqlite_master WHERE name = 'param_stats'").fetchone()
-    if kind and kind[0] == "table":
-        db.execute("ALTER TABLE param_stats RENAME TO param_stats_rows")
-
-
-def _blob_view(db: sqlite3.Connection) -> None:
-    """A store without one-row-per-parameter rows reads `param_stats` from `param_blobs` only."""
-    if db.execute("SELECT 1 FROM param_stats_rows LIMIT 1").fetchone() is None:
-        db.execute("DROP VIEW param_stats")  # and its INSERT trigger
-        db.execute(_VIEW + _BLOBS)
-
-
-def dec(x: Any) -> float | None:
-    """Decode what `enc` stored."""
-    if x is None:
-        return None
-    return float(x)
-
 
 class NullStore:
     """Records nothing: used when recording is off, so callers never test `if store:`."""
@@ -221,10 +148,7 @@ class RunStore(NullStore):
         self.db.execute("PRAGMA synchronous=NORMAL")
         # After a checkpoint the WAL file is cut back to this size (a long run's WAL stays small).
         self.db.execute("PRAGMA journal_size_limit=8388608")
-        _upgrade(self.db)
-        self.db.executescript(SCHEMA)
-        add_missing_columns(self.db)
-        _blob_view(self.db)
+        prepare(self.db)
         self.db.commit()
         compactor = Compactor(self.db, keep_recent=keep_recent, bucket=bucket, window=window)
         self._writer = Writer(self.db, flush_steps=flush_steps, flush_seconds=flush_seconds,
@@ -288,11 +212,18 @@ class RunStore(NullStore):
         nonfinite = row.get("nonfinite") or None
         new_nonfinite = nonfinite is not None and nonfinite != self._last_nonfinite
         self._last_nonfinite = list(nonfinite) if nonfinite else None
+        w = self._writer
         if alarms or new_nonfinite or row.get("skipped") or self._sync_next:
             self._sync_next = False
-            self._writer.write_now(item)
-        else:
-            self._writer.put(item, 1 + (per_param[0] if per_param is not None else len(params)))
+            w.write_now(item)
+        elif w.error is not None or w.stopped:
+            w.put(item)  # raises StoreError
+        else:  # `Writer.put`, without its call: every quiet step comes here
+            q = w.queue
+            q.append(item)
+            w.weight += 1 + (per_param[0] if per_param is not None else len(params))
+            if len(q) >= w.flush_steps or w.weight >= WAKE_WEIGHT:
+                w.due()
 
     def write_alarm(self, alarm: dict[str, Any]) -> None:
         """Write an alarm and commit (after everything queued) before returning."""
@@ -390,18 +321,3 @@ def unique_folder(base: Path) -> Path:
         except FileExistsError:
             continue
     raise ValueError(f"cannot find a free run folder under {str(base)!r}; pass out=")
-
-
-def open_run(folder: str | os.PathLike[str]) -> sqlite3.Connection:
-    """Open a recorded run. Raises ValueError with a one-line message if it is not one."""
-    path = Path(folder)
-    db_path = path / DB_NAME if path.is_dir() else path
-    if not db_path.exists():
-        raise ValueError(f"{str(folder)!r} is not a nanguard run folder (no {DB_NAME} in it)")
-    try:
-        # Not read-only: opening a store left by a killed process replays its WAL.
-        db = sqlite3.connect(db_path)
-        db.execute("SELECT count(*) FROM steps").fetchone()
-    except sqlite3.DatabaseError as exc:
-        raise ValueError(f"{str(db_path)!r} is not a readable nanguard run store ({exc})") from None
-    return db

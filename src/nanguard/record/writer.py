@@ -249,16 +249,19 @@ class Writer:
         self.db = db
         self.lock = threading.Lock()
         self.error: BaseException | None = None
-        self._queue: deque[tuple[Any, ...]] = deque()
+        self.queue: deque[tuple[Any, ...]] = deque()
+        """Items waiting for the writer thread. `put` appends to it; so does the run store's
+        `write_step` itself, the same three lines without the call (the hot path)."""
         # Weight of an item: 1 + its per-parameter values (a step of a 400-tensor model weighs
         # 401). Wake the writer at `flush_steps` items or WAKE_WEIGHT; past 16x that the
         # writer lags behind and the caller writes (bounds the queue's memory).
-        self._flush_steps = flush_steps
-        self._weight = 0
+        self.flush_steps = flush_steps
+        self.weight = 0
         self._flush_seconds = flush_seconds
         self._after_commit = after_commit
         self._wake = threading.Event()
-        self._stop = False
+        self.stopped = False
+        """Set by `close`: `put` raises from then on (as after a failure: `error`)."""
         self._thread = threading.Thread(target=self._loop, name="nanguard-run-store",
                                         daemon=True)
         self._thread.start()
@@ -267,27 +270,32 @@ class Writer:
         """Queue one item (the hot path: no encoding, no SQL). `weight`: 1 + the number of
         per-parameter values it holds. Raises StoreError once the writer has failed or the
         store is closed."""
-        if self.error is not None or self._stop:
+        if self.error is not None or self.stopped:
             self._raise()
-        q = self._queue
+        q = self.queue
         q.append(item)
-        self._weight += weight  # read and reset by the writer: an estimate is enough
-        if len(q) >= self._flush_steps or self._weight >= WAKE_WEIGHT:
-            if len(q) >= 16 * self._flush_steps or self._weight >= 16 * WAKE_WEIGHT:
-                self.write_now(maintain=True)  # the writer lags: write here, compaction too
-            else:
-                self._wake.set()
+        self.weight += weight  # read and reset by the writer: an estimate is enough
+        if len(q) >= self.flush_steps or self.weight >= WAKE_WEIGHT:
+            self.due()
+
+    def due(self) -> None:
+        """Enough waits (`flush_steps` items or `WAKE_WEIGHT`): wake the writer thread, or,
+        when it lags 16x behind, write here (compaction too)."""
+        if len(self.queue) >= 16 * self.flush_steps or self.weight >= 16 * WAKE_WEIGHT:
+            self.write_now(maintain=True)
+        else:
+            self._wake.set()
 
     def write_now(self, item: tuple[Any, ...] | None = None, *, maintain: bool = False
                   ) -> None:
         """Write the queue, then `item`, and commit, on the calling thread, before returning
         (then run `after_commit` if `maintain`). Raises StoreError if it (or the writer
         earlier) failed."""
-        if self._stop:
+        if self.stopped:
             self._raise()
         with self.lock:
             if item is not None:
-                self._queue.append(item)
+                self.queue.append(item)
             self._drain()
             if maintain:
                 self._maintain()
@@ -296,7 +304,7 @@ class Writer:
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop the thread and write what is left (never raises; see `error`)."""
-        self._stop = True
+        self.stopped = True
         self._wake.set()
         self._thread.join(timeout)
         with self.lock:
@@ -311,12 +319,12 @@ class Writer:
     def _drain(self) -> None:
         """Encode and write every queued item, `flush_steps` per transaction (the caller holds
         `lock`). Items queued before an item are committed before it, or with it."""
-        q = self._queue
-        self._weight = 0
+        q = self.queue
+        self.weight = 0
         while q and self.error is None:
             # At most `flush_steps` items per transaction: the WAL (which cannot be
             # checkpointed during a transaction) stays small when the writer catches up.
-            items = [q.popleft() for _ in range(min(len(q), self._flush_steps))]
+            items = [q.popleft() for _ in range(min(len(q), self.flush_steps))]
             try:
                 rows = encode(items)
                 with self.db:
@@ -328,10 +336,10 @@ class Writer:
         q.clear()  # after a failure nothing more is written
 
     def _loop(self) -> None:
-        while not self._stop:
+        while not self.stopped:
             self._wake.wait(self._flush_seconds)
             self._wake.clear()
-            if self._stop:
+            if self.stopped:
                 return
             with self.lock:
                 self._drain()

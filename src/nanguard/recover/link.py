@@ -1,4 +1,5 @@
-"""The guard as recovery sees it (`recover.recovery.GuardLink`), over a weak reference.
+"""The guard as recovery sees it: `GuardLink`, the whole interface recovery uses, and
+`WeakLink`, that interface over a weak reference.
 
 Recovery never keeps a dropped guard alive and never imports the Guard: it gets this link,
 built from the guard duck-typed (anything with the attributes of `Guarded`).
@@ -14,6 +15,33 @@ from torch import nn
 
 from nanguard.config import GuardConfig
 from nanguard.recover.effects import Effect
+
+
+class GuardLink(Protocol):
+    """The whole interface recovery uses from its guard."""
+
+    config: GuardConfig
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed (the index of the step in progress)."""
+        ...
+
+    @property
+    def active(self) -> bool:
+        """The guard is still watching (not closed, not stood down)."""
+        ...
+
+    def spikes(self) -> list[dict[str, Any]]:
+        """Where each spike sat (the guard's `spikes`: step, layers, samples)."""
+        ...
+
+    def apply(self, effects: list[Effect]) -> None:
+        """Apply effects to the guard, as its own step would (a coupled guard's rollback
+        makes this one follow)."""
+        ...
 
 
 class Guarded(Protocol):

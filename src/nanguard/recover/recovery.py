@@ -1,13 +1,16 @@
 """The guard's recovery side: rollback, adaptive clipping and GradScaler awareness.
 
-The Guard owns one `Recovery` and calls it at fixed points of a step; each feature is off (and
-costs nothing) unless its policy, config or object was given.
+The step pipeline owns one `Recovery` and calls it at fixed points of a step; each feature is
+off (and costs nothing) unless its policy, config or object was given: `per_step` names the
+parts a step runs, chosen once when the pipeline is built. Its pieces live beside it: the
+GradScaler's watch (`recover.amp`), the samples a rollback leaves out (`recover.left_out`),
+the snapshots, clipping, backoff and `heal`.
 
-What recovery needs from its guard is `GuardLink` (below), nothing else: the settings, the model
-and optimizer, the step counter, the spikes seen so far, and a way to hand effects to a coupled
-guard. What recovery decides for its own guard it returns as effects (`recover.effects`:
-record an action, record an alarm, discard the coming update, stop the run) that the guard
-applies; this module never imports the Guard.
+What recovery needs from its guard is `GuardLink` (`recover.link`), nothing else: the
+settings, the model and optimizer, the step counter, the spikes seen so far, and a way to hand
+effects to a coupled guard. What recovery decides for its own guard it returns as effects
+(`recover.effects`: record an action, record an alarm, discard the coming update, stop the
+run) that the guard applies; this module never imports the Guard.
 
 Several optimizers on one model (e.g. body and head trained apart, one guard each, `rollback`
 policy): each guard's snapshot holds only what its own optimizer trains, so a rollback restores
@@ -21,12 +24,11 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
-from torch import nn
 
-from nanguard.config import GuardConfig
 from nanguard.detect.alarm import Alarm
 from nanguard.policy.lr_change import LrChanges
 from nanguard.recover.amp import ScalerWatch
@@ -34,6 +36,8 @@ from nanguard.recover.backoff import Backoff, decide
 from nanguard.recover.clip import AdaptiveClipper
 from nanguard.recover.effects import Discard, Effect, FollowPeers, Record, Stop
 from nanguard.recover.heal import Healer
+from nanguard.recover.left_out import LeftOut
+from nanguard.recover.link import GuardLink
 from nanguard.recover.ring import SnapshotRing
 from nanguard.recover.rollback import GiveUp, Rollback, trouble_start
 from nanguard.recover.skips import SkipLedger
@@ -42,31 +46,18 @@ from nanguard.watch import loads
 from nanguard.watch.stats import StepStats
 
 
-class GuardLink(Protocol):
-    """The whole interface recovery uses from its guard."""
+class PerStep(NamedTuple):
+    """The parts of recovery that a step runs under this configuration (`Recovery.per_step`),
+    each None where it has nothing to do."""
 
-    config: GuardConfig
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps completed (the index of the step in progress)."""
-        ...
-
-    @property
-    def active(self) -> bool:
-        """The guard is still watching (not closed, not stood down)."""
-        ...
-
-    def spikes(self) -> list[dict[str, Any]]:
-        """Where each spike sat (the guard's `spikes`: step, layers, samples)."""
-        ...
-
-    def apply(self, effects: list[Effect]) -> None:
-        """Apply effects to the guard, as its own step would (a coupled guard's rollback
-        makes this one follow)."""
-        ...
+    check_amp: Callable[[StepStats], tuple[list[Effect], list[Alarm]]] | None
+    """Before the detectors of a step read: the scaler's skipped steps and collapse (with a
+    scaler only: `ScalerWatch.check`)."""
+    after_update: Callable[[], None] | None
+    """First thing after the update: the LR as the schedule set it (`rollback`, `heal`)."""
+    snapshot: Callable[[StepStats], None] | None
+    """After a step read before its update: the last good state refreshed when due
+    (`rollback`; `heal` watches the step there too)."""
 
 
 # Rolling-back recoveries per model: one rollback takes the other optimizers of the model along.
@@ -89,7 +80,6 @@ class Recovery:
         self._discard_next = False  # a peer rolled back this step before our update ran
         # ...and our restore waits for our step: (its step, the other optimizer, its LR factor)
         self._follow_at: tuple[int, str, float] | None = None
-        self._stall_calls = 0  # check_stall calls since the last scale read or step
         # With rolling-back peers: the next step after this optimizer's last update in the
         # current training step, and whether all its steps since the last capture were healthy.
         self._round: int | None = None
@@ -108,13 +98,12 @@ class Recovery:
             self._group: Any = link.model
             _PEERS.setdefault(self._group, weakref.WeakSet()).add(self)
         self.steps_rolled_back = 0  # updates undone by rollbacks (the cost, for the report)
-        # Fingerprints of samples a rollback named -> the step of that rollback; a batch holding
-        # one is left out (`_leave_out`). Filled only where a rollback found culprit samples.
-        self.left_out: dict[int, int] = {}
-        self.updates_left_out = 0
-        self._spike_samples: dict[int, list[int]] = {}  # step -> fingerprints attribution named
+        self.left_out = LeftOut(link.spikes)
+        """Samples a rollback named, whose batches are left out (`recover.left_out`)."""
         self.clipper = AdaptiveClipper(cfg.clip) if cfg.clip is not None else None
-        self.amp = ScalerWatch(scaler, cfg.amp) if scaler is not None else None
+        self.amp = (ScalerWatch(scaler, cfg.amp, cfg.detect.cooldown) if scaler is not None
+                    else None)
+        """The GradScaler's watch (None without a scaler: nothing of it runs)."""
         # The LR of the last step (every policy: an LR jump is an alarm under `observe` too);
         # the guard feeds it before the update, `heal` ramps from it.
         self.lr_changes = LrChanges()
@@ -126,60 +115,14 @@ class Recovery:
         self.skips = SkipLedger(scheduler, link.optimizer)  # every discarded update
         self._rolled_back_at: int | None = None  # a rollback's discard is not a skip
 
-    # -- GradScaler
-
-    def scale_tensor(self) -> torch.Tensor | None:
-        return self.amp.scale_tensor() if self.amp else None
-
-    def check_amp(self, stats: StepStats) -> tuple[list[Effect], list[Alarm]]:
-        """Pre-step: count the overflow steps the scaler skipped (an `amp_skip` action to
-        record); the alarms of the step on a collapse (the detectors' alarms join them)."""
-        self._stall_calls = 0
-        if self.amp is None or stats.amp_scale is None:
-            return [], []
-        skipped, collapse = self.amp.observe(stats.amp_scale)
-        stats.amp_skipped = skipped
-        effects: list[Effect] = []
-        if skipped:
-            effects.append(Record(
-                stats.step,
-                "amp_skip",
-                f"GradScaler skipped {skipped} step(s) on fp16 overflow (expected, "
-                f"not an alarm); scale now {stats.amp_scale:.3g}",
-            ))
-        if collapse is None:
-            return effects, []
-        return effects, self._collapse(stats.step, stats.amp_scale, collapse)
-
-    def check_stall(self, step: int) -> list[Effect]:
-        """Many `watch` calls and no optimizer step: read the scale (a rare extra read), once
-        every `amp.stall_steps` calls however often the guard asks."""
-        if self.amp is None:
-            return []
-        self._stall_calls += 1
-        if (self._stall_calls - 1) % max(1, self.link.config.amp.stall_steps):
-            return []
-        scale = self.amp.scale_tensor()
-        if scale is None:
-            return []
-        value = float(scale.item())
-        skipped, collapse = self.amp.observe(value)
-        effects: list[Effect] = []
-        if skipped:
-            effects.append(Record(step, "amp_skip", f"GradScaler skipped {skipped} step(s)"))
-        if collapse:
-            effects += self._collapse(step, value, collapse)
-        return effects
-
-    def _collapse(self, step: int, scale: float, msg: str) -> list[Alarm]:
-        assert self.amp is not None
-        last = self.amp.last_collapse
-        if last is not None and step - last < self.link.config.detect.cooldown:
-            return []
-        self.amp.last_collapse = step
-        return [
-            Alarm(step=step, kind="amp_collapse", signal="loss_scale", value=scale, message=msg)
-        ]
+    def per_step(self) -> PerStep:
+        """What a step runs of recovery under this configuration, chosen once when the
+        pipeline is built: a part with nothing to do here (no scaler; neither `rollback` nor
+        `heal`) is None, and the step leaves it out rather than calling it to return."""
+        acts = self.healer is not None or self.rollbacker is not None
+        return PerStep(check_amp=self.amp.check if self.amp is not None else None,
+                       after_update=self.after_update if acts else None,
+                       snapshot=self.maybe_snapshot if acts else None)
 
     # -- before / after the update
 
@@ -189,7 +132,7 @@ class Recovery:
         scaled in place), then the LR backoff. Returns what the guard is to apply."""
         if self._discard_next:
             return self._take_discard(stats)
-        if self.left_out and (left := self._leave_out(stats)):
+        if self.left_out and (left := self.left_out.check(stats)):
             return left
         effects: list[Effect] = []
         if self.clipper is not None:
@@ -218,47 +161,6 @@ class Recovery:
             effects += self.healer.before_update(stats)
         return effects
 
-    def _leave_out(self, stats: StepStats) -> list[Effect]:
-        """A batch holding a sample that an earlier rollback named (a NaN row of the batch it
-        rolled back, a sample per-sample attribution blamed for a spike of the episode): its
-        update is discarded before it lands, so the sample cannot start the trouble again
-        (the next epoch). The discard and its record; empty when the batch is clean."""
-        hit = [h for h in stats.sample_hashes if h in self.left_out]
-        if not hit:
-            return []
-        self.updates_left_out += 1
-        return [Discard(stats), Record(
-            stats.step, "skip",
-            f"update discarded: the batch holds {len(hit)} sample(s) left out after the "
-            f"rollback at step {self.left_out[hit[0]]} (fingerprint(s) "
-            f"{', '.join(f'{h:#x}' for h in hit[:4])})")]
-
-    def _remember_culprits(self, stats: StepStats, since: int) -> list[int]:
-        """The fingerprints of the samples to leave out after a rollback at `stats.step`: the
-        batch's NaN / Inf rows, and the samples that per-sample attribution named for the
-        spikes of the episode (steps `since`..now; the guard's `spikes`, with `replay`)."""
-        hashes = stats.sample_hashes
-        rows = [i for i in stats.nonfinite_samples if i < len(hashes)]
-        found = [hashes[i] for i in rows]
-        self._note_spike_samples(stats)
-        found += [h for step, hs in self._spike_samples.items() if since <= step <= stats.step
-                  for h in hs]
-        for h in found:
-            self.left_out.setdefault(h, stats.step)
-        return found
-
-    def _note_spike_samples(self, stats: StepStats) -> None:
-        """The fingerprints of the samples per-sample attribution named for a spike of this
-        step (`Guard.spikes`, with `replay`), while the step's fingerprints are at hand."""
-        if stats.step in self._spike_samples or not any(a.kind == "spike" for a in stats.alarms):
-            return
-        hashes = stats.sample_hashes
-        named = [int(d["index"]) for sp in self.link.spikes() if sp.get("step") == stats.step
-                 for d in sp.get("samples", [])]
-        self._spike_samples[stats.step] = [hashes[i] for i in named if 0 <= i < len(hashes)]
-        for old in [k for k in self._spike_samples if k < stats.step - 1000]:
-            del self._spike_samples[old]
-
     def discarded(self, stats: StepStats, *, late: bool) -> None:
         """The guard discarded the update of `stats` (`late`: seen after the step ended, a
         fused optimizer's flag read later): counted; a skip's scheduler step taken back
@@ -285,7 +187,7 @@ class Recovery:
             return
         self.rollbacker.trail.observe(stats)
         if stats.alarms:
-            self._note_spike_samples(stats)
+            self.left_out.note_spikes(stats)
         healthy = not stats.alarms and not stats.nonfinite_signals() and not stats.skipped
         if distributed.active() and (stats.step + 1) % self.rollbacker.config.snapshot_every == 0:
             # Every rank must keep the same last good step, or a rollback would desync them.
@@ -322,7 +224,7 @@ class Recovery:
         if self._discard_next and not post:
             # A coupled guard rolled this one back already in this step.
             return self._take_discard(stats)
-        if not post and self.left_out and (left := self._leave_out(stats)):
+        if not post and self.left_out and (left := self.left_out.check(stats)):
             # A sample an earlier rollback named is back (the next epoch): the state before
             # this update is good, discarding the update is all it takes; no rollback, no
             # progress lost, no compounded backoff.
@@ -338,7 +240,7 @@ class Recovery:
             return [Record(stats.step, "give_up", f"{exc} ({why})"), Stop(stats, f"{exc} ({why})")]
         rb.trail.clear(stats.step)
         self._rolled_back_at = stats.step
-        culprits = self._remember_culprits(stats, restored)
+        culprits = self.left_out.remember(stats, restored)
         effects: list[Effect] = [] if post else [Discard(stats)]
         stats.skipped = True
         effects.append(Record(
@@ -453,8 +355,8 @@ class Recovery:
         return {"rollbacks": len(self.rollbacker.history),
                 "updates_rolled_back": self.steps_rolled_back,
                 "lr_factor": self.rollbacker.factor,
-                "samples_left_out": len(self.left_out),
-                "updates_left_out": self.updates_left_out,
+                "samples_left_out": len(self.left_out.named),
+                "updates_left_out": self.left_out.updates,
                 "snapshot_bytes": ring.nbytes,
                 "snapshots": len(ring.slots),
                 "snapshot_budget_bytes": None if budget is None else int(budget * 2**20),
@@ -469,7 +371,7 @@ class Recovery:
             "rollback": self.rollbacker.state_dict() if self.rollbacker else None,
             "clip": self.clipper.state_dict() if self.clipper else None,
             "amp": self.amp.state_dict() if self.amp else None,
-            "left_out": {str(h): s for h, s in self.left_out.items()},
+            "left_out": self.left_out.state_dict(),
             "heal": self.healer.state_dict() if self.healer else None,
             "lr": self.lr_changes.state_dict(),
             "skips": self.skips.state_dict(),
@@ -480,7 +382,7 @@ class Recovery:
                           ("heal", self.healer)):
             if obj is not None and state.get(part) is not None:
                 obj.load_state_dict(state[part])
-        self.left_out = {int(h): int(s) for h, s in state.get("left_out", {}).items()}
+        self.left_out.load_state_dict(state.get("left_out", {}))
         if state.get("lr") is not None:  # absent in states saved before it
             self.lr_changes.load_state_dict(state["lr"])
         if state.get("skips") is not None:

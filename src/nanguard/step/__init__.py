@@ -10,5 +10,6 @@
   (`RunFacts`), each one declared dataclass;
 - `replays`: where a step's value showed, spikes and re-runs (only on steps that need them);
 - `closing`: the run's end (the last reads, the report) and the run log as plain data;
-- `failopen`: the one wrapper that keeps an error of nanguard's own out of training.
+- `failopen`: the one handling that keeps an error of nanguard's own out of training (a
+  decorator; the per-step hooks call it from their own `try`).
 """

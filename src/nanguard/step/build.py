@@ -32,7 +32,7 @@ from nanguard.record.runlog import RunLog
 from nanguard.record.store import NullStore, open_store
 from nanguard.recover.effects import Effect
 from nanguard.recover.link import WeakLink
-from nanguard.recover.recovery import Recovery
+from nanguard.recover.recovery import PerStep, Recovery
 from nanguard.runtime import distributed
 from nanguard.show import live
 from nanguard.step.state import StepState
@@ -107,6 +107,8 @@ class Parts:
     lane: QuietLane | None
     """The quiet lane, where this configuration lets a step take it (`watch.lane`)."""
     recovery: Recovery
+    recovery_steps: PerStep
+    """What a step runs of `recovery` under this configuration (None: left out of the step)."""
     policy: Policy
     saturation: SaturationProbe | None
     """Armed one step in `saturation_every`; None: off."""
@@ -208,7 +210,8 @@ def build(host: Host, *, scheduler: Any, scaler: Any, on_alarm: Listener | None,
         store=store, events=events, log=log, probe=probe, batch_probe=batch_probe,
         act_probe=act_probe, steps=steps, buffer_names=buffer_names, detectors=detectors,
         gate=_gate(detectors, cfg), objective=Objective(cfg.detect.objective, detectors, model),
-        lane=_lane(host, steps, cfg, cross_rank, act_probe), recovery=recovery, policy=policy,
+        lane=_lane(host, steps, cfg, cross_rank, act_probe), recovery=recovery,
+        recovery_steps=recovery.per_step(), policy=policy,
         # Their hooks before the pipeline's own (see the module docstring).
         saturation=saturation.attach(host, cfg.detect.saturation_every),
         replicas=replicas.attach(host, cfg.detect.replica_every,

@@ -10,10 +10,40 @@ from typing import Any
 
 from nanguard.record.closing import announce_finding, run_report
 from nanguard.record.report import Report
+from nanguard.step.failopen import contain
 from nanguard.step.pipeline import StepPipeline
 from nanguard.step.state import RunFacts
 
-__all__ = ["close_run", "publish", "run_log"]
+__all__ = ["close_run", "finish", "publish", "run_log"]
+
+
+def finish(pipe: StepPipeline) -> None:
+    """At close: read every pending step, check what was handed to `watch` after the last
+    step, and let the store write its last batch (a writer failure: degraded, not lost).
+    Fails open (`step.failopen`): the report is written whatever happens here."""
+    if pipe.error is not None:
+        return
+    try:
+        pipe.flush()
+        _check_leftover(pipe)
+        pipe.parts.store.flush()
+    except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+        contain(pipe, exc, "close")
+
+
+def _check_leftover(pipe: StepPipeline) -> None:
+    """A loss or batch handed to `watch` after the last optimizer step (the run died in its
+    first iteration, or before the next step) is checked too, so a NaN that never reached an
+    optimizer step is not lost. One host read, only when there is one."""
+    parts, st = pipe.parts, pipe.state
+    if parts.log.finding is not None:
+        return
+    stats = parts.steps.leftover(st.step, pipe.device, st.loss)
+    st.loss = None
+    if stats is not None and (stats.nonfinite_signals() or stats.nonfinite_samples):
+        found = pipe.replays.locate(stats)
+        found["signals"] = found["signals"] or ["data"]
+        parts.log.set_finding(found, failing=stats)
 
 
 def run_log(pipe: StepPipeline, facts: RunFacts) -> dict[str, Any]:
@@ -51,7 +81,7 @@ def close_run(pipe: StepPipeline, facts: RunFacts, ended: tuple[str, str | None]
     pipe.closed = True
     pipe.detach()
     pipe.parts.objective.close()  # no longer a peer of other guards (`detect.objective`)
-    pipe.finish()  # fails open: a late error of nanguard's own still leaves a report
+    finish(pipe)  # fails open: a late error of nanguard's own still leaves a report
     events = pipe.parts.events
     events.tick(pipe.state.step, final=True)
     report = publish(pipe, facts, ended=ended, close_store=True)

@@ -55,13 +55,14 @@ class Judge:
         self._state, self._parts, self._replays, self._acting = state, parts, replays, acting
         self._observing = config.policy == "observe"
         self._apply: Callable[[list[Any]], None] = acting.apply
+        self._check_amp = parts.recovery_steps.check_amp  # None without a scaler: no call
 
     def before_update(self, stats: StepStats, cur: Pending | LaneStep, replaying: bool) -> None:
         """The pre-update part of a step read before its update (`stats`, of `cur`), called by
         the pre-hook: detect, pinpoint with a replay, decide and act (acting policies),
         recovery's own step."""
         parts, acting = self._parts, self._acting
-        alarms = self.detect(stats, "pre", cur.rng)
+        alarms, _ = self.detect(stats, "pre", cur.rng)
         if replaying and parts.log.finding is not None:
             assert isinstance(cur, Pending)  # the lane takes no step with a replay armed
             self._replays.refine(stats, cur)
@@ -92,24 +93,25 @@ class Judge:
             self._acting.device_skipped(p, stats)
         observing = self._observing
         if fresh and observing:
-            alarms = self.detect(stats, "both", p.rng)
+            alarms, signals = self.detect(stats, "both", p.rng)
         else:
             if fresh:
                 self.detect(stats, "pre", p.rng)
-            alarms = self.detect(stats, "post", p.rng)
-        keep(self._config, self._state, self._parts, stats)
+            alarms, signals = self.detect(stats, "post", p.rng)
+        keep(self._config, self._state, self._parts, stats, signals)
         if not observing and self._acting.decide(stats, alarms, post=True):
             self._acting.act(stats, alarms, post=True)
 
     def detect(self, stats: StepStats, phase: str, step_rng: dict[str, Any] | None = None
-               ) -> list[Alarm]:
+               ) -> tuple[list[Alarm], list[str]]:
         """Run the detectors of `phase` (`pre`, `post`, or `both`: pre then post, for a step
         read after its update where nothing acts between the two) on `stats`; record their
-        alarms in the run log and on the step."""
+        alarms in the run log and on the step. Returns the alarms and the step's non-finite
+        signals as sealed for the detectors (what the record keeps)."""
         parts = self._parts
         alarms: list[Alarm] = []
-        if phase != "post":
-            effects, alarms = parts.recovery.check_amp(stats)
+        if phase != "post" and self._check_amp is not None:
+            effects, alarms = self._check_amp(stats)
             if effects:
                 self._apply(effects)
             if stats.amp_skipped and stats.activations:
@@ -146,7 +148,7 @@ class Judge:
                 parts.store.write_rng(stats.step, rng.dumps(step_rng))
             stats.alarms += alarms
             parts.log.add_alarms(alarms)
-        return alarms
+        return alarms, signals
 
     def _settle_objective(self, stats: StepStats, alarms: list[Alarm]) -> list[Alarm]:
         """A loss-trend alarm while the objective is undecided: read the fingerprints kept so

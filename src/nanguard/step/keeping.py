@@ -17,9 +17,11 @@ from nanguard.watch.stats import StepStats
 __all__ = ["keep"]
 
 
-def keep(config: GuardConfig, state: StepState, parts: Parts, stats: StepStats) -> None:
+def keep(config: GuardConfig, state: StepState, parts: Parts, stats: StepStats,
+         signals: list[str] | None = None) -> None:
     """Keep the judged step `stats` (see the module docstring); `state` and `parts` are the
-    pipeline's."""
+    pipeline's, `signals` the step's non-finite signals as the detectors sealed them (None:
+    `stats.seal()` says: a step stopped before its detectors were done)."""
     state.last_stats = stats
     log = parts.log
     finding = log.finding
@@ -27,8 +29,8 @@ def keep(config: GuardConfig, state: StepState, parts: Parts, stats: StepStats) 
                          troubled=finding is not None or log.recovered_from)
     if state.loss_after is not None:
         _check_loss_after(state, parts, stats)
-    # Sealed by the detectors (read without a call), unless something changed it since.
-    signals = stats._signals if stats._signals is not None else stats.nonfinite_signals()
+    if signals is None:
+        signals = stats.seal()
     if not stats.alarms and not signals:
         # Each parameter's typical grad norm on healthy steps: the baseline of a spike,
         # folded in when read (`pinpoint.baseline`).
@@ -41,10 +43,10 @@ def keep(config: GuardConfig, state: StepState, parts: Parts, stats: StepStats) 
         log.history.append(stats)
     clips = state.clips
     write_step(parts.store, stats, len(state.params), config.watch.per_parameter,
-               clip_norm=clips.pop(stats.step, None) if clips else None)
+               clips.pop(stats.step, None) if clips else None, signals)
     events = parts.events
     if events.episodes.start is not None:  # an episode is open (a quiet step: nothing)
-        events.tick(stats.step, bool(stats.nonfinite_signals()))
+        events.tick(stats.step, bool(signals))
     if events.step_listeners:
         events.step(stats.step, step_signals(stats))
 

@@ -21,7 +21,10 @@ The pipeline's parts are made once by `step.build` (`Parts`); what it carries be
 `StepState`, handed explicitly to the modules above (none holds state of its own); the run
 log is the one writer of the record. Every entry point fails open
 (`step.failopen`): an error of nanguard's own stands it down and training goes on untouched;
-only the `raise` policy's `NanguardError` leaves a hook.
+only the `raise` policy's `NanguardError` leaves a hook. What a step calls is settled when the
+pipeline is built: a part with nothing to do under this configuration (recovery without a
+scaler, a rollback or `heal`; a detector with no episode open) is left out of the step, not
+called to return.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from nanguard.recover.effects import Effect
 from nanguard.runtime import distributed
 from nanguard.step import before, build
 from nanguard.step.acting import Acting, agree_device
-from nanguard.step.failopen import fail_open
+from nanguard.step.failopen import contain, fail_open
 from nanguard.step.judging import Judge, lr_of
 from nanguard.step.replays import StepReplays
 from nanguard.step.state import StepState
@@ -180,27 +183,33 @@ class StepPipeline:
 
     # -- before the update -------------------------------------------------------------------------
 
-    @fail_open("watch")
     def watch(self, loss: torch.Tensor | float | None, batch: Any) -> None:
-        """The loss and batch of the coming step (`Guard.watch`)."""
-        # With a GradScaler, watch() calls without a step in between are steps the scaler
-        # skipped, not micro-batches: their values must not carry into the next step.
-        accumulate = self.parts.recovery.amp is None
-        if loss is not None:
-            t = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
-            if t.dim():  # a 0-dim value, as the packet stacks them (its float64 read is exact)
-                t = t.reshape(-1)[0]
-            if self.state.loss is not None and self.state.loss.device == t.device and accumulate:
-                # Several micro-batches per step (gradient accumulation): a non-finite loss of
-                # an earlier one must not be hidden by the last one (kept on the device).
-                t = torch.where(torch.isfinite(self.state.loss), t, self.state.loss)
-            self.state.loss = t
-            self.state.watch_calls += 1
-            if self.state.watch_calls > self.config.amp.stall_steps:
-                # No optimizer step for a while: a GradScaler may be skipping every step.
-                self.acting.apply(self.parts.recovery.check_stall(self.state.step))
-        if batch is not None:
-            self.parts.batch_probe.observe(batch, accumulate=accumulate)
+        """The loss and batch of the coming step (`Guard.watch`). Fails open (`contain`)."""
+        if self.error is not None:
+            return
+        try:
+            # With a GradScaler, watch() calls without a step in between are steps the scaler
+            # skipped, not micro-batches: their values must not carry into the next step.
+            amp = self.parts.recovery.amp
+            st = self.state
+            if loss is not None:
+                t = (loss.detach() if isinstance(loss, torch.Tensor)
+                     else torch.tensor(float(loss)))
+                if t.dim():  # 0-dim, as the packet stacks them (its float64 read is exact)
+                    t = t.reshape(-1)[0]
+                if st.loss is not None and st.loss.device == t.device and amp is None:
+                    # Several micro-batches per step (gradient accumulation): a non-finite
+                    # loss of an earlier one must not be hidden by the last (on the device).
+                    t = torch.where(torch.isfinite(st.loss), t, st.loss)
+                st.loss = t
+                st.watch_calls += 1
+                if st.watch_calls > self.config.amp.stall_steps and amp is not None:
+                    # No optimizer step for a while: the GradScaler may be skipping each step.
+                    self.acting.apply(amp.check_stall(st.step))
+            if batch is not None:
+                self.parts.batch_probe.observe(batch, accumulate=amp is None)
+        except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+            contain(self, exc, "watch")
 
     @fail_open("watch")
     def watch_micro_batch(self, batch: Any) -> None:
@@ -223,39 +232,50 @@ class StepPipeline:
         self.state.load_site = loads.call_site()
         loads.note(self.state.load_site, loaded)
 
-    @fail_open(PRE_HOOK)
     def pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The step pre-hook: runs after backward and clipping, before the update. Measures
-        the step (on the quiet lane where it can) and, when something must be decided before
-        the update, reads and judges it there (`Judge.before_update`)."""
-        cfg, st, parts = self.config, self.state, self.parts
-        recovery = parts.recovery
-        st.agreed = False
-        if st.clip_norm is not None:  # the script's own clipping measured it
-            st.clips[st.step], st.clip_norm = st.clip_norm, None
-        groups = optimizer.param_groups
-        if sum(map(len, map(_PARAMS, groups))) != len(st.params):  # in C: every step
-            before.follow_params(st, parts, self.model, optimizer)  # a group added
-        # The LR of the first group (`judging.lr_of` inline: read every step).
-        lr = groups[0].get("lr") if groups else None
-        lr = float(lr) if isinstance(lr, (int, float)) else None
-        if recovery.skips.pending is not None:  # the step after a skipped update
-            lr = recovery.skips.before_next(lr)
-        if lr != recovery.lr_changes.last:  # a schedule's step; rarely a jump
-            before.lr_changed(st, parts, lr)
-        lane = parts.lane
-        if (lane is not None and not st.check_loaded and not st.pending
-                and recovery.amp is None
-                and (self.replay is None or parts.log.finding is not None)
-                and st.params[0].device.type == "cpu"
-                and (lane.every == 0 or st.step % lane.every)):
+        the step (on the quiet lane where it can, else as a packet: `_pre_packet`) and, when
+        something must be decided before the update, reads and judges it there
+        (`Judge.before_update`). Fails open (`contain`, written here: a wrapper would be one
+        more call every step)."""
+        if self.error is not None:
+            return
+        try:
+            st, parts = self.state, self.parts
+            recovery = parts.recovery
+            st.agreed = False
+            if st.clip_norm is not None:  # the script's own clipping measured it
+                st.clips[st.step], st.clip_norm = st.clip_norm, None
+            groups = optimizer.param_groups
+            if sum(map(len, map(_PARAMS, groups))) != len(st.params):  # in C: every step
+                before.follow_params(st, parts, self.model, optimizer)  # a group added
+            # The LR of the first group (`judging.lr_of` inline: read every step).
+            lr = groups[0].get("lr") if groups else None
+            lr = float(lr) if isinstance(lr, (int, float)) else None
+            if recovery.skips.pending is not None:  # the step after a skipped update
+                lr = recovery.skips.before_next(lr)
+            if lr != recovery.lr_changes.last:  # a schedule's step; rarely a jump
+                before.lr_changed(st, parts, lr)
+            lane = parts.lane
+            if (lane is None or st.check_loaded or st.pending or recovery.amp is not None
+                    or (self.replay is not None and parts.log.finding is None)
+                    or st.params[0].device.type != "cpu"
+                    or (lane.every and not st.step % lane.every)):
+                self._pre_packet(optimizer, lr)
+                return
             # The quiet lane (`watch.lane`): under `observe` nothing to read before the update.
             quiet = st.current = lane.begin(st.step, lr, st.loss, st.step_rng)
             st.loss = None
             st.watch_calls = 0
-            if cfg.policy != "observe":
+            if self.config.policy != "observe":
                 self.judge.before_update(lane.read_pre(quiet), quiet, False)
-            return
+        except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+            contain(self, exc, PRE_HOOK)
+
+    def _pre_packet(self, optimizer: torch.optim.Optimizer, lr: float | None) -> None:
+        """The pre-hook's packet path (`watch.step`): loaded state to check, a replay armed,
+        a scaler, a GPU, a sampled step; read before the update where something acts on it."""
+        cfg, st, parts = self.config, self.state, self.parts
         loaded: list[str] = []
         flags: torch.Tensor | None = None
         if st.check_loaded:
@@ -263,10 +283,11 @@ class StepPipeline:
             loaded, flags = before.loaded_flags(st, parts, optimizer)
             for mismatch in loads.take_mismatches():  # `nanguard run`: verified at load
                 # Said at load time (`report_mismatch`'s line, with why): not said twice.
-                parts.log.add_alarm(loads.mismatch_alarm(st.step, mismatch),
-                                    said=True)
-        cur, grads = parts.steps.begin(st.step, lr, self._device, st.loss,
-                                       recovery.scale_tensor(), loaded, flags, st.step_rng)
+                parts.log.add_alarm(loads.mismatch_alarm(st.step, mismatch), said=True)
+        amp = parts.recovery.amp
+        cur, grads = parts.steps.begin(st.step, lr, self.device, st.loss,
+                                       amp.scale_tensor() if amp is not None else None,
+                                       loaded, flags, st.step_rng)
         st.current = cur
         pre = cur.pre
         st.loss = None
@@ -282,7 +303,7 @@ class StepPipeline:
                     self.replays.cross_rerun(st.step, None, [], None)
             return
         if not replaying and cfg.clip is None and device_skip.applies(
-                cfg, optimizer, grads, scaler_watched=recovery.amp is not None):
+                cfg, optimizer, grads, scaler_watched=amp is not None):
             # `skip` on the non-finite values alone, with a fused optimizer: the verdict goes to
             # the optimizer as its `found_inf` flag, no host read; recorded at the read.
             assert grads is not None
@@ -295,7 +316,7 @@ class StepPipeline:
         self.judge.before_update(parts.steps.read_pre(cur), cur, replaying)
 
     @property
-    def _device(self) -> torch.device:
+    def device(self) -> torch.device:
         """Where a step's packet is gathered: the first parameter's device (read each step: the
         model may be moved after the guard was built)."""
         if not self.state.params:
@@ -307,40 +328,46 @@ class StepPipeline:
 
     # -- after the update: one path, each step read judged the same way ----------------------------
 
-    @fail_open(POST_HOOK)
     def post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """The step post-hook: runs right after the update (or where it would have been).
         One path for every step; only how the step is read differs (the reader: the quiet
         lane, or the packet path's `_read_after`), and each step read is judged
-        (`Judge.after_update`)."""
-        st, parts = self.state, self.parts
-        cur = st.current
-        if cur is None:  # stood down in this very step's pre-hook
+        (`Judge.after_update`). Fails open (`contain`, written here as in `pre_hook`)."""
+        if self.error is not None:
             return
-        st.current, st.agreed = None, False
-        parts.recovery.after_update()  # the scheduler's LR back before anything reads it
-        if cur.device_skip:
-            device_skip.disarm(optimizer)
-        if st.stashed_grads is not None:
-            self.acting.give_back_grads()
-        if type(cur) is LaneStep:  # read right after the update, in one host read
-            assert parts.lane is not None
-            fresh = cur.stats is None  # an acting policy read its pre-update part already
-            stats = parts.lane.read(cur)
-            st.step += 1
-            self.judge.after_update(cur, stats, fresh)
-        else:
-            assert isinstance(cur, Pending), "post-step hook without a pre-step hook"
-            self._read_after(cur)
-        if cur.stats is not None:  # read before the update: the snapshot a rollback needs
-            parts.recovery.maybe_snapshot(cur.stats)
-        if parts.act_probe:  # activations on sampled steps only
-            parts.act_probe.enabled = st.step % self.config.watch.activations_every == 0
-        if st.step % self.config.record.rng_every == 0:  # kept: every generator
-            st.step_rng = rng.capture()
-            parts.store.write_rng(st.step, rng.dumps(st.step_rng))
-        else:  # every step: torch's generators, what a replay of the next step draws from
-            st.step_rng = rng.capture_step()
+        try:
+            st, parts = self.state, self.parts
+            cur = st.current
+            if cur is None:  # stood down in this very step's pre-hook
+                return
+            st.current, st.agreed = None, False
+            steps = parts.recovery_steps
+            if steps.after_update is not None:  # the scheduler's LR back before any read
+                steps.after_update()
+            if cur.device_skip:
+                device_skip.disarm(optimizer)
+            if st.stashed_grads is not None:
+                self.acting.give_back_grads()
+            if type(cur) is LaneStep:  # read right after the update, in one host read
+                assert parts.lane is not None
+                fresh = cur.stats is None  # an acting policy read its pre-update part already
+                stats = parts.lane.read(cur)
+                st.step += 1
+                self.judge.after_update(cur, stats, fresh)
+            else:
+                assert isinstance(cur, Pending), "post-step hook without a pre-step hook"
+                self._read_after(cur)
+            if cur.stats is not None and steps.snapshot is not None:
+                steps.snapshot(cur.stats)  # read before the update: what a rollback needs
+            if parts.act_probe:  # activations on sampled steps only
+                parts.act_probe.enabled = st.step % self.config.watch.activations_every == 0
+            if st.step % self.config.record.rng_every == 0:  # kept: every generator
+                st.step_rng = rng.capture()
+                parts.store.write_rng(st.step, rng.dumps(st.step_rng))
+            else:  # every step: torch's generators, what a replay of the next step draws from
+                st.step_rng = rng.capture_step()
+        except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
+            contain(self, exc, POST_HOOK)
 
     def _read_after(self, cur: Pending) -> None:
         """The packet path's read after the update: the step joins the pending ones, read
@@ -368,27 +395,5 @@ class StepPipeline:
         for p, stats, fresh in self.parts.steps.read_steps(pending, live_last):
             self.judge.after_update(p, stats, fresh)
 
-    # -- the end of the run ------------------------------------------------------------------------
-
-    @fail_open("close")
-    def finish(self) -> None:
-        """At close: read every pending step, check what was handed to `watch` after the last
-        step, and let the store write its last batch (a writer failure: degraded, not lost)."""
-        self.flush()
-        self._check_leftover()
-        self.parts.store.flush()
-
-    def _check_leftover(self) -> None:
-        """At close: a loss or batch handed to `watch` after the last optimizer step (the run
-        died in its first iteration, or before the next step) is checked too, so a NaN that
-        never reached an optimizer step is not lost. One host read, only when there is one."""
-        if self.parts.log.finding is not None:
-            return
-        stats = self.parts.steps.leftover(self.state.step, self._device, self.state.loss)
-        self.state.loss = None
-        if stats is not None and (stats.nonfinite_signals() or stats.nonfinite_samples):
-            found = self.replays.locate(stats)
-            found["signals"] = found["signals"] or ["data"]
-            self.parts.log.set_finding(found, failing=stats)
 
 _PARAMS = operator.itemgetter("params")
