@@ -43,7 +43,7 @@ from nanguard.watch.lane import QuietLane
 from nanguard.watch.norms import local
 from nanguard.watch.replicas import ReplicaCheck
 from nanguard.watch.saturation import SaturationProbe
-from nanguard.watch.stats import StepProbe, watched_buffers
+from nanguard.watch.probe import StepProbe, watched_buffers
 from nanguard.watch.step import StepWatch
 
 __all__ = ["Parts", "build", "param_table", "settle_config"]
