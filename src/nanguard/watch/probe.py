@@ -212,7 +212,7 @@ class StepProbe:
     def decode_post(slots: dict[str, list[float]], layout: PostLayout, stats: StepStats
                     ) -> None:
         """Fill `stats` from the host copy of the slots `post_step` added."""
-        stats._signals = None
+        stats.unseal()
         stats.param_norms, stats.state_norms, stats.buffer_norms = layout.decode(slots["post"])
         update = slots.get("update")
         if update is not None:
@@ -233,7 +233,7 @@ class StepProbe:
         groups: list[tuple[dict[int, float], str | None]] = [(stats.param_norms, None)]
         groups += [(norms, key) for key, norms in stats.state_norms.items()]
         groups.append((stats.buffer_norms, "buffer"))
-        stats._signals = None
+        stats.unseal()
         for norms, key in groups:
             for i, v in list(norms.items()):
                 if not math.isinf(v):
@@ -256,7 +256,7 @@ class StepProbe:
         Runs only when some gradient norm came back infinite (never on a healthy step); it reads
         each such gradient's abs-max and recomputes its norm in float64.
         """
-        stats._signals = None
+        stats.unseal()
         for i in sorted(stats.nonfinite_grads):
             if not math.isinf(stats.grad_norms[i]):
                 continue

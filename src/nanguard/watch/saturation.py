@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.hooks import RemovableHandle
 
 from nanguard.detect.alarm import Alarm
 from nanguard.watch.modes import leave
@@ -139,7 +140,7 @@ class SaturationProbe:
         self._last_fired: tuple[int, int] | None = None  # (near, exact) counts last said
         self._hits: list[tuple[str, str, str, int, int, str]] = []
         self._opt = guard.optimizer
-        self._pre = self._opt.register_step_pre_hook(self._disarm_hook)
+        self._pre: RemovableHandle | None = self._opt.register_step_pre_hook(self._disarm_hook)
         """The disarm pre-hook while it is needed (an armed step), else None: registered
         first among the optimizer's pre-hooks (the probe leaves before the guard's pre-hook,
         and any replay, runs)."""
@@ -162,7 +163,8 @@ class SaturationProbe:
             if self._pre is None:  # (not iterating the pre-hooks now: safe to add one)
                 self._pre = self._opt.register_step_pre_hook(self._disarm_hook)
                 hooks = self._pre.hooks_dict_ref()
-                hooks.move_to_end(self._pre.id, last=False)  # type: ignore[union-attr]
+                if hooks is not None:  # (the optimizer's, alive: this is its hook)
+                    hooks.move_to_end(self._pre.id, last=False)
             self._mode = _Mode(self)
             self._mode.__enter__()
             self.armed_steps += 1
