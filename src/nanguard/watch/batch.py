@@ -142,7 +142,7 @@ class BatchProbe:
                     # One total, read at once: not finite when an element is NaN or Inf, or
                     # when finite elements overflow it (then the element by element check
                     # below finds no row). A row sum and its `tolist()` cost more.
-                    if _isfinite(t.sum(dtype=acc).item()):
+                    if _isfinite((t.sum() if acc is t.dtype else t.sum(dtype=acc)).item()):
                         continue
                 ok: list[bool] = torch.isfinite(t).reshape(size, -1).all(dim=1).tolist()
                 rows = [i for i, v in enumerate(ok) if not v]
