@@ -107,9 +107,11 @@ class BatchProbe:
             return
         micro = None
         if size <= _HOST_COMBINE_MAX:
-            # `_host_micro` inline, with `sample_sums`' common case (a contiguous 1-D or 2-D
-            # tensor of 4- or 8-byte elements: the same view and `mv`) inline too: no call
-            # per tensor on the quiet step.
+            # A small CPU micro-batch, measured on the host: each tensor's `sample_sums` (its
+            # common case, a contiguous 1-D or 2-D tensor of 4- or 8-byte elements, inline:
+            # the same view and `mv`, no call per tensor on the quiet step), and the NaN /
+            # Inf rows of each floating-point or complex tensor whose total is not finite,
+            # checked element by element. A tensor off the CPU: measured on its device.
             sums: list[torch.Tensor] = []
             checked: list[tuple[int, torch.Tensor]] = []
             bad: list[tuple[int, list[int]]] | None = None
