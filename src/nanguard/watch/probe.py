@@ -108,7 +108,8 @@ class StepProbe:
             idx = self.all_idx
         self._with_update = snapshot_update and bool(idx)
         if self._with_update:
-            mine = self._locals()
+            # The local tensors (`_locals`, inline: the list as it is without a DTensor).
+            mine = self._locals() if self._sharded else self.params
             buf = self._update_buf
             if buf is not None and (
                     any(map(operator.ne, map(_DTYPE, buf), map(_DTYPE, mine)))
@@ -192,7 +193,8 @@ class StepProbe:
         if self._with_update:
             assert self._update_buf is not None
             # In place: no transient parameter-sized allocation.
-            torch._foreach_sub_(self._update_buf, self._locals())
+            torch._foreach_sub_(self._update_buf,
+                                self._locals() if self._sharded else self.params)
             upd = self.norms_of(self._update_buf, like=self.params)
             stacked = torch.stack(upd) if isinstance(upd, (list, tuple)) else upd
             packet.add("update", stacked.double().pow(2).sum().sqrt())
