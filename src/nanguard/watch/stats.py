@@ -53,6 +53,8 @@ class _Hashes:
 
 
 _HASHES = _Hashes()
+"""`StepStats.sample_hashes`, a field with `init=False`: the generated `__init__` assigns it
+nothing (no descriptor call per step); an instance holds none until one is set or read."""
 
 
 HASHES_SLOT = "_hashes"
