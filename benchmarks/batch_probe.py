@@ -41,7 +41,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from nanguard.watch.batch import BatchProbe
-from nanguard.watch.fingerprint import _INT_VIEW, _weights
+from nanguard.watch.fingerprint import _INT_VIEW, weights
 from nanguard.watch.packet import Packet, host_values
 from nanguard.watch.stats import StepStats
 
@@ -56,7 +56,7 @@ def before(batch: Batch) -> torch.Tensor:
     for t in batch:
         size = t.element_size()
         bits = t.contiguous().view(_INT_VIEW[size]).reshape(t.shape[0], -1)
-        w = _weights(bits.shape[1], bits.device, torch.int64 if size == 8 else torch.int32)
+        w = weights(bits.shape[1], bits.device, torch.int64 if size == 8 else torch.int32)
         f = (bits * w).sum(dim=1, dtype=torch.int64)
         h = f if h is None else torch.add(f, h, alpha=1000003)
         if t.is_floating_point():

@@ -38,9 +38,10 @@ READS = (
 class ReadCounter:
     """Counts host reads made from nanguard's code on the training thread while `active`.
 
-    `StepWatch.read`, the guard's one read, counts once: on the CPU it takes the step's packet
-    value by value (host memory already, no device to wait for; on CUDA it reads one tensor,
-    tests/perf/test_gpu_no_sync.py). Any other read from nanguard's code counts on its own."""
+    The guard's one read (`StepWatch.read`, or the quiet lane's own) counts once, by the
+    guard's `host_reads`: on the CPU it takes the step's values one by one (host memory
+    already, no device to wait for; on CUDA it reads one tensor, tests/perf/test_gpu_no_sync.py).
+    Any other read from nanguard's code counts on its own."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.active = False
@@ -52,9 +53,7 @@ class ReadCounter:
             monkeypatch.setattr(torch.Tensor, name, self._wrap(name, original))
         original_read = StepWatch.read
 
-        def read(watch, t):
-            if self.active:
-                self.calls.append("StepWatch.read")
+        def read(watch, t):  # counted by `host_reads`; the reads inside it are that one
             self._inside_read = True
             try:
                 return original_read(watch, t)
@@ -95,10 +94,11 @@ def _train_counting(counter: ReadCounter, guard: Guard, task, optimizer, steps: 
         optimizer.zero_grad()
         loss.backward()
         counter.calls.clear()
+        reads = guard.host_reads
         counter.active = True
         optimizer.step()
         counter.active = False
-        per_step.append(len(counter.calls))
+        per_step.append(guard.host_reads - reads + len(counter.calls))
         scheduler.step()
         loss.item()  # the user's own read: not ours, and not counted
     return per_step
@@ -137,7 +137,7 @@ def test_the_counter_sees_reads(monkeypatch):
     counter.active = True
     torch.ones(2).tolist()
     assert counter.calls == []
-    from nanguard.watch.stats import StepProbe
+    from nanguard.watch.probe import StepProbe
 
     p = torch.nn.Parameter(torch.ones(3))
     p.grad = torch.full((3,), float("inf"))

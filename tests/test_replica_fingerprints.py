@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from nanguard.testing import flip_bit
-from nanguard.watch import replicas
+from nanguard.watch import replica_prints, replicas
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -50,7 +50,7 @@ def _fake_world(monkeypatch, per_rank: list[list[int]], layouts: list[int] | Non
                     for i, r in enumerate(rows)]  # fmt: skip
         return rows
 
-    monkeypatch.setattr(replicas, "_gather", gather)
+    monkeypatch.setattr(replica_prints, "_gather", gather)  # where `compare` gathers
     return calls
 
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ from torch import nn
 import nanguard
 from nanguard.cli.main import main
 from nanguard.record.report import OK_STATUSES, STATUSES, load_report
+from nanguard.watch.lane import QuietLane
+from nanguard.watch.step import StepWatch
 
 
 def _mlp(dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -44,7 +47,8 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, guard: nanguard.Guard |
         opt.step()
 
 
-def test_internal_error_stands_down_and_training_is_untouched(tmp_path: Path) -> None:
+def test_internal_error_stands_down_and_training_is_untouched(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ref = _mlp()
     opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     _train(ref, opt, None, 6)
@@ -53,16 +57,18 @@ def test_internal_error_stands_down_and_training_is_untouched(tmp_path: Path) ->
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     guard = nanguard.Guard(model, opt, out=tmp_path / "run", policy="skip")
     calls = {"n": 0}
-    # The post-update norms: measured on every step, in the quiet lane and the packet path.
-    original = guard.probe._post_norms
 
-    def broken(*args: object, **kwargs: object) -> object:
-        calls["n"] += 1
-        if calls["n"] == 3:  # the third step: nanguard's own bug
-            raise RuntimeError("bug inside nanguard")
-        return original(*args, **kwargs)
+    # The post-update pass: made on every step, in the quiet lane or the packet path.
+    def failing(original: Any) -> Any:
+        def broken(*args: object, **kwargs: object) -> object:
+            calls["n"] += 1
+            if calls["n"] == 3:  # the third step: nanguard's own bug
+                raise RuntimeError("bug inside nanguard")
+            return original(*args, **kwargs)
+        return broken
 
-    guard.probe._post_norms = broken  # type: ignore[method-assign]
+    monkeypatch.setattr(QuietLane, "read", failing(QuietLane.read))
+    monkeypatch.setattr(StepWatch, "end", failing(StepWatch.end))
     _train(model, opt, guard, 6)
     report = guard.close()
 

@@ -150,7 +150,7 @@ def test_fingerprint_is_the_modular_weighted_sum() -> None:
     """`sample_sums` (one integer `torch.mv` on the CPU) equals its definition computed another
     way: exact int64 products summed, reduced modulo 2**32 (signed) for elements of up to 4
     bytes; for 8-byte elements the int64 products' wrapping sum."""
-    from nanguard.watch.fingerprint import _weights, sample_sums
+    from nanguard.watch.fingerprint import sample_sums, weights
 
     g = torch.Generator().manual_seed(1)
     cases = [torch.randn(16, 5, 3, generator=g), torch.randn(16, 3, generator=g).half(),
@@ -174,7 +174,7 @@ def test_fingerprint_is_the_modular_weighted_sum() -> None:
         else:
             want = (bits * w).sum(dim=1)  # int64 wrapping, the definition's modulus
         assert torch.equal(got.to(torch.int64), want), t.dtype
-        assert _weights(bits.shape[1], t.device, got.dtype).dtype == got.dtype
+        assert weights(bits.shape[1], t.device, got.dtype).dtype == got.dtype
 
 
 def test_run_db_fingerprints_combined_on_the_writer_thread(tmp_path: Any) -> None:

@@ -54,7 +54,7 @@ def test_guard_measures_a_many_tensor_model_through_the_plan() -> None:
     opt.step()
     stats = guard.history[-1]
     guard.close()
-    assert guard.probe._plan is not None  # the plan was used and still fits
+    assert guard.probe.plan is not None  # the plan was used and still fits
     want = foreach_norms(grads).tolist()
     assert [stats.grad_norms[i] for i in range(len(grads))] == want
     momentum = [opt.state[p]["momentum_buffer"] for p in model.parameters()]

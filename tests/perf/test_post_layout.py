@@ -110,7 +110,7 @@ def _run(n_blocks: int, every: int = 1) -> tuple[nanguard.Guard, int]:
 def test_post_layout_follows_the_optimizer_state_with_a_plan() -> None:
     g, checked = _run(n_blocks=12)  # 48 small tensors in 2 shapes: measured through a plan
     assert checked == 20
-    assert g.probe._layout is not None and g.probe._layout.plan is None  # float64: no plan
+    assert g.probe.layout is not None and g.probe.layout.plan is None  # float64: no plan
 
 
 def test_post_layout_follows_the_optimizer_state_without_a_plan() -> None:
@@ -135,7 +135,7 @@ def test_post_layout_is_reused_on_quiet_steps() -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        layouts.append(g.probe._layout)
+        layouts.append(g.probe.layout)
     g.close()
     assert layouts[1] is not None and layouts[1].plan is not None
     # Step 0 measured no state (none existed before it: built at its post-hook, with the

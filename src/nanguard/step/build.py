@@ -41,9 +41,9 @@ from nanguard.watch.activations import ActivationProbe, dtype_max
 from nanguard.watch.batch import BatchProbe
 from nanguard.watch.lane import QuietLane
 from nanguard.watch.norms import local
+from nanguard.watch.probe import StepProbe, watched_buffers
 from nanguard.watch.replicas import ReplicaCheck
 from nanguard.watch.saturation import SaturationProbe
-from nanguard.watch.stats import StepProbe, watched_buffers
 from nanguard.watch.step import StepWatch
 
 __all__ = ["Parts", "build", "param_table", "settle_config"]

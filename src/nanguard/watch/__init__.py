@@ -2,6 +2,7 @@
 
 from nanguard.watch.activations import ActivationProbe
 from nanguard.watch.fingerprint import sample_fingerprints
-from nanguard.watch.stats import StepProbe, StepStats
+from nanguard.watch.probe import StepProbe
+from nanguard.watch.stats import StepStats
 
 __all__ = ["ActivationProbe", "StepProbe", "StepStats", "sample_fingerprints"]

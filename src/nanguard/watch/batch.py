@@ -13,25 +13,25 @@ of huge finite values that overflowed: those rows alone are checked element by e
 (`_confirm`, one extra read on such a step), so an overflowing finite sum is never called NaN.
 
 A small CPU batch (`_HOST_COMBINE_MAX` samples at most) is host memory already: nothing of it
-goes into the step's read (`_host_micro`). Its per-tensor fingerprint sums are read, combined
-and encoded by the run store's writer thread (a quiet step's training thread never reads them:
-`StepStats.defer_hashes`), and its finiteness is one total sum per floating-point tensor read
-at `watch` time; only a tensor whose total is not finite (a NaN or Inf, or finite values whose
-sum overflows) is checked row by row, element by element.
+goes into the step's read (`BatchProbe.observe` measures it on the host). Its per-tensor
+fingerprint sums are read, combined and encoded by the run store's writer thread (a quiet
+step's training thread never reads them: `StepStats.defer_hashes`), and its finiteness is one
+total sum per floating-point tensor read at `watch` time; only a tensor whose total is not
+finite (a NaN or Inf, or finite values whose sum overflows) is checked row by row, element by
+element.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from itertools import repeat
 from typing import Any
 
 import torch
 
-from nanguard.watch.fingerprint import sample_sums
-from nanguard.watch.packet import Packet
+from nanguard.watch.fingerprint import sample_sums, weights
 from nanguard.watch.stats import StepStats
+from nanguard.watch.taken import CPU, Micro, Taken, combined, confirm, exact, exact_flags, mask
 
 _MASK = (1 << 52) - 1
 _MAX_MICRO_BATCHES = 1024
@@ -50,89 +50,6 @@ def batch_tensors(batch: Any) -> list[torch.Tensor]:
     return []
 
 
-@dataclass
-class _Micro:
-    """One observed micro-batch, on the device."""
-
-    size: int
-    n: int
-    """Number of its tensors (those sharing the leading dimension)."""
-    hashes: torch.Tensor | None
-    """Unmasked int64 fingerprints (see `sample_sums`), [size]; None on the host (`host`)."""
-    checked: list[tuple[int, torch.Tensor]]
-    """(index, detached tensor) of its floating-point / complex tensors, kept by reference
-    (for `exact` and `_confirm`)."""
-    rows: list[torch.Tensor]
-    """One row sum [size] per checked tensor (float32; float64 for float64 data): non-finite on
-    a row holding a NaN / Inf, or on a row of finite values whose sum overflows. Empty on the
-    host (`host`)."""
-    sums: list[torch.Tensor] | None = None
-    """On the host: each tensor's `sample_sums` (int32 or int64 CPU tensors)."""
-    bad: list[tuple[int, list[int]]] | None = None
-    """On the host: (index, its NaN / Inf rows) of each checked tensor holding one, checked
-    element by element when observed."""
-
-    @property
-    def device(self) -> torch.device:
-        return _CPU if self.hashes is None else self.hashes.device
-
-    def device_hashes(self) -> torch.Tensor:
-        """The unmasked int64 fingerprints as a tensor (`hashes`, or the host's sums combined)."""
-        if self.hashes is None:
-            assert self.sums is not None
-            self.hashes = _combined(self.sums)
-        return self.hashes
-
-    def to_device(self) -> None:
-        """A host micro-batch in a step with micro-batches measured on the device (a
-        gradient-accumulation step whose micro-batches straddle `_HOST_COMBINE_MAX`), made
-        what those carry: combined fingerprints, and per checked tensor a row vector that is
-        NaN on its non-finite rows (`decode_taken` confirms them element by element)."""
-        bad = dict(self.bad or ())
-        rows = []
-        for k, _ in self.checked:
-            r = torch.zeros(self.size)
-            if k in bad:
-                r[bad[k]] = math.nan
-            rows.append(r)
-        self.device_hashes()
-        self.rows, self.sums, self.bad = rows, None, None
-
-
-@dataclass
-class Taken:
-    """A step's batch, taken by `BatchProbe.take` for the packet (`add_to`: slots `batch`,
-    `batch_rows.<j>`) and decoded by `BatchProbe.decode_taken`."""
-
-    size: int = 0
-    """Samples of the step (micro-batches one after the other)."""
-    n: int = 0
-    """Tensors per sample."""
-    hashes: torch.Tensor | None = None
-    """Masked int64 fingerprints, [size]; None when every micro-batch was measured on the
-    host (`host`)."""
-    micro: list[_Micro] | None = None
-    host: bool = False
-    """Every micro-batch was measured on the host: nothing to read (`decode_taken`)."""
-
-    def add_to(self, packet: Packet) -> None:
-        """Add the fingerprints and the row sums to the step's packet as its one slot `batch`
-        (nothing if no batch, or a batch measured on the host): the `size` fingerprints, then
-        each micro-batch's row sums in order."""
-        if self.micro is not None and not self.host:
-            packet.add_vectors("batch", self.vectors())
-
-    def vectors(self) -> list[torch.Tensor]:
-        """The slot's vectors, in order (`add_to`; the quiet lane reads them without a
-        packet): none for a batch measured on the host."""
-        if self.host or self.micro is None:
-            return []
-        assert self.hashes is not None
-        if len(self.micro) == 1:  # the common step: no comprehension call
-            return [self.hashes, *self.micro[0].rows]
-        return [self.hashes, *[r for m in self.micro for r in m.rows]]
-
-
 class BatchProbe:
     """Fingerprints and non-finite sample flags of the batch handed to `Guard.watch`."""
 
@@ -147,7 +64,7 @@ class BatchProbe:
         self.skipped: list[Any] = []
         """The micro-batches of a step whose optimizer step never came (a GradScaler skipped
         it): replayed in float32 to tell a real fault from an fp16 overflow."""
-        self._parts: list[_Micro] = []
+        self.parts: list[Micro] = []
         """The micro-batches of this step, as observed."""
         self.dropped: list[int] | None = None
         """NaN rows of a batch whose optimizer step never came (a GradScaler skipped it on
@@ -157,7 +74,7 @@ class BatchProbe:
     def _keep_dropped(self) -> None:
         """A batch is replaced with no optimizer step in between: keep its NaN rows. One host
         read, only on steps the GradScaler skipped (a handful per run)."""
-        rows, _ = exact(self._parts)
+        rows, _ = exact(self.parts)
         if rows:
             self.dropped = rows
 
@@ -179,30 +96,74 @@ class BatchProbe:
                     tensors.append(t)
         if not accumulate and self.batches:
             self.skipped, self.batches = self.batches, []
-            if self._parts and self.dropped is None:
+            if self.parts and self.dropped is None:
                 self._keep_dropped()
         self.last = batch
         self.batches.append(batch)
         if len(self.batches) > _MAX_MICRO_BATCHES:  # watch() in a loop with no step at all
             del self.batches[0]
-            del self._parts[:1]
+            del self.parts[:1]
         if not tensors:
             return
-        device = tensors[0].device
-        micro = _host_micro(tensors, size) if device.type == "cpu" and \
-            size <= _HOST_COMBINE_MAX else None
+        micro = None
+        if size <= _HOST_COMBINE_MAX:
+            # A small CPU micro-batch, measured on the host: each tensor's `sample_sums` (its
+            # common case, a contiguous 1-D or 2-D tensor of 4- or 8-byte elements, inline:
+            # the same view and `mv`, no call per tensor on the quiet step), and the NaN /
+            # Inf rows of each floating-point or complex tensor whose total is not finite,
+            # checked element by element. A tensor off the CPU: measured on its device.
+            sums: list[torch.Tensor] = []
+            checked: list[tuple[int, torch.Tensor]] = []
+            bad: list[tuple[int, list[int]]] | None = None
+            for k, t in enumerate(tensors):
+                if not t.is_cpu:
+                    break
+                if t.requires_grad:
+                    t = t.detach()
+                wide = _WIDE.get(t.dtype)
+                dim = t.dim()
+                if wide is not None and dim <= 2 and t.is_contiguous():
+                    bits = t.view(wide) if dim == 2 else t.view(wide).view(size, 1)
+                    width = bits.shape[1]
+                    w = _CPU_WEIGHTS.get((width, wide))
+                    if w is None:
+                        w = _CPU_WEIGHTS[(width, wide)] = weights(width, CPU, wide)
+                    sums.append(torch.mv(bits, w))
+                else:
+                    sums.append(sample_sums(t))
+                acc = _ACC.get(t.dtype)
+                if acc is None:
+                    if t.is_floating_point():  # another float dtype: summed in float32
+                        acc = torch.float32
+                    elif t.is_complex():
+                        checked.append((k, t))
+                    else:
+                        continue
+                if acc is not None:
+                    checked.append((k, t))
+                    # One total, read at once: not finite when an element is NaN or Inf, or
+                    # when finite elements overflow it (then the element by element check
+                    # below finds no row). A row sum and its `tolist()` cost more.
+                    if _isfinite((t.sum() if acc is t.dtype else t.sum(dtype=acc)).item()):
+                        continue
+                ok: list[bool] = torch.isfinite(t).reshape(size, -1).all(dim=1).tolist()
+                rows = [i for i, v in enumerate(ok) if not v]
+                if rows:
+                    bad = (bad or []) + [(k, rows)]
+            else:
+                micro = Micro(size, len(tensors), None, checked, [], sums, bad)
         if micro is None:
-            micro = self._device_micro(tensors, size, device)
-        if accumulate and self._parts and self._parts[-1].n == micro.n:
+            micro = self._device_micro(tensors, size, tensors[0].device)
+        if accumulate and self.parts and self.parts[-1].n == micro.n:
             # Another micro-batch of the same step (gradient accumulation, the last one
             # possibly smaller): the step's samples are the micro-batches one after the other,
             # so a NaN row of any of them keeps its place (index = offset + row).
-            self._parts.append(micro)
+            self.parts.append(micro)
         else:
-            self._parts = [micro]
+            self.parts = [micro]
 
     @staticmethod
-    def _device_micro(tensors: list[torch.Tensor], size: int, device: torch.device) -> _Micro:
+    def _device_micro(tensors: list[torch.Tensor], size: int, device: torch.device) -> Micro:
         """Fingerprints and row sums of a micro-batch, as device ops (no read)."""
         sums: list[torch.Tensor] = []
         checked: list[tuple[int, torch.Tensor]] = []
@@ -225,12 +186,18 @@ class BatchProbe:
             else:
                 continue
             rows.append(r if r.device == device else r.to(device))
-        return _Micro(size, len(tensors), _combined(sums), checked, rows)
+        return Micro(size, len(tensors), combined(sums), checked, rows)
 
     def take(self) -> Taken:
         """Take what was observed since the last step, for the step's packet."""
-        parts, self._parts = self._parts, []
+        parts, self.parts = self.parts, []
         self.step_batches, self.batches = self.batches, []
+        return self.gather(parts)
+
+    @staticmethod
+    def gather(parts: list[Micro]) -> Taken:
+        """The step's batch from its micro-batches `parts` (`take`; the quiet lane takes
+        them itself)."""
         if not parts:
             return Taken()
         size, host = 0, True  # a loop: no generator call per part on every step
@@ -245,7 +212,7 @@ class BatchProbe:
         device = parts[0].device
         h = parts[0].device_hashes() if len(parts) == 1 else torch.cat(
             [p.device_hashes().to(device) for p in parts])
-        return Taken(size=size, n=parts[0].n, hashes=torch.bitwise_and(h, _mask(h.device)),
+        return Taken(size=size, n=parts[0].n, hashes=torch.bitwise_and(h, mask(h.device)),
                      micro=parts)
 
     def collect(self) -> tuple[int, torch.Tensor | None]:
@@ -255,11 +222,11 @@ class BatchProbe:
         taken = self.take()
         if taken.micro is None:
             return 0, None
-        bad, flags = _exact_flags(taken.micro)
+        bad, flags = exact_flags(taken.micro)
         h = taken.hashes
         if h is None:
             h = torch.cat([m.device_hashes() for m in taken.micro])
-            h = torch.bitwise_and(h, _mask(h.device))
+            h = torch.bitwise_and(h, mask(h.device))
         return taken.size, torch.cat([h, bad.to(h.device), flags.to(h.device)]).to(torch.float64)
 
     @staticmethod
@@ -288,7 +255,7 @@ class BatchProbe:
                 if math.isfinite(sum(sums)):
                     continue
                 rows = [i for i, v in enumerate(sums) if not math.isfinite(v)]
-                rows = _confirm(t, m.size, rows)  # may be an overflow of finite values
+                rows = confirm(t, m.size, rows)  # may be an overflow of finite values
                 if rows:
                     bad_rows.update(offset + i for i in rows)
                     bad_tensors.add(k)
@@ -311,48 +278,24 @@ class BatchProbe:
 
 
 _HOST_COMBINE_MAX = 256
-"""Largest CPU micro-batch measured on the host (`_host_micro`). Its per-tensor sums are
+"""Largest CPU micro-batch measured on the host (`BatchProbe.observe`). Its per-tensor sums are
 combined in Python, on the run store's writer thread (`record.writer.combine_sums`: ~0.1 us
 per sample and tensor); the three tensor ops that would combine them take 10-15 us warm and
 3-4x that in a training step's cold caches: measured in the step (ab_inprocess.py), the host
 wins at 128 samples (7% of the guard's cost on the MLP)."""
 
-_CPU = torch.device("cpu")
-
-
-def _host_micro(tensors: list[torch.Tensor], size: int) -> _Micro | None:
-    """A small CPU micro-batch measured on the host: each tensor's `sample_sums`, and the
-    NaN / Inf rows of each floating-point or complex tensor whose total is not finite, checked
-    element by element. None if a tensor is not on the CPU."""
-    sums: list[torch.Tensor] = []
-    checked: list[tuple[int, torch.Tensor]] = []
-    bad: list[tuple[int, list[int]]] | None = None
-    for k, t in enumerate(tensors):
-        if t.device.type != "cpu":
-            return None
-        if t.requires_grad:
-            t = t.detach()
-        sums.append(sample_sums(t))
-        if t.is_floating_point():
-            checked.append((k, t))
-            # One total (float32; float64 for float64 data), read at once: not finite when an
-            # element is NaN or Inf, or when finite elements overflow it (then the element by
-            # element check below finds no row). A row sum and its `tolist()` cost more.
-            acc = torch.float64 if t.dtype == torch.float64 else torch.float32
-            if _isfinite(t.sum(dtype=acc).item()):
-                continue
-        elif t.is_complex():
-            checked.append((k, t))
-        else:
-            continue
-        ok: list[bool] = torch.isfinite(t).reshape(size, -1).all(dim=1).tolist()
-        rows = [i for i, v in enumerate(ok) if not v]
-        if rows:
-            bad = (bad or []) + [(k, rows)]
-    return _Micro(size, len(tensors), None, checked, [], sums, bad)
-
 
 _isfinite = math.isfinite
+_WIDE = {torch.float32: torch.int32, torch.int32: torch.int32,
+         torch.float64: torch.int64, torch.int64: torch.int64}
+"""dtype -> its `sample_sums` integer view, where the view is the sum's own width (no
+widening)."""
+_ACC = {torch.float32: torch.float32, torch.float16: torch.float32,
+        torch.bfloat16: torch.float32, torch.float64: torch.float64}
+"""A floating-point dtype -> the dtype its finiteness total is summed in (any other float
+dtype: float32)."""
+_CPU_WEIGHTS: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+"""`fingerprint.weights` on the CPU, by (width, integer dtype), made once each."""
 
 
 def decode_host(taken: Taken, stats: StepStats) -> None:
@@ -380,62 +323,6 @@ def decode_host(taken: Taken, stats: StepStats) -> None:
     if bad_tensors:
         stats.nonfinite_samples = sorted(bad_rows)
         stats.nonfinite_tensors = sorted(bad_tensors)
-
-
-def _combined(sums: list[torch.Tensor]) -> torch.Tensor:
-    """Each tensor's `sample_sums` combined into unmasked int64 fingerprints, on the device:
-    h * 1000003 + f in wrapping int64, as `_combine` defines it (masked once, later)."""
-    h = sums[0] if sums[0].dtype == torch.int64 else sums[0].to(torch.int64)
-    for f in sums[1:]:
-        h = torch.add(f, h, alpha=1000003)  # h is int64: f is promoted
-    return h
-
-
-def _exact_flags(parts: list[_Micro]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(NaN-row flags [samples], per-tensor flags [n]) of `parts`, element by element (device
-    ops; no read)."""
-    device = parts[0].device
-    rows: list[torch.Tensor] = []
-    flags = torch.zeros(parts[0].n, dtype=torch.bool, device=device)
-    for p in parts:
-        bad = torch.zeros(p.size, dtype=torch.bool, device=device)
-        for k, t in p.checked:
-            r = torch.logical_not(torch.isfinite(t)).reshape(p.size, -1).any(dim=1).to(device)
-            bad |= r
-            flags[k] |= r.any()
-        rows.append(bad)
-    return (rows[0] if len(rows) == 1 else torch.cat(rows)), flags
-
-
-def exact(parts: list[_Micro]) -> tuple[list[int], list[int]]:
-    """(indices of the samples holding a NaN / Inf, indices of the tensors holding one), checked
-    element by element: one host read. For a batch dropped with no step (`_keep_dropped`)."""
-    bad, flags = _exact_flags(parts)
-    values: list[float] = torch.cat([bad, flags.to(bad.device)]).tolist()
-    size = bad.numel()
-    return ([i for i, v in enumerate(values[:size]) if v],
-            [i for i, v in enumerate(values[size:]) if v])
-
-
-def _confirm(t: torch.Tensor, size: int, rows: list[int]) -> list[int]:
-    """Those of `rows` of `t` (rows whose sums came back non-finite) that hold a NaN or Inf,
-    element by element: one host read, on such a step only."""
-    picked = t.reshape(size, -1)[rows]
-    finite: list[bool] = torch.isfinite(picked).all(dim=1).tolist()
-    return [r for r, ok in zip(rows, finite, strict=True) if not ok]
-
-
-_MASKS: dict[torch.device, torch.Tensor] = {}
-
-
-def _mask(device: torch.device) -> torch.Tensor:
-    """`_MASK` as a 0-dim int64 tensor on `device`, made once (a Python int operand is wrapped
-    into a new tensor at every call). Filled on the device: `torch.tensor(..., device=cuda)`
-    would copy from pageable host memory, a synchronizing call."""
-    m = _MASKS.get(device)
-    if m is None:
-        m = _MASKS[device] = torch.full((), _MASK, dtype=torch.int64, device=device)
-    return m
 
 
 def _combine(h: torch.Tensor, f: torch.Tensor) -> torch.Tensor:

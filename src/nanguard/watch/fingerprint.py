@@ -24,7 +24,7 @@ _WEIGHTS: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-def _weights(width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def weights(width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     key = (width, device, dtype)
     w = _WEIGHTS.get(key)
     if w is None:
@@ -63,9 +63,9 @@ def sample_sums(tensor: torch.Tensor) -> torch.Tensor:
     wide = torch.int64 if size == 8 else torch.int32
     if bits.dtype != wide:  # 1- and 2-byte elements, widened to int32 (as a product would)
         bits = bits.to(wide)
-    w = _WEIGHTS.get((bits.shape[1], bits.device, wide))  # made once (`_weights`): no call
+    w = _WEIGHTS.get((bits.shape[1], bits.device, wide))  # made once (`weights`): no call
     if w is None:
-        w = _weights(bits.shape[1], bits.device, wide)
+        w = weights(bits.shape[1], bits.device, wide)
     if bits.device.type == "cpu":
         return torch.mv(bits, w)
     return torch.mul(bits, w).sum(dim=1, dtype=wide)

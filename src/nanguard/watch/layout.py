@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from nanguard.watch.norms import NormPlan, Norms, norm_values
+from nanguard.watch.norms import NormPlan, Norms, dtensor_type, norm_values
 
 # Optimizer state entries that are tensors shaped like the parameter, by meaning.
 FIRST_MOMENT_KEYS = ("momentum_buffer", "exp_avg")
@@ -105,14 +105,23 @@ class PostLayout:
         for key, ids in self.slots:
             spans.append((key, ids, pos, pos + len(ids)))
             pos += len(ids)
-        self._spans = spans
+        self.spans = spans
+        """(slot name, indices, first, end) of each slot's values in `decode`'s list."""
         self.plan = NormPlan(self.tensors) if plan and NormPlan.worth(self.tensors) else None
-        self._perm: list[int] | None = None
+        self.perm: list[int] | None = None
+        """Where each tensor's norm sits in the plan's group order (None: no plan)."""
         if self.plan is not None:  # norms come in group order: where each tensor's sits
             perm = [0] * len(self.tensors)
             for k, i in enumerate(self.plan.order):
                 perm[i] = k
-            self._perm = perm
+            self.perm = perm
+        dt = dtensor_type()
+        self.plain = self.plan is None and all(
+            t.layout == torch.strided and (dt is None or not isinstance(t, dt))
+            for t in self.tensors)
+        """No plan, and every tensor dense and local (decided once: neither changes in
+        place): `_foreach_norm` measures them whenever their dtypes are float32-normed
+        (`watch.lane` checks the dtypes each step, in C)."""
 
     def fits(self, params: list[torch.Tensor], state: Any, buffers: list[torch.Tensor],
              second_moments: bool) -> bool:
@@ -142,12 +151,12 @@ class PostLayout:
                                                    dict[int, float]]:
         """The host values of `norms()` as (parameter norms, state norms by key, buffer norms).
         The plan's values are put back in slot order first (C-level)."""
-        if self._perm is not None:
-            values = list(map(values.__getitem__, self._perm))
+        if self.perm is not None:
+            values = list(map(values.__getitem__, self.perm))
         params: dict[int, float] = {}
         buffers: dict[int, float] = {}
         state: dict[str, dict[int, float]] = {}
-        for key, ids, a, b in self._spans:
+        for key, ids, a, b in self.spans:
             norms = dict(zip(ids, values[a:b], strict=True))
             if key == "param":
                 params = norms

@@ -39,8 +39,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 _F32_NORM = (torch.float32, torch.float16, torch.bfloat16)
-_F32_SET = frozenset(_F32_NORM)
-_STRIDED = frozenset((torch.strided,))
+F32_SET = frozenset(_F32_NORM)
+"""Dtypes whose norms `_foreach_norm` computes in float32 (the common dense case)."""
+STRIDED = frozenset((torch.strided,))
 _DTYPE = operator.attrgetter("dtype")
 _LAYOUT = operator.attrgetter("layout")
 
@@ -95,7 +96,7 @@ def norm_values(tensors: list[torch.Tensor], like: list[torch.Tensor] | None = N
     tensors) left as `_foreach_norm`'s own 0-dim float32 norms: no stack and no float64
     conversion of their own (the step's packet stacks all its 0-dim values at once)."""
     # Checked in C (`map`, sets): a generator here was one Python call per tensor and step.
-    if (set(map(_LAYOUT, tensors)) <= _STRIDED and set(map(_DTYPE, tensors)) <= _F32_SET
+    if (set(map(_LAYOUT, tensors)) <= STRIDED and set(map(_DTYPE, tensors)) <= F32_SET
             and ((dt := _MODULES.get(_DT_MODULE)) is None
                  or not any(map(isinstance, like or tensors, repeat(dt.DTensor))))):
         return torch._foreach_norm(tensors, 2, dtype=torch.float32)

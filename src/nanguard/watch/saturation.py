@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.hooks import RemovableHandle
 
 from nanguard.detect.alarm import Alarm
 from nanguard.watch.modes import leave
@@ -138,11 +139,18 @@ class SaturationProbe:
         self.step = guard.step
         self._last_fired: tuple[int, int] | None = None  # (near, exact) counts last said
         self._hits: list[tuple[str, str, str, int, int, str]] = []
-        opt = guard.optimizer
-        self._handles = [opt.register_step_pre_hook(self._disarm_hook),
-                         opt.register_step_post_hook(self._arm_hook)]
+        self._opt = guard.optimizer
+        self._pre: RemovableHandle | None = self._opt.register_step_pre_hook(self._disarm_hook)
+        """The disarm pre-hook while it is needed (an armed step), else None: registered
+        first among the optimizer's pre-hooks (the probe leaves before the guard's pre-hook,
+        and any replay, runs)."""
+        self._movable = callable(getattr(self._pre.hooks_dict_ref(), "move_to_end", None))
+        """Whether the pre-hook can be put first again when re-registered (the optimizer's
+        hooks are an ordered dict); if not, it stays registered for good."""
+        self._handles = [self._opt.register_step_post_hook(self._arm_hook)]
 
-    # -- optimizer hooks: arm after step n-1 for step n's forward, disarm before n's update
+    # -- optimizer hooks: arm after step n-1 for step n's forward, disarm before n's update.
+    # Only the post-hook runs every step; the pre-hook is registered while a step is armed.
 
     def _arm_hook(self, *_: Any) -> None:
         self.step += 1
@@ -152,12 +160,21 @@ class SaturationProbe:
             self.remove()
             return
         if self.step % self.every == 0 and self._mode is None:
+            if self._pre is None:  # (not iterating the pre-hooks now: safe to add one)
+                self._pre = self._opt.register_step_pre_hook(self._disarm_hook)
+                hooks = self._pre.hooks_dict_ref()
+                if hooks is not None:  # (the optimizer's, alive: this is its hook)
+                    hooks.move_to_end(self._pre.id, last=False)
             self._mode = _Mode(self)
             self._mode.__enter__()
             self.armed_steps += 1
+        elif self._pre is not None and self._movable and self._mode is None and not self._hits:
+            # Disarmed, nothing left to say: no pre-hook call until the next armed step.
+            self._pre.remove()
+            self._pre = None
 
     def _disarm_hook(self, *_: Any) -> None:
-        if self._mode is not None:  # armed on sampled steps only: no call on the others
+        if self._mode is not None:
             self.disarm()
         guard = self._guard()
         if guard is not None and self._hits:
@@ -177,6 +194,9 @@ class SaturationProbe:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._pre is not None:
+            self._pre.remove()
+            self._pre = None
 
     # -- the check
 

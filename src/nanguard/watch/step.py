@@ -27,12 +27,14 @@ import torch
 from nanguard.config import WatchConfig
 from nanguard.watch import unread
 from nanguard.watch.activations import ActivationProbe, dtype_max
-from nanguard.watch.batch import BatchProbe, Taken
+from nanguard.watch.batch import BatchProbe
 from nanguard.watch.layout import PostLayout
 from nanguard.watch.norms import Norms
 from nanguard.watch.packet import Packet, host_values, read_packets
+from nanguard.watch.probe import StepProbe
 from nanguard.watch.sampling import Sampler
-from nanguard.watch.stats import StepProbe, StepStats
+from nanguard.watch.stats import StepStats
+from nanguard.watch.taken import Taken
 
 __all__ = ["Pending", "StepWatch"]
 
@@ -288,7 +290,7 @@ class StepWatch:
                 last.state_norms = now.state_norms  # the state after that step
                 last.unseal()
                 return last
-        if loss is None and not self.batch_probe._parts:
+        if loss is None and not self.batch_probe.parts:
             return None
         stats = StepStats(step=step)
         packet = Packet(device)
