@@ -8,7 +8,7 @@ from typing import Any
 from nanguard.config import DetectConfig
 from nanguard.detect.alarm import Alarm
 from nanguard.detect.base import Append, Norms
-from nanguard.detect.series import LEVEL_MIN_STEPS, SeriesDetector
+from nanguard.detect.series import LEVEL_MIN_STEPS, SeriesDetector, Window
 from nanguard.watch.stats import StepStats
 
 _isfinite = math.isfinite
@@ -24,6 +24,11 @@ class CascadeDetector(SeriesDetector):
         self.run: dict[str, int] = {s: 0 for s in self.signals}
         self.prev: dict[str, float] = {}
         self.start: dict[str, float] = {}  # the value the current run of growth started from
+        # Every finite value of the last `window` steps, growth steps included: the range the
+        # signal has visited. A cascade runs away out of it; a heavy-tailed but stationary
+        # signal (a deep residual stack's grad norm swinging 15 -> 340 -> 15) climbs 3 steps
+        # in a row to 7x its median inside it, and that is no cascade.
+        self.seen: dict[str, Window] = {s: Window(maxlen=config.window) for s in self.signals}
 
     def check(self, stats: StepStats) -> list[Alarm]:
         alarms: list[Alarm] = []
@@ -43,6 +48,9 @@ class CascadeDetector(SeriesDetector):
             hist = self.history[signal]
             if self.run[signal] == 0:
                 hist.append(x)
+            seen = self.seen[signal]
+            visited = seen.largest() if seen else 0.0
+            seen.append(x)
             if not hist:
                 continue
             med = hist.median()
@@ -57,6 +65,7 @@ class CascadeDetector(SeriesDetector):
                 self.run[signal] >= self.config.cascade_steps
                 and (len(hist) >= self.config.warmup_steps or early)
                 and x >= self.config.cascade_ratio * med
+                and x > visited
                 and self._reaches_level(signal, x)
             ):
                 alarms += self._fire(
@@ -93,12 +102,13 @@ class CascadeDetector(SeriesDetector):
                 return None  # a cascade's necessary condition: `check` decides
             now.append((signal, x, run, prev))
         appends: list[Append] = []
-        peak = self.peak
+        peak, seen = self.peak, self.seen
         for signal, x, run, prev in now:
             if run < 0:
                 runs[signal] = 0
                 continue
             runs[signal] = run
+            appends.append((seen[signal], x, None, ""))
             if run == 1 and prev is not None:
                 self.start[signal] = prev
             prevs[signal] = x
@@ -112,10 +122,12 @@ class CascadeDetector(SeriesDetector):
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "run": dict(self.run), "prev": dict(self.prev),
-                "start": dict(self.start)}
+                "start": dict(self.start), "seen": {k: list(v) for k, v in self.seen.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.run.update(state["run"])
         self.prev = dict(state["prev"])
         self.start = dict(state.get("start", {}))
+        for k, values in state.get("seen", {}).items():  # (absent from older states)
+            self.seen[k] = Window(values, maxlen=self.config.window)
