@@ -14,9 +14,14 @@ import contextlib
 import io
 import logging
 import os
+import random
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+
+import numpy
+import torch
 
 import process_state
 
@@ -31,8 +36,11 @@ def nanguard(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 
     before = process_state.snapshot()
     # What lasts only as long as the command's process, restored after it here: the level
-    # --quiet / --log-level give the `nanguard` logger, and the script's own `sys.path` edits.
-    level, path = logging.getLogger("nanguard").level, sys.path[:]
+    # --quiet / --log-level give the `nanguard` logger, and what the script itself changes for
+    # its process (`sys.path`, the environment: Lightning's PL_GLOBAL_SEED; the warning
+    # filters; the global RNGs it seeds), so that later tests of this worker see none of it.
+    level, path, environ = logging.getLogger("nanguard").level, sys.path[:], dict(os.environ)
+    rngs = (random.getstate(), torch.random.get_rng_state(), numpy.random.get_state())
     # A process of its own starts with no root handlers, so the live lines go to its stderr
     # (show/live.py leaves them to the root's handlers once a program configured logging);
     # pytest's log capture handlers are lifted off the root while the command runs.
@@ -42,7 +50,8 @@ def nanguard(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     here = os.getcwd()
     os.chdir(cwd)
     try:
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
+                warnings.catch_warnings():
             try:
                 code = main(argv)
             except SystemExit as e:  # argparse and friends: the process would exit with it
@@ -52,6 +61,11 @@ def nanguard(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
         root.handlers = root_handlers
         logging.getLogger("nanguard").setLevel(level)
         sys.path[:] = path
+        os.environ.clear()
+        os.environ.update(environ)
+        random.setstate(rngs[0])
+        torch.random.set_rng_state(rngs[1])
+        numpy.random.set_state(rngs[2])
     process_state.unchanged(before)
     return subprocess.CompletedProcess(["nanguard", *argv], code, stdout.getvalue(),
                                        stderr.getvalue())
