@@ -63,8 +63,8 @@ def test_no_torch_import(argv: list[str], tmp_path: Path) -> None:
 def test_the_start_path_imports_only_what_it_uses() -> None:
     """Every `nanguard` start builds every subcommand's parser, and `nanguard run` imports the
     live preflight: neither imports what another command uses when it runs (the auditors and
-    numpy, the dashboard's http.server, rich). Each cost every `nanguard run` ~0.2 s of CPU in
-    all, and the test suite starts hundreds of them."""
+    numpy, the dashboard's http.server, rich): `nanguard --version` took 0.23 s of CPU with
+    them, 0.07 s without."""
     code = (
         "import sys\nfrom nanguard.cli.main import build_parser\nbuild_parser()\n"
         "print('PARSER', sorted(m for m in sys.modules if m.startswith('nanguard.audit')\n"

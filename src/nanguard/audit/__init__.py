@@ -4,9 +4,9 @@ model before training (`preflight`). They share no state with a running Guard.
 Heavy and optional dependencies (torch, pyarrow, safetensors) are imported inside the
 functions that need them.
 
-The public names are imported on first use (PEP 562), not here: `nanguard run` imports the
-live preflight from this package at every start, and importing every auditor with it (numpy,
-the lint rules, the scanners) cost each start of the command ~0.1 s of CPU.
+The public names are imported on first use (PEP 562), not here: every `nanguard` command
+imports a part of this package (the parser's helpers, `nanguard run` the live preflight), and
+none needs every auditor (the checkpoint auditor with numpy, the lint rules, the scanners).
 """
 
 from __future__ import annotations
