@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import nanguard
+from in_process import nanguard as run_cli
 from nanguard.cli.main import main
 from nanguard.record.report import (
     SCHEMA_VERSION,
@@ -139,9 +140,9 @@ def test_merged_multi_optimizer_run(tmp_path: Path) -> None:
         "    og.zero_grad(); loss_g.backward(); og.step()\n"
     )
     out = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "nanguard", "run", "--quiet", "--replay-budget", "0",
-                    "--fork-every", "0", "--out", str(out), str(script)],
-                   env=ENV, timeout=300, capture_output=True, cwd=tmp_path)
+    # The command's `main` in this process: the files it writes are what is read.
+    run_cli(["run", "--quiet", "--replay-budget", "0", "--fork-every", "0", "--out", str(out),
+              str(script)], tmp_path)
     merged = json.loads((out / "report.json").read_text())
     assert len(merged["run"]["parts"]) == 2, merged["run"]
     assert merged["schema_version"] == SCHEMA_VERSION

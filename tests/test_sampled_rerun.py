@@ -88,17 +88,16 @@ def test_nanguard_run_rerun_every(tmp_path, capsys):
     activation at step 15 (its own FaultInjector): the alarm and the cause name that step;
     a negative interval is a one-line usage error."""
     import json
-    import subprocess
-    import sys
     from pathlib import Path
+
+    from in_process import nanguard
 
     root = Path(__file__).resolve().parents[1]
     script = root / "tests" / "programs" / "scripts" / "flipped_mlp.py"
-    env = {"PYTHONPATH": str(root / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "nanguard", "run", "--rerun-every", "1",
-                        "--out", str(out), str(script), "--flip-at", "15"],
-                       capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    # The command's `main` in this process: its exit code, stderr and record are what is read.
+    r = nanguard(["run", "--rerun-every", "1", "--out", str(out), str(script), "--flip-at", "15"],
+                 tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "step 15 rerun_mismatch" in r.stderr
     report = json.loads((out / "report.json").read_text())

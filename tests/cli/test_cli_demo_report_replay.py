@@ -1,16 +1,24 @@
 """The user-facing commands end to end, as a new user runs them: `nanguard demo` prints lead
 times and writes run folders; `nanguard report` prints the finding and the diagnosis (and
 `--json` the report); `nanguard replay` names the op on a recorded failing demo run; bad paths
-give one line and exit 2; `nanguard --help` and `python -m nanguard` work."""
+give one line and exit 2; `nanguard --help` and `python -m nanguard` work.
+
+`demo`, the mistakes and `--help` run as `python -m nanguard` processes, as a user types them;
+`report` and `replay` of the demo's runs read only the run folders, so they run the command's
+`main` in the test's process (`_here`: an interpreter start and a torch import less each)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
+
+import in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,6 +33,12 @@ def _nanguard(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[s
         timeout=timeout,
         env=env,
     )
+
+
+def _here(*args: str) -> subprocess.CompletedProcess[str]:
+    """`nanguard ARGS` by the command's `main` in this process, at the width `_nanguard` sets."""
+    with mock.patch.dict(os.environ, {"COLUMNS": "160"}):
+        return in_process.nanguard(list(args), Path.cwd())
 
 
 @pytest.fixture(scope="module")
@@ -52,18 +66,18 @@ def test_demo_prints_lead_times_and_writes_run_folders(demo: tuple[Path, str]) -
 
 def test_report_prints_finding_and_fix(demo: tuple[Path, str]) -> None:
     out, _ = demo
-    proc = _nanguard("report", str(out / "seed-0"))
+    proc = _here("report", str(out / "seed-0"))
     assert proc.returncode == 1  # the run failed
     text = " ".join(proc.stdout.split())
     assert "first non-finite at step 155" in text
     assert "optimizer_divergence" in text and "clip_grad_norm_" in text
-    as_json = _nanguard("report", "--json", str(out / "seed-0"))
+    as_json = _here("report", "--json", str(out / "seed-0"))
     assert json.loads(as_json.stdout)["first_nonfinite"]["step"] == 155
 
 
 def test_replay_names_the_op_of_a_demo_run(demo: tuple[Path, str]) -> None:
     out, _ = demo
-    proc = _nanguard("replay", "--json", str(out / "seed-1"))
+    proc = _here("replay", "--json", str(out / "seed-1"))
     origin = json.loads(proc.stdout)
     recorded = json.loads((out / "seed-1" / "report.json").read_text())["first_nonfinite"]
     assert origin["step"] == recorded["step"] == 228

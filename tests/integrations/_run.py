@@ -1,4 +1,5 @@
-"""Helpers for the `nanguard run` tests: real subprocesses with the package importable."""
+"""Helpers for the `nanguard run` tests: real subprocesses with the package importable, or the
+command's `main` in the test's process (`nanguard_here`) where no process boundary is tested."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -34,6 +37,15 @@ def nanguard_run(out: Path, script: str | Path, *script_args: str, options: tupl
                  ) -> subprocess.CompletedProcess[str]:
     return run(["-m", "nanguard", "run", "--out", str(out), *options, str(script),
                 *script_args], cwd=cwd or out.parent, timeout=timeout)
+
+
+def nanguard_here(out: Path, script: str | Path, *script_args: str,
+                  options: tuple[str, ...] = (), cwd: Path | None = None
+                  ) -> subprocess.CompletedProcess[str]:
+    """What `nanguard_run` gives (exit code, stdout, stderr), from `main` in this process: no
+    interpreter start and torch import; asserts the run left the process as it found it."""
+    return in_process.nanguard(["run", "--out", str(out), *options, str(script), *script_args],
+                               cwd or out.parent)
 
 
 def report(folder: Path) -> dict[str, Any]:

@@ -1,14 +1,17 @@
 """`nanguard run` gives the same finding as the Guard API / op checker on the scenario suite:
 each scenario, run as an unmodified script, ends with report.json naming the expected phase,
 module and op (from the in-process replay of the failing step, or the deterministic re-run with
-the checker armed when that step cannot be replayed in process) and the expected cause."""
+the checker armed when that step cannot be replayed in process) and the expected cause.
+
+`nanguard run` runs in this process (`nanguard_here`): what is read is its exit code, output
+and record, no process boundary; the command's process is tested in test_run_script.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from _run import ROOT, nanguard_run, report
+from _run import ROOT, nanguard_here, report
 
 from scenarios import SCENARIOS, load
 
@@ -19,7 +22,7 @@ SCRIPT = ROOT / "tests" / "integrations" / "scenario_script.py"
 def test_nanguard_run_names_the_scenarios_origin(tmp_path: Path, name: str) -> None:
     expected = load(name).EXPECTED
     out = tmp_path / name
-    r = nanguard_run(out, SCRIPT, name, timeout=180)
+    r = nanguard_here(out, SCRIPT, name)
     if r.stdout.startswith("skip:"):
         pytest.skip(r.stdout.strip())
     assert r.returncode == 1, r.stderr  # training failed

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _run import EXAMPLES, nanguard_run, report, run
+from _run import EXAMPLES, nanguard_here, nanguard_run, report, run
 
 from nanguard.run.runner import RunOptions
 from nanguard.run.runner import run as run_here
@@ -20,7 +20,7 @@ from nanguard.run.runner import run as run_here
 
 def test_plain_loop_nan_row_found_and_pinpointed(tmp_path: Path) -> None:
     out = tmp_path / "plain"
-    r = nanguard_run(out, EXAMPLES / "plain_loop.py")
+    r = nanguard_here(out, EXAMPLES / "plain_loop.py")  # its output and record: no boundary
     assert r.returncode == 1, r.stderr  # training failed
     rep = report(out)
     first = rep["first_nonfinite"]

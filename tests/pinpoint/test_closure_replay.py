@@ -1,9 +1,11 @@
 """`optimizer.step(closure)` steps are replayed in process by `nanguard run`: the closure is
 called again under the op checker before the update (pinpoint/recorded.py `ClosureRecipe`), its
 ops labelled by what they are (forward, loss, backward: not `optimizer`), and training is left
-bitwise as it was. The scripts run black box through `nanguard run` in a subprocess; the expected
-origin is the bug each script plants (a log of a negative number in a named module at a known
-step), checked first by plain PyTorch in the same test."""
+bitwise as it was. The scripts run black box through `nanguard run` (the command's `main`, in the
+test's process: what is read is its record and output; tests/in_process.py checks that the run
+leaves the process as it found it); the expected origin is the bug each script plants (a log of
+a negative number in a named module at a known step), checked first by plain PyTorch, in a
+process of its own, in the same test."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from helpers import run_python
+from in_process import nanguard
 
 SCRIPT = """
 import sys
@@ -65,13 +68,14 @@ def _line(text: str) -> int:
     return next(i for i, t in enumerate(SCRIPT.splitlines(), 1) if text in t)
 
 
-def _first_nan_step(cwd: Path, opt: str, steps: int) -> int | None:
-    """Plain PyTorch, no nanguard: the first step whose loss is NaN (the planted bug)."""
+def _first_nan_step(cwd: Path, opt: str, steps: int) -> tuple[int | None, str]:
+    """Plain PyTorch, no nanguard: the first step whose loss is NaN (the planted bug), and
+    what the script printed."""
     (cwd / "plain").mkdir()
     r = run_python(cwd / "plain", str(cwd / "train.py"), opt, "3", str(steps), "p.pt")
     losses = [ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith("loss ")]
     # One closure call per step for SGD / Adam / LBFGS(max_iter=1) until the NaN.
-    return next((i for i, v in enumerate(losses) if v == "nan"), None)
+    return next((i for i, v in enumerate(losses) if v == "nan"), None), r.stdout
 
 
 @pytest.mark.parametrize("opt", ["sgd", "lbfgs"])
@@ -80,9 +84,10 @@ def test_closure_step_is_replayed_in_process(tmp_path: Path, opt: str) -> None:
     step 3 at its source line, found by replaying the closure in process (not by re-running the
     script: `--replay-budget 0` forbids that), reproduced bit for bit (dropout draws too)."""
     (tmp_path / "train.py").write_text(SCRIPT)
-    assert _first_nan_step(tmp_path, opt, 5) == 3
-    r = run_python(tmp_path, "-m", "nanguard", "run", "--out", "run", "--replay-budget", "0",
-                str(tmp_path / "train.py"), opt, "3", "5", "g.pt")
+    first_nan, alone = _first_nan_step(tmp_path, opt, 5)
+    assert first_nan == 3
+    r = nanguard(["run", "--out", "run", "--replay-budget", "0", str(tmp_path / "train.py"),
+                  opt, "3", "5", "g.pt"], tmp_path)
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     first = report.get("first_nonfinite") or {}
     got = {"status": report["status"], "replay": report["run"].get("replay"),
@@ -92,8 +97,7 @@ def test_closure_step_is_replayed_in_process(tmp_path: Path, opt: str) -> None:
             "source": f"train.py:{_line('# LOG LINE')}", "reproduced": True}
     assert got == want, (got, r.stderr[-2000:])
     # The replay's own print of the closure is not the script's.
-    assert r.stdout.count("loss ") == run_python(tmp_path / "plain", str(tmp_path / "train.py"),
-                                              opt, "3", "5", "q.pt").stdout.count("loss ")
+    assert r.stdout.count("loss ") == alone.count("loss ")
 
 
 @pytest.mark.parametrize("opt", ["adam", "lbfgs"])
@@ -106,8 +110,8 @@ def test_closure_replay_leaves_training_bitwise_unchanged(tmp_path: Path, opt: s
     args = (str(tmp_path / "train.py"), opt, "3", "8")
     r = run_python(tmp_path / "plain", *args, str(tmp_path / "alone.pt"), "sanitize")
     assert r.returncode == 0, r.stderr
-    r = run_python(tmp_path, "-m", "nanguard", "run", "--out", "run", "--replay-budget", "0",
-                *args, str(tmp_path / "watched.pt"), "sanitize")
+    r = nanguard(["run", "--out", "run", "--replay-budget", "0", *args,
+                  str(tmp_path / "watched.pt"), "sanitize"], tmp_path)
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["run"].get("replay") == {"status": "in-process", "step": 3}, r.stderr[-2000:]
     alone, watched = torch.load(tmp_path / "alone.pt"), torch.load(tmp_path / "watched.pt")

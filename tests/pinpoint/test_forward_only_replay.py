@@ -3,7 +3,9 @@ forward replayed alone in process: when the forward's output is already non-fini
 non-finite value of the step was made in the forward (nothing of the step runs before it), so
 that origin is exact; when the output is finite, the value was made in the loss or the backward
 and nanguard falls back to the re-run of the script, saying why. Black box through
-`nanguard run`; the expected origins are planted by the script (checked by plain PyTorch)."""
+`nanguard run` (the command's `main` in the test's process: its record is what is read); the
+expected origins are planted by the script (checked by plain PyTorch, in a process of its
+own)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from helpers import run_python
+from in_process import nanguard
 
 SCRIPT = """
 import sys
@@ -74,7 +77,7 @@ def test_hand_written_loss(tmp_path: Path, where: str, phase: str, line: str,
     outs = [ln.split()[1] == "True" for ln in plain if ln.startswith("out-finite ")]
     assert next(i for i, v in enumerate(losses) if not torch.isfinite(torch.tensor(v))) == 4
     assert outs[4] is (where == "loss")
-    r = run_python(tmp_path, "-m", "nanguard", "run", "--out", "run", str(script), where, "4")
+    r = nanguard(["run", "--out", "run", str(script), where, "4"], tmp_path)
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     first = report.get("first_nonfinite") or {}
     got = {"status": report["status"], "replay": report["run"]["replay"]["status"],

@@ -1,6 +1,7 @@
-"""Helpers for the realistic-program suite: run a script plainly, under the independent tracer
-(`scripts/_nantrace.py`, plain PyTorch), or under `nanguard run`, each in a real subprocess, and
-the data files the failure cases need."""
+"""Helpers for the realistic-program suite: run a script plainly or under the independent tracer
+(`scripts/_nantrace.py`, plain PyTorch), each in a real subprocess, or under `nanguard run` (in
+this process unless a test needs a process of its own), and the data files the failure cases
+need."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -96,30 +99,45 @@ def trace(cwd: Path, name: str, *args: str) -> Trace:
 
 def both(cwd: Path, name: str, *args: str,
          prepare: Callable[[Path], object] | None = None,
-         options: tuple[str, ...] = ()) -> tuple[Trace, Guarded]:
-    """The tracer run and the `nanguard run` of the same command, side by side (two processes
-    at once: most of their time is process start-up), each in a folder of its own
-    (`cwd/trace`, `cwd/guarded`) that `prepare(folder)` fills first (data files, checkpoints),
-    so that files the script writes never collide. `options` go to `nanguard run`."""
+         options: tuple[str, ...] = (), process: bool = False) -> tuple[Trace, Guarded]:
+    """The tracer run and the `nanguard run` of the same command, side by side (the tracer's
+    process runs while `nanguard run` runs here, or in a process of its own with `process`),
+    each in a folder of its own (`cwd/trace`, `cwd/guarded`) that `prepare(folder)` fills
+    first (data files, checkpoints), so that files the script writes never collide. `options`
+    go to `nanguard run`."""
     dirs = []
     for sub in ("trace", "guarded"):
         (cwd / sub).mkdir()
         if prepare is not None:
             prepare(cwd / sub)
         dirs.append(cwd / sub)
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(1) as pool:
         traced = pool.submit(trace, dirs[0], name, *args)
-        run = pool.submit(guarded, dirs[1], name, *args, options=options)
-        return traced.result(), run.result()
+        # On this (the main) thread: the runner installs its SIGTERM handler while the
+        # script runs, which only the main thread may do.
+        run = guarded(dirs[1], name, *args, options=options, process=process)
+        return traced.result(), run
 
 
 def guarded(cwd: Path, name: str, *args: str, out: str = "run",
-            policy: str | None = None, options: tuple[str, ...] = ()) -> Guarded:
-    """`python -m nanguard run --out DIR [--policy P] [OPTIONS] SCRIPT ARGS` in `cwd`."""
+            policy: str | None = None, options: tuple[str, ...] = (),
+            process: bool = False) -> Guarded:
+    """`nanguard run --out DIR [--policy P] [OPTIONS] SCRIPT ARGS` from `cwd`: the command's
+    own `main` in this process (what `python -m nanguard` calls: its exit code and what it
+    and the script printed), or with `process` a `python -m nanguard run` subprocess, for a
+    test of what only a process of its own shows (its real exit status, a fork, a crash).
+
+    In this process the run saves an interpreter start and a torch import (~2 s of CPU), and
+    the script's imports are cached for the next test; the run must leave the process as it
+    found it (tests/process_state.py), which tests/in_process.py asserts."""
     opts = (["--policy", policy] if policy else []) + list(options)
     folder = cwd / out
-    proc = python(["-m", "nanguard", "run", "--out", str(folder), *opts, script(name), *args],
-                  cwd)
+    argv = ["run", "--out", str(folder), *opts, script(name), *args]
+    # NANGUARD_SRC (another copy of the package) can only be imported by a process of its own.
+    if process or os.environ.get("NANGUARD_SRC"):
+        proc = python(["-m", "nanguard", *argv], cwd)
+    else:
+        proc = in_process.nanguard(argv, cwd)
     path = folder / "report.json"
     assert path.is_file(), f"no report.json; exit {proc.returncode}\n{proc.stderr[-4000:]}"
     return Guarded(proc, folder, json.loads(path.read_text()))

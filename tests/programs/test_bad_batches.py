@@ -18,7 +18,6 @@ prints `BAD_BATCH step S rows R` for each: the truth, established without nangua
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from programs_support import Guarded, guarded
@@ -37,11 +36,11 @@ def _runs(tmp_path: Path) -> tuple[Guarded, Guarded, Guarded]:
     dirs = [tmp_path / d for d in ("skip", "heal", "clean")]
     for d in dirs:
         d.mkdir()
-    with ThreadPoolExecutor(3) as pool:
-        skip = pool.submit(guarded, dirs[0], SCRIPT, "--corrupt-at", BAD, policy="skip")
-        heal = pool.submit(guarded, dirs[1], SCRIPT, "--corrupt-at", BAD, policy="heal")
-        clean = pool.submit(guarded, dirs[2], SCRIPT)
-        return skip.result(), heal.result(), clean.result()
+    # One after the other, in this process (`guarded`): an in-process run owns the process's
+    # hooks and signal handler while it runs.
+    return (guarded(dirs[0], SCRIPT, "--corrupt-at", BAD, policy="skip"),
+            guarded(dirs[1], SCRIPT, "--corrupt-at", BAD, policy="heal"),
+            guarded(dirs[2], SCRIPT))
 
 
 def test_bad_batches_named_skipped_clipped_and_the_clean_run_quiet(tmp_path: Path) -> None:

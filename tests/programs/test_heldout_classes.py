@@ -1,8 +1,9 @@
-"""The classes the held-out programs of issue 37 showed (BENCHMARKS.md, "Held-out programs"),
-on look-alike programs run black box through `nanguard run` (real subprocesses, the fault
-through a flag): a softmax regression with a hand-written SGD step and an LR typed 300x too
-large, a character MLP with a batch norm written by hand run with `--batch-size 1`, and a
-REINFORCE whose `--gamma 99` (for 0.99) sums returns past float32. The fix names the flag.
+"""The classes the held-out programs of issue 37 showed (BENCHMARKS.md, "Held-out programs"), on
+look-alike programs run black box through `nanguard run` (the command's `main`, in the test's
+process; the fault through a flag): a softmax regression with a hand-written SGD step and an LR
+typed 300x too large, a character MLP with a batch norm written by hand run with `--batch-size
+1`, and a REINFORCE whose `--gamma 99` (for 0.99) sums returns past float32. The fix names the
+flag.
 
 The expected finding is established without nanguard: each script prints `NOTE ... at update
 K` from its own check (logits past `exp`'s float32 range, a batch of one row, returns beyond
@@ -12,10 +13,14 @@ the on-policy REINFORCE, at its default flags under the default policy, is not w
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
+from unittest import mock
 
-from programs_support import finding_of, guarded, noted, python, script_where
+from programs_support import finding_of, guarded, noted, script_where
+
+import in_process
 
 SOFTMAX = "scratch_softmax.py"
 
@@ -33,7 +38,9 @@ def test_hand_written_sgd_lr_typo_is_fixed_in_the_lr_flag(tmp_path: Path) -> Non
     assert proposed is not None and 0 < float(proposed.group(1)) < 30, fix
     # `nanguard replay` of a run the raise policy stopped in its failing step (that step never
     # completed: it was refused as "outside the run's 1 steps") names the same line and fix.
-    r = python(["-m", "nanguard", "replay", str(g.out)], tmp_path, COLUMNS="2000")
+    # The command's `main` in this process (it re-runs the script here too): its output.
+    with mock.patch.dict(os.environ, {"COLUMNS": "2000"}):
+        r = in_process.nanguard(["replay", str(g.out)], tmp_path)
     assert r.returncode == 1 and "matches the recorded finding" in r.stdout, r.stdout + r.stderr
     assert f"/{want['source']}\n" in r.stdout and fix in r.stdout, r.stdout
 

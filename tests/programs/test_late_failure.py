@@ -50,10 +50,13 @@ def test_failure_thousands_of_steps_in_is_pinpointed_in_process(tmp_path: Path) 
 
 def test_late_failure_under_gradient_accumulation_is_pinpointed_in_process(
         tmp_path: Path) -> None:
-    """The same late failure with `--grad-accum 4` (four micro-batches per update, each loss
-    divided by 4 before its backward): the step's micro-batches are replayed one by one in
-    process, and the first one already makes the -inf (the prior is the same for all four)."""
-    anneal, steps = 1500, 1502
+    """A late failure with `--grad-accum 4` (four micro-batches per update, each loss divided
+    by 4 before its backward): the step's micro-batches are replayed one by one in process, and
+    the first one already makes the -inf (the prior is the same for all four). 300 updates
+    (1,200 micro-batches) in, not thousands: that a failure thousands of steps in is replayed
+    in process is the test above; here the 0.5 s budget alone already rules out a re-run from
+    the start (it cannot import torch), so an `in-process` replay is all this could be."""
+    anneal, steps = 300, 302
     traced, g = both(tmp_path, LATE, "--steps", str(steps), "--anneal-steps", str(anneal),
                      "--grad-accum", "4", options=("--replay-budget", "0.5"))
     step = _anneal_zero(anneal, steps)

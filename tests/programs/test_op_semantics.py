@@ -1,7 +1,7 @@
-"""The op table and where a value entered, on realistic programs run black box through
-`nanguard run` (real subprocesses, the scripts unmodified, the fault through a flag or a data
-file): a PPO with a rollout buffer, a tiny DDPM, and a regression read from CSV / `.pt` files
-through a DataLoader.
+"""The op table and where a value entered, on realistic programs run black box through `nanguard
+run` (the command's `main` in the test's process, the scripts unmodified, the fault through a
+flag or a data file): a PPO with a rollout buffer, a tiny DDPM, and a regression read from CSV /
+`.pt` files through a DataLoader.
 
 The expected finding is established without nanguard: each script prints `NOTE ... at update
 K` from its own arithmetic (a minibatch of one, `half - 1 == 0`, returns beyond float32 in

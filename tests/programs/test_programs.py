@@ -1,10 +1,10 @@
-"""Realistic training programs run black box through `nanguard run` (real subprocesses, the
-scripts unmodified): a nanoGPT-style GPT (AdamW, warm-up + cosine, clipping, checkpoint resume),
-a word-level RNN LM with hand-written SGD updates, a float64 LSTM trained by L-BFGS with a
-closure, a CSV time-series forecaster (Dataset + DataLoader), and a two-network BCE GAN; and
-(third round) a house-price MLP whose forward checks its own hidden state, a TCN over CSV
-windows built from Python lists, a BatchNorm churn classifier, a semi-supervised loop with few
-labels, a float16 bag-of-words model under Adam and a hand-written pairwise ranking loss.
+"""Realistic training programs run black box through `nanguard run` (the command's `main` in the
+test's process, the scripts unmodified): a nanoGPT-style GPT (AdamW, warm-up + cosine, clipping,
+checkpoint resume), a word-level RNN LM with hand-written SGD updates, a float64 LSTM trained by
+L-BFGS with a closure, a CSV time-series forecaster (Dataset + DataLoader), and a two-network BCE
+GAN; and (third round) a house-price MLP whose forward checks its own hidden state, a TCN over
+CSV windows built from Python lists, a BatchNorm churn classifier, a semi-supervised loop with
+few labels, a float16 bag-of-words model under Adam and a hand-written pairwise ranking loss.
 
 Each program has a healthy configuration (no alarm: status `healthy`, exit 0) and a failing one,
 broken through a flag, a data file or a checkpoint. The expected finding of every failing case is

@@ -7,6 +7,10 @@ with resume points every fraction of a second. The expected step and phase come 
 script under the independent tracer (`scripts/_nantrace.py`); the op and line from the script's
 text; the cause from what the script itself prints under the tracer (the first step where the
 sigmoid rounded to exactly 0 or 1).
+
+Each `nanguard run` here is a process of its own (`process=True`): resume points are forks of
+the process that runs the script, and the tests look for the ones left behind by their command
+line.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ def test_raw_tensor_script_failing_late_is_rerun_from_a_resume_point(
     before, not from the start: the log at the cost line, phase `loss`, cause
     `saturated_loss`."""
     args = ("--epochs", "250", "--lr", "0.1", "--update", update)
-    traced, g = both(tmp_path, RAW, *args, options=("--fork-every", "0.3"))
+    traced, g = both(tmp_path, RAW, *args, options=("--fork-every", "0.3"), process=True)
     assert traced.first is not None and traced.first["phase"] == "loss", traced
     step = traced.first["step"]
     assert f"NANTRACE_SATURATED {step}\n" in traced.stderr  # the sigmoid hit 0/1 right there
@@ -71,7 +75,7 @@ def test_script_loss_arithmetic_late_in_a_run_is_rerun_from_a_resume_point(
     division of the loss line."""
     name = "masked_tokens.py"
     traced, g = both(tmp_path, name, "--steps", "1000", "--empty-step", "900",
-                     options=("--fork-every", "0.3"))
+                     options=("--fork-every", "0.3"), process=True)
     assert traced.first == {"step": 900, "phase": "loss"}, traced
     replay = g.report["run"]["replay"]
     first = g.first
@@ -98,7 +102,7 @@ def test_resume_points_leave_a_healthy_run_untouched(tmp_path: Path) -> None:
     alone = plain(tmp_path / "alone", RAW, *args, "--save", str(tmp_path / "alone.pt"))
     assert alone.returncode == 0, alone.stderr
     g = guarded(tmp_path, RAW, *args, "--save", str(tmp_path / "guarded.pt"),
-                options=("--fork-every", "0.1"))
+                options=("--fork-every", "0.1"), process=True)
     assert (g.report["status"], g.proc.returncode) == ("healthy", 0), g.explain()
     points = g.report["run"]["resume_points"]
     assert points["taken"] >= 1 and points["interval_s"] > 0.1, points
@@ -114,7 +118,7 @@ def test_no_resume_point_while_dataloader_workers_run(tmp_path: Path) -> None:
     re-run goes back to the start and the report says why."""
     # Image 319 is the last of the epoch's order (step 7): points are due long before.
     g = guarded(tmp_path, "cnn_workers.py", "--nan-index", "319",
-                options=("--fork-every", "0.01"))
+                options=("--fork-every", "0.01"), process=True)
     replay = g.report["run"]["replay"]
     assert replay.get("mode") == "from_start", g.explain()
     assert replay.get("resume_point", {}).get("status") == "not_taken", replay

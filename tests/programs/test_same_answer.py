@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -23,22 +22,9 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from programs_support import SCRIPTS, Guarded, guarded, python, trace
+from programs_support import SCRIPTS, Guarded, guarded, trace
 
 SALES = "sales_mlp.py"
-# `nanguard run` with the step recorder switched off: no step can be replayed in process, so
-# the finding comes from the re-run of the script with the checker armed.
-NO_RECIPE = """
-import sys
-from nanguard.pinpoint.recorded import StepRecorder
-boundary = StepRecorder.boundary
-def off(self, roots, **kw):
-    boundary(self, roots, **kw)
-    return "switched off by the test"
-StepRecorder.boundary = off
-from nanguard.cli.main import main
-sys.exit(main(sys.argv[1:]))
-"""
 CASCADE_SCRIPT = "from nanguard.scenarios.cascade import train_cascade\ntrain_cascade(0)\n"
 
 
@@ -53,11 +39,19 @@ def _where(source: str, cwd: Path) -> str:
 
 
 def _rerun_without_recipe(cwd: Path, script: str, *args: str) -> Guarded:
-    folder = cwd / "run"
-    proc = python(["-c", NO_RECIPE, "run", "--out", str(folder), script, *args], cwd)
-    path = folder / "report.json"
-    assert path.is_file(), proc.stderr[-3000:]
-    return Guarded(proc, folder, json.loads(path.read_text()))
+    """`nanguard run` with the step recorder switched off: no step can be replayed in process,
+    so the finding comes from the re-run of the script with the checker armed (a process of
+    its own, as always)."""
+    from nanguard.pinpoint.recorded import StepRecorder
+
+    boundary = StepRecorder.boundary
+
+    def off(self: StepRecorder, roots: Any, **kw: Any) -> str:
+        boundary(self, roots, **kw)
+        return "switched off by the test"
+
+    with mock.patch.object(StepRecorder, "boundary", off):
+        return guarded(cwd, script, *args)
 
 
 def _replay(folder: Path) -> dict[str, str]:
@@ -100,11 +94,11 @@ def test_three_paths_agree_on_a_realistic_script(tmp_path: Path, lr: str, phase:
     for d in dirs:
         d.mkdir()
     script = str(SCRIPTS / SALES)
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(1) as pool:  # the tracer's process; both runs in this one
         traced = pool.submit(trace, dirs[0], SALES, "--lr", lr)
-        inproc = pool.submit(guarded, dirs[1], SALES, "--lr", lr)
-        rerun = pool.submit(_rerun_without_recipe, dirs[2], script, "--lr", lr)
-        t, a, b = traced.result(), inproc.result(), rerun.result()
+        a = guarded(dirs[1], SALES, "--lr", lr)
+        b = _rerun_without_recipe(dirs[2], script, "--lr", lr)
+        t = traced.result()
     assert t.first is not None and t.first["phase"] == phase, t
     assert a.report["run"]["replay"]["status"] == "in-process", a.explain()
     assert b.report["run"]["replay"]["status"] == "found", b.explain()
@@ -129,11 +123,9 @@ def test_three_paths_agree_on_the_demo(tmp_path: Path) -> None:
     (tmp_path / "script").mkdir()
     script = tmp_path / "script" / "train.py"
     script.write_text(CASCADE_SCRIPT)
-    with ThreadPoolExecutor(1) as pool:
-        rerun = pool.submit(_rerun_without_recipe, script.parent, str(script))
-        with muted():
-            report, _ = _train(0, 300, tmp_path / "seed-0", "observe")
-        b = rerun.result()
+    b = _rerun_without_recipe(script.parent, str(script))
+    with muted():
+        report, _ = _train(0, 300, tmp_path / "seed-0", "observe")
     first, top = report.first_nonfinite, report.diagnosis[0]
     assert first is not None
     path = Path(cascade.__file__)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers import run_python
 from torch import nn
 
+from in_process import nanguard
 from nanguard import Guard
 from nanguard.cli.main import main
 from nanguard.scenarios.cascade import train_cascade
@@ -106,7 +106,7 @@ def test_nan_rows_under_nanguard_run(tmp_path: Path) -> None:
     """17 NaN rows at step 5: the summary names the step, the op, the script's line, the
     cause and its fix, and the replay to run; 8 of the 17 samples, saying so."""
     script, line = _script(tmp_path, bad=5)
-    r = run_python(tmp_path, "-m", "nanguard", "run", "--out", "run", str(script))
+    r = nanguard(["run", "--out", "run", str(script)], tmp_path)  # `main`, in this process
     assert r.returncode == 1, r.stderr
     printed = [ln for ln in r.stdout.splitlines() if ln.startswith("step ")]
     assert printed[5].endswith("nan") and not printed[4].endswith("nan")  # the script's own

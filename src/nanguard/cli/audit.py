@@ -14,7 +14,6 @@ import json
 import os
 from typing import Any
 
-from nanguard.audit.common import fmt_num
 from nanguard.cli.main import add_command, add_json, wants_json
 from nanguard.errors import UserError
 
@@ -47,6 +46,8 @@ def register(subparsers: Any) -> None:
 
 
 def _tensor_rows(report: Any, limit: int | None) -> tuple[list[list[Any]], int]:
+    from nanguard.audit.common import fmt_num
+
     flagged = {f.location for f in report.findings}
     ordered = sorted(report.tensors, key=lambda t: t.name not in flagged)
     shown = ordered if limit is None else ordered[:limit]
@@ -83,6 +84,7 @@ def _print_report(con: Any, report: Any, limit: int | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from nanguard.audit.checkpoint import audit_checkpoint, diff_checkpoints
+    from nanguard.audit.common import fmt_num
     from nanguard.audit.folder import audit_folder
     from nanguard.audit.render import console, print_findings, table
 

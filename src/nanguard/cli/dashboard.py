@@ -15,14 +15,16 @@ import json
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, quote, urlparse
 
 from nanguard.cli.main import add_command
 from nanguard.record.report import REPORT_NAME
 from nanguard.record.store import DB_NAME
+
+if TYPE_CHECKING:  # http.server is imported when the dashboard serves, not by every command
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MAX_DEPTH = 4
 """How deep under DIR run folders are looked for."""
@@ -147,6 +149,7 @@ class Dashboard:
 
 def make_handler(board: Dashboard) -> type[BaseHTTPRequestHandler]:
     """The request handler class serving `board`."""
+    from http.server import BaseHTTPRequestHandler
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
@@ -193,6 +196,8 @@ def serve(root: str, port: int = 8765) -> ThreadingHTTPServer:
     Raises:
         ValueError: one line, if `root` is not a folder or the port cannot be bound.
     """
+    from http.server import ThreadingHTTPServer
+
     path = Path(root)
     if not path.is_dir():
         raise ValueError(f"{root!r} is not a folder")

@@ -17,8 +17,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
 from nanguard.cli.main import add_command, add_json, wants_json
 from nanguard.errors import UserError
 from nanguard.record.report import load_report
@@ -113,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
     # first non-finite one, `steps` itself) never completed and can still be re-run.
     if step < 0 or step > report.steps:
         raise UserError(f"--step {step} is outside the run's {report.steps} steps")
+    from rich.console import Console  # here: every command's parser imports this module
+
     console = Console()
     with waiting(f"re-running the script to step {step} under the op checker"), \
             armed(int(step)) as a:

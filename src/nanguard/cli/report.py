@@ -9,14 +9,15 @@ import json
 import sqlite3
 import sys
 from pathlib import Path
-from typing import Any
-
-from rich.console import Console
+from typing import TYPE_CHECKING, Any
 
 from nanguard.cli.main import add_command, add_json, wants_json
 from nanguard.errors import UserError
 from nanguard.record.report import OK_STATUSES, load_report, report_schema
 from nanguard.record.store import DB_NAME, dec, open_run
+
+if TYPE_CHECKING:  # rich is imported when the command prints, not by every command's parser
+    from rich.console import Console
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -91,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         dicts = [r.to_dict() for r in reports]
         print(json.dumps(dicts[0] if len(dicts) == 1 else dicts, indent=2))
     else:
+        from rich.console import Console
+
         console = Console()
         for folder_arg, report in zip(runs, reports, strict=True):
             _print_one(console, folder_arg, report, full=bool(getattr(args, "full", False)))

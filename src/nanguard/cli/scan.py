@@ -13,7 +13,6 @@ import json
 import os
 from typing import Any
 
-from nanguard.audit.common import fmt_num
 from nanguard.cli.main import add_command, add_json, wants_json
 from nanguard.errors import UserError
 
@@ -113,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_tables(con: Any, report: Any, show_all: bool) -> None:
     """Per table of a scanned file, its columns' statistics (flagged columns first)."""
+    from nanguard.audit.common import fmt_num
     from nanguard.audit.render import table
 
     flagged = {f.details.get("column_name") for f in report.findings}
