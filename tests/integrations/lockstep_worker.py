@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nanguard import Guard, GuardConfig, RecordConfig
+from nanguard import DetectConfig, Guard, GuardConfig, RecordConfig
 
 STEPS, BREAK_AT = 10, 3
 
@@ -33,18 +33,23 @@ def main() -> None:
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    # `pre` runs every detector's full test (no quiet gate): the pre-update detectors' `check`
+    # is then called on every path of the pre-hook, before the step's agreement.
     guard = Guard(model, opt, policy=policy, out=os.path.join(out, f"rank-{rank}"),
-                  config=GuardConfig(record=RecordConfig(summary=False)),
+                  config=GuardConfig(record=RecordConfig(summary=False),
+                                     detect=DetectConfig(quiet_gate=where != "pre")),
                   replay=(lambda x: nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)))
                   if policy == "observe" else None)
     if rank == 0:  # an internal error of nanguard's own, at one step, on one rank
-        # "pre": the step's read before its update (`guard.steps.read`, the one host read),
-        # which every path of the pre-hook makes for these policies (the quiet lane's and the
-        # packet path's), before the step's agreement; the first read at BREAK_AT is the
-        # pre-update one. "post": the step's row in the record (`guard.store.write_step`),
-        # written in the post-hook before the post-update agreement (the next step's, under
-        # `observe`).
-        owner, name = (guard.steps, "read") if where == "pre" else (guard.store, "write_step")
+        # "pre": a pre-update detector's test, which the pre-hook runs on every path (the
+        # quiet lane's and the packet path's) before the step's agreement. "post": the step's
+        # row in the record (`guard.store.write_step`), written in the post-hook before the
+        # post-update agreement (the next step's, under `observe`).
+        owner: object
+        if where == "pre":
+            owner, name = next(d for d in guard.detectors if d.phase == "pre"), "check"
+        else:
+            owner, name = guard.store, "write_step"
         target = getattr(owner, name)
 
         def broken(*args: object, **kwargs: object) -> object:
