@@ -69,8 +69,8 @@ def _pool(n_params: int, size: int, seed: int) -> list[StepStats]:
             state_norms={"exp_avg": {i: f32(rnd.uniform(1e-4, 1e-1)) for i in range(n_params)},
                          "exp_avg_sq": {i: f32(rnd.uniform(1e-8, 1e-4))
                                         for i in range(n_params)}},
-            sample_hashes=[rnd.getrandbits(52) for _ in range(32)],
         ))
+        out[-1].sample_hashes = [rnd.getrandbits(52) for _ in range(32)]  # (init=False)
         if hasattr(out[-1], "seal"):  # the guard seals a step once decoded (computed once)
             out[-1].seal()
     return out
