@@ -10,12 +10,12 @@ reads `nanguard.__version__` does not pay for torch's import.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 # The one source of the version is nanguard/_version.py (pyproject.toml reads it through
 # tool.setuptools.dynamic; the guard imports it from there without importing this package).
 from nanguard._version import __version__
+from nanguard.lazy import lazy_names
 
 if TYPE_CHECKING:
     from nanguard.audit.load import CheckpointMismatch, load
@@ -79,15 +79,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name's module on first access and keep the name here."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'nanguard' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names("nanguard", _LAZY, globals(), __all__)

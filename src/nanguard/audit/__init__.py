@@ -11,8 +11,7 @@ none needs every auditor (the checkpoint auditor with numpy, the lint rules, the
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from nanguard.audit.checkpoint import (
@@ -40,6 +39,7 @@ if TYPE_CHECKING:
 # does) sets this package's attribute to the module, so the function is bound here, at once,
 # to stay what `from nanguard.audit import preflight` gives (the module is light: stdlib only).
 from nanguard.audit.preflight import preflight  # noqa: E402
+from nanguard.lazy import lazy_names  # noqa: E402
 
 # Public name -> the module that defines it (the rest).
 _LAZY: dict[str, str] = {
@@ -102,15 +102,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name's module on first access and keep the name here."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'nanguard.audit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names("nanguard.audit", _LAZY, globals(), __all__)
