@@ -363,8 +363,11 @@ def test_cnn_workers_nan_pixel(tmp_path: Path) -> None:
     assert_failed(g, {"step": step, "phase": "data", "cause": "data_nonfinite",
                       "samples": [micro * cnn_workers.BATCH + row]})
     # The op that adopted the worker's memory is no culprit: the summary says how it arrived.
+    # (Which op the checker sees first is a race: a batch the workers delivered before the
+    # re-run armed it shows at the first op that reads it, the convolution.)
     said = " ".join((g.proc.stderr + g.proc.stdout).split())
-    assert "op aten.set_: it arrived with a DataLoader worker's batch" in said, said[-2000:]
+    if g.first["op"] == "aten.set_":
+        assert "op aten.set_: it arrived with a DataLoader worker's batch" in said, said[-2000:]
 
 
 # --------------------------------------------------------------------- house prices (MLP)
