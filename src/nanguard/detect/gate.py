@@ -60,7 +60,7 @@ class QuietGate:
             for d, _ in pairs:
                 alarms += d.check(stats)
             return alarms
-        norms = stats.global_norms()
+        norms = stats.sealed_norms or stats.global_norms()  # sealed: no call
         appends: list[Append] = []
         passed = True
         for d, quiet in pairs:

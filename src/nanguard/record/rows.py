@@ -13,7 +13,7 @@ from typing import Any
 
 from nanguard.record.store import NullStore
 from nanguard.record.writer import PerParam, batch_hash
-from nanguard.watch.stats import StepStats
+from nanguard.watch.stats import HASHES_SLOT, StepStats
 
 __all__ = ["SIGNALS", "batch_hash", "step_signals", "write_step"]
 
@@ -37,7 +37,8 @@ def write_step(store: NullStore, stats: StepStats, n_params: int, per_parameter:
     `clip_norm`: the total norm the script's own clipping measured this step (a 0-dim tensor,
     read on the writer thread: no host sync here), or None. `signals`: the step's non-finite
     signals as the detectors sealed them (None: `stats.seal()` says)."""
-    grad_norm, param_norm, momentum_norm = stats.global_norms()
+    # As the detectors sealed them (an attribute: no call on the quiet step), else computed.
+    grad_norm, param_norm, momentum_norm = stats.sealed_norms or stats.global_norms()
     row = {
         "step": stats.step, "loss": stats.loss, "grad_norm": grad_norm,
         # `update_ratio` and `act_max` asked only when measured (no call on most steps).
@@ -59,7 +60,8 @@ def write_step(store: NullStore, stats: StepStats, n_params: int, per_parameter:
                      dict(zip(stats.state_norms, map(dict.copy, stats.state_norms.values()),
                               strict=True)))
     batch = None
-    hashes = stats.raw_hashes()  # still-raw sums: the writer thread combines them
+    # As the step holds them (still-raw sums: the writer thread combines them; no call).
+    hashes = stats.__dict__.get(HASHES_SLOT)
     if hashes:  # the writer computes the batch's fingerprint
         batch = (None, hashes if isinstance(hashes, tuple) else list(hashes),
                  list(stats.nonfinite_samples))

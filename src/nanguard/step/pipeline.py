@@ -361,6 +361,9 @@ class StepPipeline:
                 steps.snapshot(cur.stats)  # read before the update: what a rollback needs
             if parts.act_probe:  # activations on sampled steps only
                 parts.act_probe.enabled = st.step % self.config.watch.activations_every == 0
+            sat = parts.saturation
+            if sat is not None and st.step >= sat.due:  # armed one step in `saturation_every`
+                sat.after_step(st.step)
             if st.step % self.config.record.rng_every == 0:  # kept: every generator
                 st.step_rng = rng.capture()
                 parts.store.write_rng(st.step, rng.dumps(st.step_rng))

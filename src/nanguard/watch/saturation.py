@@ -9,7 +9,7 @@ no magnitude anywhere near overflow to warn of it. What does warn: the probabili
 `log` consumes creep to within a few units in the last place of 0 or 1 first.
 
 `SaturationProbe` arms a `TorchDispatchMode` for one step every `DetectConfig.saturation_every`
-steps (armed in the optimizer's step post-hook, so it sees the next step's forward; disarmed in
+steps (armed in the guard's step post-hook, so it sees the next step's forward; disarmed in
 the next step pre-hook). While armed it marks the outputs of `sigmoid` / `softmax`, follows them
 through `1 - p` and view/copy ops, and when a `log` consumes one it checks the side that the log
 makes dangerous: `log(p)` needs `p` away from 0 (below the dtype's smallest normal number, the
@@ -120,6 +120,10 @@ class _Mode(TorchDispatchMode):
             self.probe.check_bce(p, args[1], name)
 
 
+_NEVER = 1 << 62
+"""`SaturationProbe.due` of a probe that stood down."""
+
+
 class SaturationProbe:
     """Sampled saturation precursor for one guard.
 
@@ -134,8 +138,7 @@ class SaturationProbe:
         self._mode: _Mode | None = None
         self.broken = False
         self.armed_steps = 0  # how many steps the probe watched (for tests and the curious)
-        # Steps counted by the probe's own hooks (not the guard's counter: the order in which
-        # the two sets of hooks run must not matter): the index of the step in progress.
+        # The index of the step in progress (the guard's count, as `after_step` gives it).
         self.step = guard.step
         self._last_fired: tuple[int, int] | None = None  # (near, exact) counts last said
         self._hits: list[tuple[str, str, str, int, int, str]] = []
@@ -147,31 +150,51 @@ class SaturationProbe:
         self._movable = callable(getattr(self._pre.hooks_dict_ref(), "move_to_end", None))
         """Whether the pre-hook can be put first again when re-registered (the optimizer's
         hooks are an ordered dict); if not, it stays registered for good."""
-        self._handles = [self._opt.register_step_post_hook(self._arm_hook)]
+        self.due: int = self.step + 1
+        """The guard's step count at which `after_step` has something to do next (arm, or
+        drop the disarm pre-hook: the first step's drops the one registered here, first in
+        line): the guard's post-hook compares, and calls it only then."""
 
-    # -- optimizer hooks: arm after step n-1 for step n's forward, disarm before n's update.
-    # Only the post-hook runs every step; the pre-hook is registered while a step is armed.
+    # -- arm after step n-1 for step n's forward (`after_step`, from the guard's post-hook),
+    # disarm before n's update (the pre-hook, registered only while a step is armed).
 
-    def _arm_hook(self, *_: Any) -> None:
-        self.step += 1
-        guard = self._guard()
-        if (guard is None or guard.closed or guard.error is not None
-                or self.broken):
+    def _next_armed(self, step: int) -> int:
+        """The first step after `step` the probe arms for."""
+        return (step // self.every + 1) * self.every
+
+    def after_step(self, step: int) -> None:
+        """Runs in the guard's step post-hook once its step count reached `due`; `step`: the
+        index of the step to come. Arms the probe for that step's forward on every `every`-th
+        step, else drops the disarm pre-hook once nothing is left to say. Driven by the guard
+        (not a post-hook of the probe's own): one step count, and no call on the steps
+        between. An error of the probe's own stands the probe down, not the guard."""
+        self.step = step
+        if self.broken:
             self.remove()
+            self.due = _NEVER
             return
-        if self.step % self.every == 0 and self._mode is None:
-            if self._pre is None:  # (not iterating the pre-hooks now: safe to add one)
-                self._pre = self._opt.register_step_pre_hook(self._disarm_hook)
-                hooks = self._pre.hooks_dict_ref()
-                if hooks is not None:  # (the optimizer's, alive: this is its hook)
-                    hooks.move_to_end(self._pre.id, last=False)
-            self._mode = _Mode(self)
-            self._mode.__enter__()
-            self.armed_steps += 1
-        elif self._pre is not None and self._movable and self._mode is None and not self._hits:
-            # Disarmed, nothing left to say: no pre-hook call until the next armed step.
-            self._pre.remove()
-            self._pre = None
+        try:
+            if step % self.every == 0 and self._mode is None:
+                if self._pre is None:  # (not iterating the pre-hooks now: safe to add one)
+                    self._pre = self._opt.register_step_pre_hook(self._disarm_hook)
+                    hooks = self._pre.hooks_dict_ref()
+                    if hooks is not None:  # (the optimizer's, alive: this is its hook)
+                        hooks.move_to_end(self._pre.id, last=False)
+                self._mode = _Mode(self)
+                self._mode.__enter__()
+                self.armed_steps += 1
+                self.due = step + 1
+                return
+            if (self._pre is not None and self._movable and self._mode is None
+                    and not self._hits):
+                # Disarmed, nothing left to say: no pre-hook call until the next armed step.
+                self._pre.remove()
+                self._pre = None
+            self.due = self._next_armed(step)
+        except Exception:  # noqa: BLE001 - a monitor never breaks training
+            self.broken = True
+            self.remove()
+            self.due = _NEVER
 
     def _disarm_hook(self, *_: Any) -> None:
         if self._mode is not None:
@@ -191,9 +214,6 @@ class SaturationProbe:
     def remove(self) -> None:
         """Disarm and remove the hooks (the guard closed)."""
         self.disarm()
-        for h in self._handles:
-            h.remove()
-        self._handles = []
         if self._pre is not None:
             self._pre.remove()
             self._pre = None

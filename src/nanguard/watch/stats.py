@@ -133,6 +133,11 @@ class StepStats:
     _derived: dict[str, float | None] = field(default_factory=dict, repr=False, compare=False)
     """The global norms computed since the last `seal()` (each asked for by several
     detectors, the policy and the record)."""
+    sealed_norms: tuple[float, float, float | None] | None = field(
+        default=None, repr=False, compare=False)
+    """`global_norms()` as the last `seal()` computed them; None until a step is sealed and
+    again once `unseal` (or `assume_overflow`) changed its values. The quiet gate and the
+    record read it after the detectors' `seal`: an attribute, not a call, on every step."""
 
     def defer_hashes(self, raw: RawHashes) -> None:
         """Keep the batch's per-tensor sums as read; `sample_hashes` combines them when read."""
@@ -159,10 +164,10 @@ class StepStats:
                     mv = mn.values()
                     m = math.sqrt(sum(map(operator.mul, mv, mv))) if mn else 0.0
                     break
-            self._derived = {
-                "grad_norm": math.sqrt(sum(map(operator.mul, gv, gv))) if g else 0.0,
-                "param_norm": math.sqrt(sum(map(operator.mul, pv, pv))) if p else 0.0,
-                "momentum_norm": m}
+            gn = math.sqrt(sum(map(operator.mul, gv, gv))) if g else 0.0
+            pn = math.sqrt(sum(map(operator.mul, pv, pv))) if p else 0.0
+            self._derived = {"grad_norm": gn, "param_norm": pn, "momentum_norm": m}
+            self.sealed_norms = (gn, pn, m)
             # The quiet step: nothing dropped, a finite loss, no bad gradient, and finite sums
             # of the norms (>= 0: finite exactly when each is), checked here without
             # `nonfinite_signals`'s call; anything else is scanned by it.
@@ -181,9 +186,8 @@ class StepStats:
     def global_norms(self) -> tuple[float, float, float | None]:
         """(`grad_norm`, `param_norm`, `momentum_norm`) in one call: what the quiet gate and
         the record both ask for (kept by `seal`)."""
-        if self._signals is not None:
-            d: Any = self._derived  # floats but for the momentum (None without)
-            return d["grad_norm"], d["param_norm"], d["momentum_norm"]
+        if self._signals is not None and self.sealed_norms is not None:
+            return self.sealed_norms
         return self.grad_norm, self.param_norm, self.momentum_norm
 
     @staticmethod
@@ -280,7 +284,7 @@ class StepStats:
         are known finite after this step: a non-finite gradient, parameter or state value
         would have made them non-finite for good (NaN and inf are absorbing in SGD / Adam
         updates), so an infinite norm here can only be a float32 sum of squares overflowing."""
-        self._signals = None
+        self._signals = self.sealed_norms = None
         for i in [i for i in self.nonfinite_grads if math.isinf(self.grad_norms[i])]:
             self.nonfinite_grads.discard(i)
             self.overflowed.add(i)
@@ -291,7 +295,7 @@ class StepStats:
         """Forget what `seal` kept. Called by whoever changes a sealed step's values from
         outside this module (the state norms decoded late, a buffer set aside, activations
         of a skipped forward dropped); the next `seal` scans again."""
-        self._signals = None
+        self._signals = self.sealed_norms = None
 
     def nonfinite_signals(self) -> list[str]:
         """Names of the signals that hold a non-finite value this step."""
