@@ -119,7 +119,10 @@ class Recovery:
         """What a step runs of recovery under this configuration, chosen once when the
         pipeline is built: a part with nothing to do here (no scaler; neither `rollback` nor
         `heal`) is None, and the step leaves it out rather than calling it to return."""
-        acts = self.healer is not None or self.rollbacker is not None
+        healer, acts = self.healer, self.healer is not None or self.rollbacker is not None
+        if healer is not None and self.rollbacker is None:  # heal alone: its own, no frame more
+            return PerStep(check_amp=self.amp.check if self.amp is not None else None,
+                           after_update=healer.after_update, snapshot=healer.observe)
         return PerStep(check_amp=self.amp.check if self.amp is not None else None,
                        after_update=self.after_update if acts else None,
                        snapshot=self.maybe_snapshot if acts else None)
@@ -132,7 +135,7 @@ class Recovery:
         scaled in place), then the LR backoff. Returns what the guard is to apply."""
         if self._discard_next:
             return self._take_discard(stats)
-        if self.left_out and (left := self.left_out.check(stats)):
+        if self.left_out.named and (left := self.left_out.check(stats)):  # (none: no call)
             return left
         effects: list[Effect] = []
         if self.clipper is not None:

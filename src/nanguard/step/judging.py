@@ -20,6 +20,7 @@ from nanguard.detect import Alarm, objective
 from nanguard.pinpoint import xrank_log
 from nanguard.pinpoint.rerun import alarms_to_explain
 from nanguard.record.finding import Finding
+from nanguard.runtime import distributed
 from nanguard.step.acting import Acting
 from nanguard.step.build import Parts
 from nanguard.step.keeping import keep
@@ -62,13 +63,15 @@ class Judge:
         the pre-hook: detect, pinpoint with a replay, decide and act (acting policies),
         recovery's own step."""
         parts, acting = self._parts, self._acting
-        alarms, _ = self.detect(stats, "pre", cur.rng)
+        alarms, signals = self.detect(stats, "pre", cur.rng)
         if replaying and parts.log.finding is not None:
             assert isinstance(cur, Pending)  # the lane takes no step with a replay armed
             self._replays.refine(stats, cur)
         elif replaying and stats.amp_skipped:
             self._replays.scaler_skip(stats)
-        if not self._observing or parts.cross_rank:
+        if (not self._observing or parts.cross_rank) and (
+                alarms or signals or replaying or distributed.active()):
+            # (A quiet step of one process leaves the policy nothing to decide: no call.)
             want, own = (xrank_log.request(parts.log, stats.step)
                          if parts.cross_rank else (0, None))
             act = acting.decide(stats, alarms, want=want)
@@ -99,7 +102,8 @@ class Judge:
                 self.detect(stats, "pre", p.rng)
             alarms, signals = self.detect(stats, "post", p.rng)
         keep(self._config, self._state, self._parts, stats, signals)
-        if not observing and self._acting.decide(stats, alarms, post=True):
+        if not observing and (alarms or signals or distributed.active()) and self._acting.decide(
+                stats, alarms, post=True):
             self._acting.act(stats, alarms, post=True)
 
     def detect(self, stats: StepStats, phase: str, step_rng: dict[str, Any] | None = None

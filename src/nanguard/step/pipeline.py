@@ -18,13 +18,12 @@ A step, in order:
    post-update decision.
 
 The pipeline's parts are made once by `step.build` (`Parts`); what it carries between steps is
-`StepState`, handed explicitly to the modules above (none holds state of its own); the run
-log is the one writer of the record. Every entry point fails open
-(`step.failopen`): an error of nanguard's own stands it down and training goes on untouched;
-only the `raise` policy's `NanguardError` leaves a hook. What a step calls is settled when the
-pipeline is built: a part with nothing to do under this configuration (recovery without a
-scaler, a rollback or `heal`; a detector with no episode open) is left out of the step, not
-called to return.
+`StepState`, handed explicitly to the modules above (none holds state of its own); the run log is
+the one writer of the record. Every entry point fails open (`step.failopen`): an error of
+nanguard's own stands it down and training goes on untouched; only the `raise` policy's
+`NanguardError` leaves a hook. What a step calls is settled when the pipeline is built: a part with
+nothing to do under this configuration (recovery without a scaler, a rollback or `heal`; a detector
+with no episode open) is left out of the step, not called to return.
 """
 
 from __future__ import annotations
@@ -361,8 +360,7 @@ class StepPipeline:
                 steps.snapshot(cur.stats)  # read before the update: what a rollback needs
             if parts.act_probe:  # activations on sampled steps only
                 parts.act_probe.enabled = st.step % self.config.watch.activations_every == 0
-            sat = parts.saturation
-            if sat is not None and st.step >= sat.due:  # armed one step in `saturation_every`
+            if (sat := parts.saturation) is not None and st.step >= sat.due:  # arm, or disarm
                 sat.after_step(st.step)
             if st.step % self.config.record.rng_every == 0:  # kept: every generator
                 st.step_rng = rng.capture()
