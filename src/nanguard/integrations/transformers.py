@@ -72,6 +72,7 @@ from nanguard.integrations.options import check_options, guard_setup, say_stoppe
 from nanguard.record import ending
 from nanguard.record.events import Event
 from nanguard.record.report import Report
+from nanguard.runtime.hooks import ModuleHook
 from nanguard.step.state import RunFacts
 
 
@@ -152,7 +153,7 @@ class NanguardCallback(TrainerCallback):
         guard.add_listener(self._count_alarm, only="alarm")
         if resumed is not None:
             guard.load_state_dict(resumed["guard"])
-        self._hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
+        self._hook = model.register_forward_hook(ModuleHook(self._on_forward), with_kwargs=True)
 
     # ------------------------------------------------------------------ the step
 

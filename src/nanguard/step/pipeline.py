@@ -43,6 +43,7 @@ from nanguard.record.report import Report
 from nanguard.record.standdown import note_internal_error
 from nanguard.recover.effects import Effect
 from nanguard.runtime import distributed
+from nanguard.runtime.hooks import ModuleHook
 from nanguard.step import before, build
 from nanguard.step.acting import Acting, agree_device
 from nanguard.step.failopen import contain, fail_open
@@ -133,7 +134,7 @@ class StepPipeline:
         self._handles = [
             *([opt.register_step_pre_hook(self.pre_hook),
                opt.register_step_post_hook(self.post_hook)] if hook_optimizer else []),
-            self.model.register_load_state_dict_post_hook(self._on_load),
+            self.model.register_load_state_dict_post_hook(ModuleHook(self._on_load)),
             opt.register_load_state_dict_post_hook(self._on_load),
         ]
 

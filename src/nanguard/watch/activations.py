@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from nanguard.runtime.hooks import ModuleHook
 from nanguard.watch.attention import AttentionProbe
 
 
@@ -48,7 +49,7 @@ class ActivationProbe:
         for name, module in model.named_modules():
             if next(module.children(), None) is None and name:
                 self.names.append(name)
-                self._handles.append(module.register_forward_hook(self._hook(name)))
+                self._handles.append(module.register_forward_hook(ModuleHook(self._hook(name))))
 
     @property
     def enabled(self) -> bool:

@@ -44,6 +44,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from nanguard.runtime.hooks import ModuleHook
 from nanguard.watch.modes import leave
 
 MASKED = -1e3
@@ -208,8 +209,9 @@ class AttentionProbe:
             return
         self._enabled = on
         if on:
-            self._handles = [self.model.register_forward_pre_hook(self._enter),
-                             self.model.register_forward_hook(self._leave, always_call=True)]
+            self._handles = [
+                self.model.register_forward_pre_hook(ModuleHook(self._enter)),
+                self.model.register_forward_hook(ModuleHook(self._leave), always_call=True)]
         else:
             for h in self._handles:
                 h.remove()
