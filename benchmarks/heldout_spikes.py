@@ -52,6 +52,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -186,6 +187,10 @@ def run_one(nanogpt: Path, work: Path, config: str, extra: list[str], tag: str,
     return p.stdout + p.stderr, out
 
 
+def _one(run: tuple[str, Path | None]) -> tuple[tuple[str, ...], tuple[Path | None, ...]]:
+    return (run[0],), (run[1],)
+
+
 def report(out: Path | None) -> dict[str, Any]:
     if out is None:
         return {}
@@ -208,19 +213,20 @@ def train(nanogpt: Path, cause: str, config: str, seed: int, args: argparse.Name
         lr, n = (args.bad_lr if cause == "bad" else args.lr), args.iters
         base = [*flags(args, dataset, ckpt, n), f"--learning_rate={lr}",
                 f"--min_lr={lr / 10}", f"--lr_decay_iters={n}", f"--warmup_iters={args.warmup}"]
-        texts, outs = [], []
+        texts: tuple[str, ...]
+        outs: tuple[Path | None, ...]
         started = time.perf_counter()
         if cause == "bad":
-            texts, outs = zip(*[run_one(nanogpt, work, config, base, "run", args)])
+            texts, outs = _one(run_one(nanogpt, work, config, base, "run", args))
         elif cause == "lr_wd":
             wd = [*base, f"--learning_rate={args.wd_lr}", f"--min_lr={args.wd_lr / 10}",
                   "--weight_decay=0.1"]
-            texts, outs = zip(*[run_one(nanogpt, work, config, wd, "run", args)])
+            texts, outs = _one(run_one(nanogpt, work, config, wd, "run", args))
         elif cause == "jump":
             j = args.jump_at
             jump = [*base, f"--warmup_iters={j}", f"--lr_decay_iters={j - 1}",
                     f"--min_lr={lr * args.factor}"]
-            texts, outs = zip(*[run_one(nanogpt, work, config, jump, "run", args)])
+            texts, outs = _one(run_one(nanogpt, work, config, jump, "run", args))
         else:  # resume
             j = args.jump_at
             # warm-up, then the LR held (past lr_decay_iters the schedule returns min_lr);
@@ -250,6 +256,14 @@ def train(nanogpt: Path, cause: str, config: str, seed: int, args: argparse.Name
                 if len(rows) >= args.bad_rows:
                     truth[it] = rows
         reports = [report(o) for o in outs]
+        if args.keep:  # the run folders and the script's output, for a look afterwards
+            keep = Path(args.keep) / f"{cause}-{config}-{seed}"
+            shutil.rmtree(keep, ignore_errors=True)
+            keep.mkdir(parents=True)
+            for k, (text, o) in enumerate(zip(texts, outs, strict=True)):
+                (keep / f"output{k}.txt").write_text(text)
+                if o is not None and o.exists():
+                    shutil.copytree(o, keep / o.name)
     return measures(cause, config, args, losses, vals, truth, reports, wall, check, counts)
 
 
@@ -353,6 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--embd", type=int, default=64)
     p.add_argument("--eval-interval", type=int, default=250)
     p.add_argument("--eval-iters", type=int, default=20)
+    p.add_argument("--keep", help="copy each run's nanguard folder and output here")
     p.add_argument("--measure-from", type=int, default=200)
     args = p.parse_args(argv)
     if not args.nanogpt:
