@@ -145,8 +145,11 @@ def restore(w: Any) -> dict[str, Any] | None:
     except Exception as exc:  # noqa: BLE001 - fail open: the guard starts fresh, as before
         log.debug("nanguard: no guard state restored at the resume: %s", exc)
         return None
-    return {"checkpoint": saved["checkpoint"], "from": str(source),
+    done = {"checkpoint": saved["checkpoint"], "from": str(source),
             "step": int(saved["state"].get("step", 0))}
+    log.info("nanguard: resumed from %s: the guard goes on from the state of %s at step %d",
+             done["checkpoint"], done["from"], done["step"])
+    return done
 
 
 def _find(folder: Path, index: int) -> tuple[Path, dict[str, Any]] | None:
