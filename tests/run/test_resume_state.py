@@ -44,9 +44,16 @@ def _resume(root: Path, name: str, *flags: str) -> tuple[dict, list[float], Path
     return json.loads((out / "report.json").read_text()), _losses(cp.stdout), out
 
 
-def test_the_resumed_run_counts_on_from_the_saved_step_and_names_the_jump(first):
-    root, before = first
-    report, losses, out = _resume(root, "observe")
+@pytest.fixture(scope="module")
+def observed(first: tuple[Path, list[float]]) -> tuple[dict, list[float], Path]:
+    """The resume under `--policy observe` (its losses are plain training's: observing never
+    changes training)."""
+    return _resume(first[0], "observe")
+
+
+def test_the_resumed_run_counts_on_from_the_saved_step_and_names_the_jump(first, observed):
+    _, before = first
+    report, losses, out = observed
     with sqlite3.connect(out / "run.db") as db:
         steps = [s for (s,) in db.execute("select step from steps order by step")]
     assert steps[0] == J and steps[-1] == J + 24  # the script's own step numbers
@@ -63,13 +70,11 @@ def test_the_resumed_run_counts_on_from_the_saved_step_and_names_the_jump(first)
     assert max(losses) > 2 * at_save  # the planted fault, from the script's own prints
 
 
-def test_heal_ramps_from_the_saved_lr_at_the_resumes_first_step(first):
+def test_heal_ramps_from_the_saved_lr_at_the_resumes_first_step(first, observed):
     root, _ = first
-    plain = run_python(root, str(SCRIPT), "--steps", "25", "--lr", str(10 * LR), "--resume",
-                       str(root / "ckpt.pt"))
     report, losses, out = _resume(root, "heal", "--policy", "heal")
     assert [(a["step"], a["action"]) for a in report["actions"]][:1] == [(J, "lr_ramp")]
     with sqlite3.connect(out / "run.db") as db:
         lr = db.execute("select lr from steps where step = ?", (J,)).fetchone()[0]
     assert lr == pytest.approx(LR)  # the LR at save, not 10x it
-    assert max(losses) < 0.6 * max(_losses(plain.stdout))
+    assert max(losses) < 0.6 * max(observed[1])
