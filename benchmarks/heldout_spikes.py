@@ -11,22 +11,25 @@ through flags and input files only:
 
     bad       train.bin has `--regions` corrupted regions of `--region-len` symbols: one symbol
               repeated, random bytes, the text under the wrong code table (a permutation of the
-              ids), in turn. nanoGPT draws each row of a batch at a random offset, so most
-              batches hold no corrupted row, some one or two, a few many: a batch is "bad" when
+              ids), in turn; LR `--bad-lr` (1e-3). nanoGPT draws each row of a batch at a
+              random offset, so most batches hold no corrupted row, some one or two, a few
+              many: a batch is "bad" when
               `--bad-rows` or more of its rows are mostly corrupted. Which ones is known here,
               independently of nanguard: the sampler is replayed (torch.manual_seed(1337), the
               model built as train.py builds it, the same sequence of torch.randint calls:
               one batch before the loop, eval batches at every `--eval-interval`, then one per
               iteration), checked against the printed loss of iteration 0.
-    jump      the LR ramps up to `--lr` over `--jump-at` iterations and jumps 10x without
-              warm-up there: `--warmup_iters=J --lr_decay_iters=J-1 --min_lr=10*lr` (past
+    jump      the LR ramps up to `--lr` (3e-3) over `--jump-at` (400) iterations and jumps 10x
+              without warm-up there: `--warmup_iters=J --lr_decay_iters=J-1 --min_lr=10*lr` (past
               lr_decay_iters nanoGPT's schedule returns min_lr).
-    resume    `--jump-at` iterations at `--lr` (cosine to `--iters`), the checkpoint saved there
-              (`--always_save_checkpoint=True`, `--eval_interval=J`), then `--init_from=resume`
-              with 10x the LR and min_lr and `--warmup_iters=0`: the LR goes 10x at the resume's
-              first iteration. Both halves run under the same configuration (and the same
-              nanguard run folder's parent).
-    lr_wd     no fault: a high LR (`--wd-lr`) with weight decay 0.1 (nanoGPT's default).
+    resume    `--jump-at` iterations at `--lr` (warm-up, then held: `--lr_decay_iters` below the
+              warm-up, `--min_lr=lr`), the checkpoint saved there (`--eval_interval=J`), then
+              `--init_from=resume --decay_lr=False --warmup_iters=0` at `--resume-factor`
+              (20) x the LR: the LR jumps at the resume's first iteration (10x does not spike
+              on this model). Both halves run under the same configuration, their nanguard
+              run folders side by side (as `nanguard_runs/<time>` folders are).
+    lr_wd     no fault: a high LR (`--wd-lr`, 0.1, warm-up 100, cosine) with weight decay 0.1
+              (nanoGPT's default).
 
 Configurations: `plain` (`--grad_clip=0.0`; nanoGPT's default is 1.0), `clip` (its own
 `--grad_clip=1.0`), and `nanguard run --policy P` for observe, skip, heal (all with
@@ -43,6 +46,7 @@ jump (an `lr_jump` alarm) with its step and factor.
 Usage:
     python benchmarks/heldout_spikes.py /path/to/nanoGPT
     python benchmarks/heldout_spikes.py /path/to/nanoGPT --causes bad --configs plain,heal
+    python benchmarks/heldout_spikes.py /path/to/nanoGPT --keep /tmp/runs   # keep the folders
 """
 
 from __future__ import annotations
