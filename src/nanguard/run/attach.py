@@ -22,6 +22,7 @@ import torch
 from nanguard.config import GuardConfig
 from nanguard.guard import Guard
 from nanguard.pinpoint.recorded import NotReplayable
+from nanguard.run import resume_state
 from nanguard.run.chains import replaced
 from nanguard.run.script_flags import clip_from_argv
 from nanguard.run.watched import Watched, as_model, holds_compiled, replay_recorded
@@ -86,6 +87,10 @@ class Guards:
             # A new optimizer over the parameters of an earlier one (one every epoch): the
             # same training goes on, and its detectors keep their baselines.
             w.guard.take_baselines(before.guard)
+        elif w.guard is not None:
+            # A script that resumed from a checkpoint saved under `nanguard run`: the guard
+            # goes on from the state saved with it (run/resume_state.py).
+            resume_state.restore(w)
         self.watched.append(w)
         self._by_opt[id(optimizer)] = w
         if len(self.watched) > 1:  # several parts: each one's live lines say which

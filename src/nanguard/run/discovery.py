@@ -58,7 +58,7 @@ from torch.utils.hooks import RemovableHandle
 from nanguard.config import GuardConfig, RecordConfig
 from nanguard.guard import Guard
 from nanguard.pinpoint.recorded import ClosureRecipe, StepRecorder
-from nanguard.run import held
+from nanguard.run import held, resume_state
 from nanguard.run.amp_scalers import ScalerTracker, served
 from nanguard.run.attach import Guards
 from nanguard.run.closures import calls_closure_first, closure_of, run_closure_first
@@ -141,6 +141,8 @@ class Discovery:
         # State loaded before the first optimizer step (a resume) is loaded before any guard
         # exists: remember the line that loaded it, for a non-finite value found there.
         loads.track()
+        # Guard states saved with the script's checkpoints, restored when it resumes.
+        self._undo.append(resume_state.track(lambda: self.watched))
         # The script's own clip setting, so a fix can say "your clip is off" in its terms.
         self._undo.append(wrap_clip(self.guards.note_clip, self._clip_done))
         self._amp.install()
