@@ -51,7 +51,8 @@ class LossOutlier:
 
 
 def judge(step: int, outlier: LossOutlier | None, *, lr: float | None, last_lr: float | None,
-          last_spike: int | None, before_jump: float | None = None) -> str | None:
+          last_spike: int | None, before_jump: float | None = None,
+          prev_lr: float | None = None) -> str | None:
     """Why the spike at `step` happened, as a sentence, when the batch is the cause; None when
     the evidence does not rule the model and the optimizer out (see the module docstring).
 
@@ -59,7 +60,9 @@ def judge(step: int, outlier: LossOutlier | None, *, lr: float | None, last_lr: 
         step: the spiking step.
         outlier: the batch's own loss when it is an outlier (a loss spike on this step), else
             None.
-        lr: the step's LR; `last_lr`: the LR of the step the detector saw before it.
+        lr: the step's LR; `last_lr`: the LR of the step the detector saw before it (the
+            update that made the parameters this loss was computed with); `prev_lr`: the
+            LR of the step before that one.
         last_spike: the step of the spike before this one (either signal), if any.
         before_jump: the step before's grad norm over its recent level (None: unknown); at
             `_PRECURSOR` or more, that step's update may have made this loss (an unstable
@@ -71,6 +74,9 @@ def judge(step: int, outlier: LossOutlier | None, *, lr: float | None, last_lr: 
         return None  # the parameters that computed this loss came from a spiking step
     if before_jump is not None and before_jump >= _PRECURSOR:
         return None  # ...or from a step whose gradient had already jumped
+    if (last_lr is not None and prev_lr is not None and prev_lr > 0 and math.isfinite(last_lr)
+            and abs(last_lr / prev_lr - 1.0) > _LR_STEADY):
+        return None  # the update that made the parameters of this loss ran at a new LR
     if lr is not None and last_lr is not None and last_lr > 0 and math.isfinite(lr):
         if abs(lr / last_lr - 1.0) > _LR_STEADY:
             return None  # the LR moved: a cause of its own

@@ -45,6 +45,7 @@ class SpikeDetector(SeriesDetector):
         self.cooldown = config.spike_cooldown
         self.nonstationary = False
         self.last_lr: float | None = None  # the LR of the step seen before
+        self.prev_lr: float | None = None  # ...and of the step before that
         self.last_spike: int | None = None  # the step of the last spike (either signal)
         self._jump = math.log10(config.spike_min_ratio)  # `trend_jump`'s least jump
 
@@ -59,13 +60,14 @@ class SpikeDetector(SeriesDetector):
             if before is not None:
                 jump = 10 ** (before - recent_level(grads, self.config.spike_level_steps))
             cause = judge(stats.step, outlier, lr=stats.lr, last_lr=self.last_lr,
+                          prev_lr=self.prev_lr,
                           last_spike=self.last_spike, before_jump=jump)
             if cause is not None:
                 for a in alarms:
                     a.cause = BAD_BATCH
                     a.message += f"; {cause}"
             self.last_spike = stats.step
-        self.last_lr = stats.lr
+        self.prev_lr, self.last_lr = self.last_lr, stats.lr
         return alarms
 
     def quiet(self, stats: StepStats, norms: Norms) -> list[Append] | None:
@@ -115,7 +117,7 @@ class SpikeDetector(SeriesDetector):
             if v is not None:
                 peak["loss"] = max(peak.get("loss", v), v)
             appends.append((losses, llx, None, ""))
-        self.last_lr = stats.lr
+        self.prev_lr, self.last_lr = self.last_lr, stats.lr
         return appends
 
     def _check_grad(self, stats: StepStats) -> tuple[list[Alarm], bool]:
@@ -204,9 +206,11 @@ class SpikeDetector(SeriesDetector):
         return [], None
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "last_lr": self.last_lr, "last_spike": self.last_spike}
+        return {**super().state_dict(), "last_lr": self.last_lr, "prev_lr": self.prev_lr,
+                "last_spike": self.last_spike}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.last_lr = state.get("last_lr")  # absent in states saved before the loss test
+        self.prev_lr = state.get("prev_lr")  # (absent before the LR of two steps back)
         self.last_spike = state.get("last_spike")
