@@ -1,6 +1,7 @@
 """A watched model can be deep-copied and pickled whole, as training scripts do.
 
-`copy.deepcopy(model)` makes EMA, target and best-so-far networks; `torch.save(model, path)` is
+`copy.deepcopy(model)` makes EMA, target and best-so-far networks (and
+`torch.optim.swa_utils.AveragedModel` calls it); `torch.save(model, path)` is
 how pytorch/examples' word_language_model keeps its best model (and reloads it with
 `torch.load` under `weights_only` and an allowlist of its classes). A hook nanguard puts on the
 model lives in the model's `__dict__`: the copy took the guard with it, and the run store's
@@ -53,6 +54,7 @@ def test_deepcopy_and_whole_model_pickle_of_a_watched_model(tmp_path: Path) -> N
     assert any(len(m._forward_hooks) for m in model.modules())  # the guard's hooks are on it
 
     ema = copy.deepcopy(model)  # raised TypeError (sqlite3.Connection) before
+    swa = torch.optim.swa_utils.AveragedModel(model)  # deep-copies the model inside
     buf = io.BytesIO()
     torch.save(model, buf)  # raised the same
     buf.seek(0)
@@ -63,6 +65,7 @@ def test_deepcopy_and_whole_model_pickle_of_a_watched_model(tmp_path: Path) -> N
     with torch.no_grad():
         want = model(x)
         assert torch.equal(ema(x), want) and torch.equal(loaded(x), want)
+        assert torch.equal(swa(x), want)
     # Copies are models of their own: trained and reloaded without touching the guard.
     steps = guard.step
     ema_opt = torch.optim.SGD(ema.parameters(), lr=1e-2)
