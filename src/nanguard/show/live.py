@@ -35,8 +35,11 @@ log = logging.getLogger(LOGGER)
 # What an alarm that opens or escalates an episode means for the person reading the line.
 MEANING = {
     "spike": "a sudden jump: it heals in a step or two, or the optimizer feeds it back",
-    "cascade": "the optimizer is feeding the error back; at this rate values overflow within a "
-               "few steps unless the LR drops or the update is clipped",
+    # No "within a few steps": a cascade is a few steps of growth, which the next batches
+    # may undo (pytorch/examples' regression: three 100x loss jumps, each gone in two
+    # steps); how soon a value leaves its dtype is the forecast's to say.
+    "cascade": "the optimizer is feeding the error back; if the growth goes on, values "
+               "overflow unless the LR drops or the update is clipped",
     "forecast": "at this growth rate the value leaves the dtype's range",
     "divergence": "the loss is running away from where it was",
     "overflow": "a norm left float32's range: clipping by it would zero the update",
