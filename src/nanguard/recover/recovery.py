@@ -119,13 +119,14 @@ class Recovery:
         """What a step runs of recovery under this configuration, chosen once when the
         pipeline is built: a part with nothing to do here (no scaler; neither `rollback` nor
         `heal`) is None, and the step leaves it out rather than calling it to return."""
-        healer, acts = self.healer, self.healer is not None or self.rollbacker is not None
-        if healer is not None and self.rollbacker is None:  # heal alone: its own, no frame more
-            return PerStep(check_amp=self.amp.check if self.amp is not None else None,
-                           after_update=healer.after_update, snapshot=healer.observe)
-        return PerStep(check_amp=self.amp.check if self.amp is not None else None,
-                       after_update=self.after_update if acts else None,
-                       snapshot=self.maybe_snapshot if acts else None)
+        check_amp = self.amp.check if self.amp is not None else None
+        if self.rollbacker is not None:
+            return PerStep(check_amp=check_amp, after_update=self.after_update,
+                           snapshot=self.maybe_snapshot)
+        if self.healer is not None:  # heal alone: its own methods, no frame more
+            return PerStep(check_amp=check_amp, after_update=self.healer.after_update,
+                           snapshot=self.healer.observe)
+        return PerStep(check_amp=check_amp, after_update=None, snapshot=None)
 
     # -- before / after the update
 

@@ -13,7 +13,8 @@ a new warm-up, and the spike a resume without warm-up makes in its first steps g
   folder's record, `resume/<key>.pt` (key: a hash of the checkpoint's absolute path), with the
   checkpoint's path, size and modification time: the file the state belongs to. A later save
   over the same path replaces both.
-* load: each `torch.load` of a file is noted (its path, size, modification time).
+* load: each `torch.load` of a file is noted by `watch.loads.track` (its path, size and
+  modification time: `loads.files_read`).
 * `restore`, when a guard is created (at the script's first optimizer step, after it loaded
   its checkpoint): a state saved for a checkpoint the script loaded, whose size and time still
   match it, found in the run folders beside this one (the parent of `--out`, where
@@ -41,46 +42,36 @@ from typing import Any
 
 import torch
 
+from nanguard.watch import loads
+
 log = logging.getLogger("nanguard")
 
 FOLDER = "resume"
 """The subfolder of a run folder that holds the guard states saved with the script's
 checkpoints."""
 
-_loaded: dict[str, tuple[int, int]] = {}
-"""Absolute path -> (size, mtime_ns) of each file the script loaded with `torch.load`."""
-
-
 def _key(path: str) -> str:
     return hashlib.sha1(path.encode()).hexdigest()[:16]
 
 
 def _file_of(f: Any) -> str | None:
-    """The absolute path of a `torch.save` / `torch.load` target, or None for a buffer."""
+    """The absolute path of a `torch.save` target, or None for a buffer."""
     if isinstance(f, (str, os.PathLike)):
         return os.path.abspath(os.fspath(f))
     return None
 
 
-def _stamp(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_size, st.st_mtime_ns
-
-
 def track(watched: Callable[[], Iterable[Any]]) -> Callable[[], None]:
-    """Wrap `torch.save` and `torch.load` for the script's run (see the module docstring).
+    """Wrap `torch.save` for the script's run (see the module docstring; its loads are noted
+    by `watch.loads.track`, installed first).
 
     Args:
         watched: gives the run's `Watched` parts (each with `index`, `guard`, `folder`).
 
     Returns:
-        The undo: puts back the functions it replaced, unless something wrapped them since.
+        The undo: puts back the function it replaced, unless something wrapped it since.
     """
-    _loaded.clear()
-    save, load = torch.save, torch.load
+    save = torch.save
 
     @functools.wraps(save)
     def saving(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
@@ -93,29 +84,18 @@ def track(watched: Callable[[], Iterable[Any]]) -> Callable[[], None]:
                 log.debug("nanguard: guard state not saved with %s: %s", path, exc)
         return out
 
-    @functools.wraps(load)
-    def loading(f: Any, *args: Any, **kwargs: Any) -> Any:
-        out = load(f, *args, **kwargs)
-        path = _file_of(f)
-        stamp = _stamp(path) if path is not None else None
-        if path is not None and stamp is not None:
-            _loaded[path] = stamp
-        return out
-
-    torch.save, torch.load = saving, loading
+    torch.save = saving
 
     def undo() -> None:
         if torch.save is saving:
             torch.save = save
-        if torch.load is loading:
-            torch.load = load
 
     return undo
 
 
 def _save_states(path: str, parts: list[Any], save: Callable[..., Any]) -> None:
     """Each watched guard's state, for the checkpoint just written to `path`."""
-    stamp = _stamp(path)
+    stamp = loads.stamp(path)
     if stamp is None:
         return
     for w in parts:
@@ -134,10 +114,11 @@ def restore(w: Any) -> dict[str, Any] | None:
     """Give the new guard of `w` the state saved with a checkpoint the script loaded (see the
     module docstring). Returns what was restored (`checkpoint`, `from`: the run folder, `step`)
     or None."""
-    if w.guard is None or not _loaded:
+    read = loads.files_read()
+    if w.guard is None or not read:
         return None
     try:
-        found = _find(Path(w.folder), w.index)
+        found = _find(Path(w.folder), w.index, read)
         if found is None:
             return None
         source, saved = found
@@ -152,11 +133,12 @@ def restore(w: Any) -> dict[str, Any] | None:
     return done
 
 
-def _find(folder: Path, index: int) -> tuple[Path, dict[str, Any]] | None:
-    """The newest state saved for a loaded checkpoint that still matches it, in the run
-    folders beside this run's (`folder` is `--out`/optimizer-N while the run goes on; a run
-    with one optimizer has it merged into `--out` at its end)."""
-    keys = {_key(p): (p, stamp) for p, stamp in _loaded.items()}
+def _find(folder: Path, index: int, read: dict[str, tuple[int, int]]
+          ) -> tuple[Path, dict[str, Any]] | None:
+    """The newest state saved for a checkpoint the script read (`read`: path -> stamp) that
+    still matches it, in the run folders beside this run's (`folder` is `--out`/optimizer-N
+    while the run goes on; a run with one optimizer has it merged into `--out` at its end)."""
+    keys = {_key(p): (p, stamp) for p, stamp in read.items()}
     own = folder.resolve().parent  # this run's --out
     files = [f for pattern in (f"*/{FOLDER}/*.pt", f"*/optimizer-*/{FOLDER}/*.pt")
              for f in own.parent.glob(pattern) if f.stem in keys and own not in f.parents]

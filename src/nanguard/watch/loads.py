@@ -53,6 +53,9 @@ _files: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
 """id(tensor) -> (the tensor, weakly; the file `torch.load` read it from)."""
 _data_files: list[str] = []
 """Files read with NumPy under `track()`: the data a batch value may have come from."""
+_read: dict[str, tuple[int, int]] = {}
+"""Absolute path -> (size, mtime_ns) of each file `torch.load` read under `track()`, as it was
+when read (`run.resume_state` finds the guard state saved with a checkpoint by it)."""
 _mismatches: list[dict[str, Any]] = []
 _loaded_lr: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 """Each optimizer whose state was loaded -> its first group's LR right after the load (the LR
@@ -144,6 +147,7 @@ def _wrap(owner: Any, attr: str) -> None:
             if isinstance(path, (str, os.PathLike)):
                 verify(out, os.fspath(path), site)
                 _note_file(out, os.fspath(path))
+                _note_read(os.path.abspath(os.fspath(path)))
         return out
 
     _patched.append((owner, attr, original))
@@ -161,6 +165,27 @@ def _note_file(loaded: Any, path: str, depth: int = 0) -> None:
     elif depth < 2 and isinstance(loaded, (list, tuple)):
         for v in loaded[:64]:
             _note_file(v, path, depth + 1)
+
+
+def stamp(path: str) -> tuple[int, int] | None:
+    """(size, mtime_ns) of the file at `path`: which version of it was read or written; None
+    when it cannot be stat'ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+def _note_read(path: str) -> None:
+    if (st := stamp(path)) is not None:
+        _read[path] = st
+
+
+def files_read() -> dict[str, tuple[int, int]]:
+    """Each file `torch.load` read under `track()`: absolute path -> (size, mtime_ns) when
+    read."""
+    return dict(_read)
 
 
 def file_of(t: torch.Tensor) -> str | None:
@@ -235,6 +260,7 @@ def track() -> None:
     _wrap(torch.optim.Optimizer, "load_state_dict")
     _files.clear()
     _data_files.clear()
+    _read.clear()
     try:
         import numpy
     except ImportError:  # no NumPy: no NumPy reads to name
