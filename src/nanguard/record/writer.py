@@ -210,7 +210,9 @@ def encode(items: list[tuple[Any, ...]]) -> dict[str, list[tuple[Any, ...]]]:
                 fp, samples, bad = batch
                 if type(samples) is tuple:  # a CPU step's per-tensor sums, combined here
                     samples = combine_sums(samples)
-                text = _json_list(samples)
+                    text = repr(samples) if samples else "[]"  # ints: repr is their JSON
+                else:
+                    text = _json_list(samples)
                 out["batches"].append((step, fp or _hash(text), text, _json_list(bad)))
             out["alarms"].extend(_alarm(x) for x in alarms)
         elif kind == "alarm":
