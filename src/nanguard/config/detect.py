@@ -110,8 +110,9 @@ class DetectConfig:
     alarmed steps are re-run anyway. 0 (default) disables it."""
 
     lead_window: int = 10
-    """report.json's `first_warning` is the first alarm within this many steps before the first
-    non-finite value (an unrelated spike long before does not count as a warning of it)."""
+    """report.json's `first_warning` is the first of the alarms that led into the first
+    non-finite value, each within this many steps of the next (warnings that kept coming from
+    the start count; an unrelated spike long before, with quiet steps between, does not)."""
 
     cascade_steps: int = 3
     """Consecutive steps of multiplicative growth that make an amplification cascade."""

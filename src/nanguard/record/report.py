@@ -15,7 +15,8 @@ diagnosis       [{cause, confidence, evidence, fix}], best first; a `failed` run
                 to get it (explain/undetermined.py)
 actions         [{step, action, detail}]
 first_warning   null | step of the first alarm that is not `nonfinite` (on a failed run:
-                the first within `lead_window` steps before the first non-finite value)
+                the first of the warnings that led into the first non-finite value, each
+                within `lead_window` steps of the next: `lead_in`)
 lead_steps      null | first_nonfinite.step - first_warning (steps of warning)
 spikes          [{step, layers, samples}]: where each spike alarm sits
 preflight       null | the `nanguard run --preflight` verdict
@@ -144,6 +145,21 @@ def _json_safe(obj: Any) -> Any:
     return obj
 
 
+def lead_in(warnings: list[int], failure: int, window: int) -> int | None:
+    """The first warning of a failure at step `failure`: the first of the run of warnings
+    (steps of alarms) that led into it, walking back from the failure while each warning
+    comes no more than `window` steps before the next one (or the failure). Warnings that
+    kept coming from step 2 to a NaN at step 18 all belong to it; a spike long before, with
+    quiet steps between, does not. None when no warning came within `window` steps."""
+    first = None
+    edge = failure
+    for s in sorted({s for s in warnings if s <= failure}, reverse=True):
+        if edge - s > window:
+            break
+        first = edge = s
+    return first
+
+
 def build_report(
     *,
     steps: int,
@@ -169,10 +185,8 @@ def build_report(
     warnings = [a["step"] for a in alarms if a["kind"] != "nonfinite"]
     lead = None
     if first_nonfinite is not None:
-        # Only warnings of this failure: within `lead_window` steps before it.
         nf = first_nonfinite["step"]
-        warnings = [s for s in warnings if nf - lead_window <= s <= nf]
-        first_warning = min(warnings) if warnings else None
+        first_warning = lead_in(warnings, nf, lead_window)
         lead = None if first_warning is None else nf - first_warning
     else:
         first_warning = min(warnings) if warnings else None
