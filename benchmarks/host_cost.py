@@ -10,9 +10,10 @@ same seed on the same batches:
                     step (the default watch, SQLite run store on, as users get it)
     clip_grad_norm  + torch.nn.utils.clip_grad_norm_ after backward (the yardstick of issue 12)
 
-and two that say where the default's cost goes (ablations, not ways to run nanguard):
+and ablations that say where the default's cost goes (not ways to run nanguard):
 
     no_batch        default, but guard.watch(loss=...) only: no batch fingerprints or NaN rows
+    no_store        default with `out=""`: no run store (nothing queued, no writer thread)
     no_gate         default with the quiet gate off (`detect/gate.py`): every step through
                     all seven detectors, as before the gate (issue 26)
     state_every_step  default with `WatchConfig(sample_every=1)`: the optimizer state
@@ -79,7 +80,8 @@ except ImportError:  # running from a checkout without `pip install -e .`
 from nanguard import DetectConfig, Guard, GuardConfig, RecordConfig, WatchConfig
 from nanguard.watch.fingerprint import sample_sums
 
-CONFIGS = ("plain", "default", "clip_grad_norm", "no_batch", "no_gate", "state_every_step",
+CONFIGS = ("plain", "default", "clip_grad_norm", "no_batch", "no_store", "no_gate",
+           "state_every_step",
            "norm_floor", "op_floor")
 Batch = tuple[torch.Tensor, torch.Tensor]
 SAMPLE_EVERY = WatchConfig().sample_every
@@ -170,9 +172,9 @@ def make_runner(name: str, wl: Workload, out: Path) -> Runner:
     model, opt = wl.build()
     params = [p for p in model.parameters() if p.requires_grad]
     guard = None
-    if name in ("default", "no_batch", "no_gate", "state_every_step"):
+    if name in ("default", "no_batch", "no_store", "no_gate", "state_every_step"):
         watch = WatchConfig(sample_every=1 if name == "state_every_step" else SAMPLE_EVERY)
-        guard = Guard(model, opt, out=out / name,
+        guard = Guard(model, opt, out="" if name == "no_store" else out / name,
                       config=GuardConfig(record=RecordConfig(summary=False), watch=watch,
                                          detect=DetectConfig(quiet_gate=name != "no_gate")))
     count = [0]
@@ -319,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                 "clip_added_ms": round(s["clip_grad_norm"]["added"] * 1e3, 4),
                 "clip_cpu_added_ms": round(s["clip_grad_norm"]["cpu_added"] * 1e3, 4),
                 "no_batch_added_ms": round(s["no_batch"]["added"] * 1e3, 4),
+                "no_store_added_ms": round(s["no_store"]["added"] * 1e3, 4),
                 "no_gate_added_ms": round(s["no_gate"]["added"] * 1e3, 4),
                 "no_gate_cpu_added_ms": round(s["no_gate"]["cpu_added"] * 1e3, 4),
                 "state_every_step_added_ms": round(s["state_every_step"]["added"] * 1e3, 4),
