@@ -101,3 +101,20 @@ def test_ab_inprocess_quick(
     assert set(result) == {"logreg"} and result["logreg"]["plain_ms"] > 0
     with pytest.raises(SystemExit):
         mod.main(["--before", str(BENCHMARKS)])  # no nanguard package there: a usage error
+
+
+@pytest.mark.bench
+def test_step_parts_quick(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every part is timed inside a real guarded step (its wrapper reached the hooks the
+    guard registered), and the wrappers are gone afterwards."""
+    _load("host_cost", monkeypatch)
+    mod = _load("step_parts", monkeypatch)
+    from nanguard.step.pipeline import StepPipeline
+
+    before = StepPipeline.pre_hook
+    assert mod.main(["--quick", "--workloads", "logreg"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(result["logreg"]) == set(mod.PARTS) | {"clip_call"}
+    assert StepPipeline.pre_hook is before
