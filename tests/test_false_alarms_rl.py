@@ -25,6 +25,8 @@ from torch import nn
 
 from nanguard import Guard, GuardConfig, RecordConfig
 from nanguard.config import DetectConfig
+from nanguard.record.report import load_report
+from nanguard.show.summary import report_spike_line
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "programs"))
 from programs_support import guarded  # noqa: E402
@@ -49,6 +51,11 @@ def test_healthy_ppo_and_gan_raise_no_alarm(tmp_path: Path) -> None:
     off = [a for a in rep["actions"] if a["action"] == "loss_trend_off"]
     # Said once, when it first mattered: at the first loss-trend alarm it kept from being raised.
     assert len(off) == 1 and "rollout buffer" in off[0]["detail"]
+    # Nor does the summary count the value loss's growth as spike episodes.
+    line = report_spike_line(load_report(ppo_run.out))
+    assert line is not None and "episode" not in line and "not a stationary" in line, line
+    control = report_spike_line(load_report(control_run.out))
+    assert control is not None and "episode" in control, control
     # The same run, its loss taken as stationary: the loss-trend detectors fire.
     kinds = {(a["kind"], a["signal"]) for a in control_run.report["alarms"]}
     assert kinds & {("divergence", "loss"), ("spike", "loss")}, control_run.explain()

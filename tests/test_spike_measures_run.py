@@ -23,7 +23,7 @@ from torch import nn
 import nanguard
 from nanguard import GuardConfig, RecordConfig
 from nanguard.record.report import load_report
-from nanguard.show.summary import heal_line, spike_line
+from nanguard.show.summary import heal_line, report_spike_line, spike_line
 from test_spike_measures import ref_score
 
 
@@ -212,3 +212,24 @@ def test_no_heal_remedy_on_a_run_the_guard_found_healthy(
     off = dataclasses.replace(report, actions=[*report.actions, {
         "step": 0, "action": "loss_trend_off", "detail": "a new rollout each iteration"}])
     assert heal_line(off) is None
+
+
+def test_no_loss_episodes_where_the_guard_judged_the_loss_not_stationary(
+        spiky: tuple[Path, list[float]]) -> None:
+    """A critic's loss that grows with the returns (SAC on Pendulum: 2 "episodes", 28% of
+    steps "in spike", on a healthy run) is no spike: where the guard turned its loss-trend
+    alarms off for the part measured, the line counts no loss episodes and says why; an
+    action for another part leaves the line as it was."""
+    import dataclasses
+
+    out, _ = spiky
+    report = load_report(out)
+    m = report.spike_measures
+    assert m["episodes_total"] > 0
+    off = {"step": 5, "action": "loss_trend_off", "detail": "not stationary"}
+    judged = dataclasses.replace(report, actions=[*report.actions, off])
+    line = report_spike_line(judged)
+    assert line is not None and line.startswith("spikes: not counted on the loss")
+    assert "episode" not in line and "grad norm" in line and "loss 0" not in line
+    other = dataclasses.replace(report, actions=[*report.actions, {**off, "part": "other"}])
+    assert report_spike_line(other) == report_spike_line(report) == spike_line(m)

@@ -21,18 +21,34 @@ def report_spike_line(report: Report) -> str | None:
         episodes = m.get("episodes") or []
         if int(m.get("episodes_total") or 0) <= 1 and all(e.get("open") for e in episodes):
             return None
-    return spike_line(m)
+    return spike_line(m, loss_stationary=not _loss_trend_off(report, m))
+
+
+def _loss_trend_off(report: Report, m: dict[str, Any] | None) -> bool:
+    """Whether the guard judged the measured part's loss not a stationary series (its
+    `loss_trend_off` action: on-policy RL, a GAN): a critic's loss that grows with the returns
+    is no spike episode, so its episodes and loss score are not shown as such."""
+    part = (m or {}).get("part")
+    return any(a.get("action") == "loss_trend_off" and a.get("part") in (None, part)
+               for a in report.actions)
 
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.2g}%" if 0 < x < 0.01 else f"{100 * x:.1f}%"
 
 
-def spike_line(m: dict[str, Any] | None) -> str | None:
+def spike_line(m: dict[str, Any] | None, *, loss_stationary: bool = True) -> str | None:
     """One line of spike measures (`report.spike_measures`): `spikes: 3 episodes (1 open),
-    1.2% of steps in spike; spike score loss 0.4%, grad norm 0.9%`; None without measures."""
+    1.2% of steps in spike; spike score loss 0.4%, grad norm 0.9%`; None without measures.
+    `loss_stationary=False` (the guard turned its loss-trend alarms off): the episodes, which
+    are the loss's, and the loss's score are left out and the line says why."""
     if not m or "score" not in m or m.get("steps") == 0:  # nothing measured: nothing to say
         return None
+    if not loss_stationary:
+        rest = ", ".join(f"{k.replace('_', ' ')} {_pct(v)}" for k, v in m["score"].items()
+                         if k != "loss" and v is not None and not _only_nonfinite(m, k))
+        return ("spikes: not counted on the loss (not a stationary series here)"
+                + (f"; spike score {rest}" if rest else ""))
     n = int(m.get("episodes_total") or 0)
     opened = sum(bool(e.get("open")) for e in m.get("episodes") or [])
     scored = m.get("steps_scored") or {}
