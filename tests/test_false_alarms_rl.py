@@ -20,10 +20,12 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
 from nanguard import Guard, GuardConfig, RecordConfig
+from nanguard.cli.main import main
 from nanguard.config import DetectConfig
 from nanguard.record.report import load_report
 from nanguard.show.summary import report_spike_line
@@ -34,7 +36,8 @@ from programs_support import guarded  # noqa: E402
 PPO = ("ppo_cartpole.py", "--iterations", "30")
 
 
-def test_healthy_ppo_and_gan_raise_no_alarm(tmp_path: Path) -> None:
+def test_healthy_ppo_and_gan_raise_no_alarm(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     dirs = [tmp_path / d for d in ("ppo", "control", "gan")]
     for d in dirs:
         d.mkdir()
@@ -61,6 +64,13 @@ def test_healthy_ppo_and_gan_raise_no_alarm(tmp_path: Path) -> None:
     assert kinds & {("divergence", "loss"), ("spike", "loss")}, control_run.explain()
     rep = gan_run.report
     assert rep["status"] == "healthy" and not rep["alarms"], gan_run.explain()
+    # `nanguard report` of the merged run shows each part's last steps, labelled, as the
+    # closing summary did (it showed one part's, unlabelled).
+    live = set(re.findall(r"(optimizer-\d) \(", gan_run.proc.stderr))
+    assert len(live) == 2, gan_run.proc.stderr[-2000:]
+    capsys.readouterr()
+    assert main(["report", str(gan_run.out)]) == 0
+    assert set(re.findall(r"(optimizer-\d) \(", capsys.readouterr().out)) == live
     # Decided only when a loss-trend alarm would have fired; when it was, the peer is why.
     assert all("another model" in a["detail"] for a in rep["actions"]
                if a["action"] == "loss_trend_off")

@@ -118,4 +118,29 @@ def _print_one(console: Console, folder_arg: str, report: Any, *, full: bool) ->
     until = first["step"] + 1 if first else None
     folder = _history_folder(folder_arg, report.run, first)
     rows = _last_steps(folder, until) if folder is not None else []
-    print_summary(report, console=console, rows=rows, full=full)
+    print_summary(report, console=console, rows=rows, full=full,
+                  parts_rows=_parts_steps(folder_arg, report.run, first))
+
+
+def _parts_steps(run: str, info: dict[str, Any], first: dict[str, Any] | None
+                 ) -> dict[str, list[dict[str, float | None]]]:
+    """Each part's last steps for a merged run (several optimizers or ranks), labelled as the
+    closing summary labels them: the failing part's up to its first non-finite value; of
+    optimizers built one after the other over the same parameters (a chain), only the last
+    and the failing one. Empty for a run of one part."""
+    parts = info.get("parts") or {}
+    if len(parts) < 2 or (Path(run) / DB_NAME).is_file():
+        return {}
+    failing = (first or {}).get("part")
+    earlier = {name for chain in info.get("optimizer_chains") or [] for name in chain[:-1]}
+    out: dict[str, list[dict[str, float | None]]] = {}
+    for label, part in parts.items():
+        if label in earlier and label != failing:
+            continue
+        folder = (part or {}).get("folder")
+        for where in (folder, str(Path(run) / label)):
+            if where and (Path(where) / DB_NAME).is_file():
+                until = first["step"] + 1 if first and label == failing else None
+                out[label] = _last_steps(where, until)
+                break
+    return out

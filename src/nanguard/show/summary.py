@@ -76,6 +76,7 @@ def print_summary(
     *,
     parts_history: Mapping[str, Sequence[StepStats]] | None = None,
     rows: Sequence[dict[str, Any]] | None = None,
+    parts_rows: Mapping[str, Sequence[dict[str, Any]]] | None = None,
     full: bool = False,
 ) -> None:
     """Print the summary of a run that has ended (or is still running, for `nanguard report`).
@@ -87,11 +88,14 @@ def print_summary(
         parts_history: for a merged report, each part's last steps by part label: one block
             per part instead of `history`.
         rows: the steps as `step_row` dicts, when read from a run folder instead of `history`.
+        parts_rows: each part's steps as such dicts (`nanguard report` of a merged run),
+            instead of `parts_history`.
         full: every cause, the alarms and actions as tables, the last steps as numbers.
     """
     console = console or Console(stderr=True)
     parts = {label: [step_row(s) for s in steps]
              for label, steps in (parts_history or {}).items() if steps}
+    parts.update({label: list(r) for label, r in (parts_rows or {}).items() if r})
     own = list(rows) if rows is not None else [step_row(s) for s in history]
     if full:
         _print_full(console, report, parts, own)
