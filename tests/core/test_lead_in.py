@@ -3,12 +3,14 @@ led into the first non-finite value, not only those of its last `lead_window` st
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
 
 import nanguard
-from nanguard.record.report import build_report, lead_in
+from nanguard.record.lead import lead_in
+from nanguard.record.report import build_report
 
 
 def _alarm(step: int, kind: str = "divergence") -> dict[str, object]:
@@ -59,3 +61,9 @@ def test_a_diverging_run_reports_the_warning_that_came_first(tmp_path: Path) -> 
     warned = sorted(a["step"] for a in report.alarms if a["kind"] != "nonfinite")
     assert report.first_warning == warned[0] < 10
     assert report.lead_steps == nf - warned[0] > 30
+    # The diagnosis counts the same warnings: its evidence starts where they started, not
+    # at the last 10 steps before the NaN.
+    why = report.diagnosis[0]["evidence"]
+    found = re.search(r"alarms from step (\d+)", why)
+    assert report.diagnosis[0]["cause"] == "optimizer_divergence" and found, why
+    assert int(found.group(1)) < 10, why

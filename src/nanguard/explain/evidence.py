@@ -6,6 +6,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nanguard.record.lead import lead_in
+
 
 @dataclass(kw_only=True)
 class Cause:
@@ -120,25 +122,36 @@ class Evidence:
         step = self.step
         return [h for h in self.history if step is None or h.get("step", 0) <= step]
 
+    def lead_start(self) -> int | None:
+        """Where the trouble that ended in the first non-finite value began: the first of the
+        warnings that led into it (`lead_in`, report.json's `first_warning`), or `lead_window`
+        steps before it if that is earlier; None on a run that never went non-finite."""
+        step = self.step
+        if step is None:
+            return None
+        first = lead_in([a["step"] for a in self.alarms if a["kind"] != "nonfinite"], step,
+                        self.lead_window)
+        return step - self.lead_window if first is None else min(first, step - self.lead_window)
+
     def cascade_verdict(self) -> dict[str, Any] | None:
-        """The verdict of the step the trouble began with: the earliest re-run verdict within
-        `lead_window` steps before the first non-finite value (any, on a run that never went
+        """The verdict of the step the trouble began with: the earliest re-run verdict from
+        `lead_start` to the first non-finite value (any, on a run that never went
         non-finite). A cascade that began with a transient (a flipped bit, a racing kernel) is
         the fault's, whatever the optimizer made of it afterwards."""
-        step = self.step
+        step, start = self.step, self.lead_start()
         for r in self.reruns:
-            if r.get("verdict") and (step is None or step - self.lead_window <= r["step"] <= step):
+            if r.get("verdict") and (step is None or start is None or start <= r["step"] <= step):
                 return r
         return None
 
     def warnings_before(self, kinds: tuple[str, ...]) -> list[dict[str, Any]]:
-        """Alarms of these kinds within `lead_window` steps before the first non-finite value
-        (or anywhere, on a run that never went non-finite)."""
-        step = self.step
+        """Alarms of these kinds from `lead_start` to the first non-finite value (or
+        anywhere, on a run that never went non-finite): the warnings of this failure."""
+        step, start = self.step, self.lead_start()
         return [
             a
             for a in self.alarms
-            if a["kind"] in kinds and (step is None or step - self.lead_window <= a["step"] <= step)
+            if a["kind"] in kinds and (step is None or start is None or start <= a["step"] <= step)
         ]
 
 

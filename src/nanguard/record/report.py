@@ -16,7 +16,7 @@ diagnosis       [{cause, confidence, evidence, fix}], best first; a `failed` run
 actions         [{step, action, detail}]
 first_warning   null | step of the first alarm that is not `nonfinite` (on a failed run:
                 the first of the warnings that led into the first non-finite value, each
-                within `lead_window` steps of the next: `lead_in`)
+                within `lead_window` steps of the next: `record.lead.lead_in`)
 lead_steps      null | first_nonfinite.step - first_warning (steps of warning)
 spikes          [{step, layers, samples}]: where each spike alarm sits
 preflight       null | the `nanguard run --preflight` verdict
@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from nanguard.record import files
+from nanguard.record.lead import lead_in
 from nanguard.record.process import alive
 from nanguard.record.spike_run import measure_run, merge_measures
 from nanguard.record.store import dec, open_run, step_count
@@ -143,21 +144,6 @@ def _json_safe(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_json_safe(v) for v in obj]
     return obj
-
-
-def lead_in(warnings: list[int], failure: int, window: int) -> int | None:
-    """The first warning of a failure at step `failure`: the first of the run of warnings
-    (steps of alarms) that led into it, walking back from the failure while each warning
-    comes no more than `window` steps before the next one (or the failure). Warnings that
-    kept coming from step 2 to a NaN at step 18 all belong to it; a spike long before, with
-    quiet steps between, does not. None when no warning came within `window` steps."""
-    first = None
-    edge = failure
-    for s in sorted({s for s in warnings if s <= failure}, reverse=True):
-        if edge - s > window:
-            break
-        first = edge = s
-    return first
 
 
 def build_report(
