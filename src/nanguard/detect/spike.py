@@ -7,7 +7,7 @@ from typing import Any
 
 from nanguard.config import DetectConfig
 from nanguard.detect.alarm import Alarm
-from nanguard.detect.bad_batch import BAD_BATCH, LossOutlier, judge
+from nanguard.detect.bad_batch import BAD_BATCH, LossOutlier, judge, steady
 from nanguard.detect.base import Append, Norms
 from nanguard.detect.series import LEVEL_MIN_STEPS, SeriesDetector, robust_z
 from nanguard.detect.short_batch import batch_rows, noise_scale
@@ -53,6 +53,10 @@ class SpikeDetector(SeriesDetector):
         self.prev_lr: float | None = None  # ...and of the step before that
         self.last_spike: int | None = None  # the step of the last spike (either signal)
         self.usual_rows = 0  # the largest batch (samples) seen (`quiet` samples it)
+        # (step, LR note) of this step's grad-norm spike whose loss stayed at its level, after
+        # a quiet step at a steady LR: a bad batch if its replay shows rows far out
+        # (`bad_batch.by_rows`, asked by the spike's explanation); None otherwise
+        self.row_suspect: tuple[int, str] | None = None
         self._jump = math.log10(config.spike_min_ratio)  # `trend_jump`'s least jump
 
     def check(self, stats: StepStats) -> list[Alarm]:
@@ -75,6 +79,11 @@ class SpikeDetector(SeriesDetector):
                 for a in alarms:
                     a.cause = BAD_BATCH
                     a.message += f"; {cause}"
+            elif spiked and outlier is None:
+                note = steady(stats.step, lr=stats.lr, last_lr=self.last_lr,
+                              prev_lr=self.prev_lr, last_spike=self.last_spike,
+                              before_jump=jump)
+                self.row_suspect = None if note is None else (stats.step, note)
             self.last_spike = stats.step
         self.prev_lr, self.last_lr = self.last_lr, stats.lr
         return alarms

@@ -83,6 +83,18 @@ def loss_level(detectors: Iterable[object]) -> float | None:
     return None
 
 
+def row_suspect(detectors: Iterable[object], step: int) -> str | None:
+    """The spike detector's LR note when step `step`'s grad-norm spike came after a quiet step
+    at a steady LR with the batch's loss at its level (`SpikeDetector.row_suspect`): what a
+    bad batch named on its rows alone needs besides the rows (`detect.bad_batch.by_rows`)."""
+    from nanguard.detect.spike import SpikeDetector
+
+    for d in detectors:
+        if isinstance(d, SpikeDetector) and d.row_suspect and d.row_suspect[0] == step:
+            return d.row_suspect[1]
+    return None
+
+
 def spike_note(found: Mapping[str, Any]) -> str:
     """What the alarm's message gains from `explain_spike`: the layers and samples that
     carry it, and the re-run verdict."""
