@@ -38,7 +38,7 @@ class SpikeDetector(SeriesDetector):
 
     A batch smaller than the largest one seen (an epoch's short last batch) has its grad norm
     judged as a full batch's of the same noise (`detect.short_batch`); the quiet path needs
-    no scaling (scaling only lowers a norm), it only notes the usual size now and then.
+    no scaling (scaling only lowers a norm), it only notes the usual size once.
     """
 
     phase = "pre"
@@ -52,7 +52,7 @@ class SpikeDetector(SeriesDetector):
         self.last_lr: float | None = None  # the LR of the step seen before
         self.prev_lr: float | None = None  # ...and of the step before that
         self.last_spike: int | None = None  # the step of the last spike (either signal)
-        self.usual_rows = 0  # the largest batch (samples) seen (`quiet` samples it)
+        self.usual_rows = 0  # the largest batch (samples) seen (the first quiet step's, `check`'s)
         # (step, LR note) of this step's grad-norm spike whose loss stayed at its level, after
         # a quiet step at a steady LR: a bad batch if its replay shows rows far out
         # (`bad_batch.by_rows`, asked by the spike's explanation); None otherwise
@@ -123,10 +123,12 @@ class SpikeDetector(SeriesDetector):
                 return None
             lost = (llx, 10 ** losses.mid if len(s) >= LEVEL_MIN_STEPS else None)
         # Quiet: what `check` changes (`_note_level` inline, before the append as there).
-        # The usual batch size, from the first quiet step and every 64th (a quiet run's
-        # `check` may never run before an epoch's short last batch; one bit test a step).
-        if not self.usual_rows or not stats.step & 63:
-            self.usual_rows = max(self.usual_rows, batch_rows(stats))
+        # The usual batch size, from the first quiet step (a quiet run's `check` may never
+        # run before an epoch's short last batch), then from the steps `check` sees: one
+        # attribute test a quiet step. (A batch size that grows later, seen only by quiet
+        # steps, leaves it low: a larger batch is never scaled, a shorter one less.)
+        if not self.usual_rows:
+            self.usual_rows = batch_rows(stats)
         peak = self.peak
         appends: list[Append] = []
         if grad is not None:
