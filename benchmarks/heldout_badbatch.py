@@ -19,15 +19,18 @@ in turn: one word repeated, random words, the text under a permuted vocabulary.
 
 Configurations: `plain` (`--clip 1e9`: `main.py` always clips), `clip` (`--clip 0.25`, its
 default), and `nanguard run --policy P` for observe, skip and heal (`--clip 1e9`), `heal_clip`
-(heal with `--clip 0.25`); `healthy` runs observe and heal on the clean corpus (no plant).
+(heal with `--clip 0.25`); `healthy` and `healthy_observe` run heal and observe on the clean
+corpus (no plant).
 
 Per run, from the losses `main.py` prints (`--log-interval 1`: every batch's own loss, two
-decimals, batch 0 of an epoch not printed), from step `--measure-from` on, the bad batches'
+decimals; batch 0 of an epoch is never printed and batch 1's print is batches 0 and 1 summed:
+both left out), from step `--measure-from` on, the bad batches'
 own losses left out: the measures of `heldout_spikes.py` (`measures`: independent episode
 count, share of steps in spike, final loss = mean of the last 50, peak) and the last `valid
 loss` printed. From report.json: the status, heal's LR / weight-decay cuts, the batches
 named bad (`spikes` with `cause: bad_batch`) against the plant (named true / truth + named
-false) and the rows named against the planted columns.
+false) and the rows named against the planted columns. (nanguard's rows are dim 0 of the
+batch, which for this sequence-first program is time: see BENCHMARKS.md.)
 
 Usage:
     python benchmarks/heldout_badbatch.py /path/to/pytorch-examples
@@ -54,7 +57,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "src")]
 from heldout_spikes import measures, report  # noqa: E402
 
 SRC = HERE.parent / "src"
-CONFIGS = ("plain", "clip", "observe", "skip", "heal", "heal_clip", "healthy")
+CONFIGS = ("plain", "clip", "observe", "skip", "heal", "heal_clip", "healthy",
+           "healthy_observe")
 KINDS = ("repeat", "random", "permuted")
 BATCH = re.compile(r"^\| epoch +(\d+) \| +(\d+)/ *(\d+) batches \|.*\| loss +([0-9.naif]+) \|",
                    re.M)
@@ -160,7 +164,8 @@ def run_one(examples: Path, work: Path, config: str, seed: int, args: argparse.N
         cmd = [sys.executable, *script]
     else:
         out = work / "ng"
-        policy = {"heal_clip": "heal", "healthy": "heal"}.get(config, config)
+        policy = {"heal_clip": "heal", "healthy": "heal", "healthy_observe": "observe"}.get(
+            config, config)
         cmd = [sys.executable, "-m", "nanguard", "run", "--out", str(out), "--overwrite",
                "--policy", policy, "--quiet", *script]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
@@ -177,7 +182,8 @@ def train(examples: Path, config: str, seed: int, args: argparse.Namespace) -> d
     """One run; its measures (the module docstring)."""
     with tempfile.TemporaryDirectory(prefix="heldout-wlm-") as tmp:
         work = Path(tmp)
-        planted, per_epoch = make_corpus(work / "data", seed, args, plant=config != "healthy")
+        planted, per_epoch = make_corpus(work / "data", seed, args,
+                                         plant=not config.startswith("healthy"))
         started = time.perf_counter()
         text, out = run_one(examples, work, config, seed, args)
         wall = time.perf_counter() - started

@@ -64,7 +64,8 @@ class SpikeDetector(SeriesDetector):
         before = grads[-1] if grads else None  # the step before's grad norm, if it was healthy
         rows = batch_rows(stats)
         scale = noise_scale(rows, self.usual_rows)
-        self.usual_rows = max(self.usual_rows, rows)
+        # (as the quiet path notes it: -1 when no batch is watched)
+        self.usual_rows = max(self.usual_rows, rows) or -1
         alarms, spiked = self._check_grad(stats, scale, rows)
         found, outlier = self._check_loss(stats)
         if spiked or outlier is not None:
@@ -127,8 +128,8 @@ class SpikeDetector(SeriesDetector):
         # run before an epoch's short last batch), then from the steps `check` sees: one
         # attribute test a quiet step. (A batch size that grows later, seen only by quiet
         # steps, leaves it low: a larger batch is never scaled, a shorter one less.)
-        if not self.usual_rows:
-            self.usual_rows = batch_rows(stats)
+        if not self.usual_rows:  # (-1: no batch watched, not asked again)
+            self.usual_rows = batch_rows(stats) or -1
         peak = self.peak
         appends: list[Append] = []
         if grad is not None:
