@@ -27,18 +27,28 @@ TEXT = ("the cat sat on the mat and the dog ran to the park while the bird sang 
 
 
 class CharGRU(nn.Module):
-    def __init__(self) -> None:
+    """`layout`: "batch_first" (a GRU with batch_first=True), "transposed" (batch-first input,
+    a sequence-first GRU: the model transposes inside), "seq_first" (the batch itself is
+    `(time, batch)`, as word_language_model's)."""
+
+    def __init__(self, layout: str = "batch_first") -> None:
         super().__init__()
+        self.layout = layout
         self.emb = nn.Embedding(256, 48)
-        self.rnn = nn.GRU(48, 48, batch_first=True)
+        self.rnn = nn.GRU(48, 48, batch_first=layout == "batch_first")
         self.head = nn.Linear(48, 256)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.head(self.rnn(self.emb(x))[0])
+        if self.layout == "transposed":
+            x = x.t()
+        h = self.rnn(self.emb(x))[0]
+        if self.layout == "transposed":
+            h = h.transpose(0, 1)
+        out: torch.Tensor = self.head(h)
         return out
 
 
-def _batches(plant: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(plant: bool, seq_first: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     words = TEXT.split()
     text = " ".join(words[i] for i in torch.randint(0, len(words), (3000,), generator=g))
@@ -49,7 +59,8 @@ def _batches(plant: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
         chunk = torch.stack([data[s:s + BLOCK + 1] for s in starts.tolist()])
         if plant and step == K:
             chunk[BAD_ROWS] = ord("z")  # a region of one repeated symbol
-        out.append((chunk[:, :-1], chunk[:, 1:]))
+        x, y = chunk[:, :-1], chunk[:, 1:]
+        out.append((x.t().contiguous(), y.t().contiguous()) if seq_first else (x, y))
     return out
 
 
@@ -58,16 +69,17 @@ def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.T
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[1].reshape(-1))
 
 
-def _train(tmp_path, policy: str, plant: bool = True) -> tuple[dict, list[float], list[float]]:
+def _train(tmp_path, policy: str, plant: bool = True, layout: str = "batch_first"
+           ) -> tuple[dict, list[float], list[float]]:
     """The run under `policy`; its report, the script's own grad norms and losses."""
     torch.manual_seed(0)
-    model = CharGRU()
+    model = CharGRU(layout)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     g = Guard(model, opt, replay=lambda b: _loss(model, b), config=GuardConfig(
         policy=policy, record=RecordConfig(out=str(tmp_path), summary=False)))
     norms: list[float] = []
     losses: list[float] = []
-    for batch in _batches(plant):
+    for batch in _batches(plant, seq_first=layout == "seq_first"):
         loss = _loss(model, batch)
         losses.append(loss.item())
         g.watch(loss=loss, batch=batch)
@@ -104,3 +116,21 @@ def test_heal_and_skip_answer_the_batch_and_leave_the_lr(tmp_path, policy) -> No
     if policy == "heal":
         heal = report["run"]["recovery"]["heal"]
         assert heal["bad_batches"] == [K] and heal["precursors"] == 0 and heal["cuts"] == []
+
+
+def test_a_model_that_transposes_inside_keeps_its_rows(tmp_path) -> None:
+    """A sequence-first GRU fed a batch-first batch it transposes: dim 0 is the sample axis,
+    and a one-sample replay reaches the GRU with one sequence (`pinpoint.sample_axis`)."""
+    report, _, _ = _train(tmp_path, "observe", layout="transposed")
+    spike = next(s for s in report["spikes"] if s["step"] == K)
+    assert spike["cause"] == "bad_batch" and spike["rows"] == BAD_ROWS, spike
+
+
+def test_a_sequence_first_batch_names_no_time_steps_as_rows(tmp_path) -> None:
+    """The batch is `(time, batch)`: dim 0 is time. A one-sample replay is one time step of
+    all 32 sequences, so no "row" is named (word_language_model's layout)."""
+    report, norms, _ = _train(tmp_path, "observe", layout="seq_first")
+    assert norms[K] >= 3 * max(norms[K - 20:K])  # the same spike, seen by the script
+    spike = next(s for s in report["spikes"] if s["step"] == K)
+    assert spike["samples"] == [] and not spike.get("rows"), spike
+    assert "not its sample axis" in spike["error"] and "saw 32 sequences" in spike["error"]

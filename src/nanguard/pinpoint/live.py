@@ -50,9 +50,11 @@ def explain_spike(stats: StepStats, *, replay: Replay | None, model: nn.Module,
     spike, against which the rows' own losses are judged (`pinpoint.inprocess.spike_sources`).
     The spike's entry for the run log (no `step`)."""
     from nanguard.pinpoint.inprocess import spike_sources
+    from nanguard.pinpoint.sample_axis import drop_if_not_samples, watch_sample_axis
 
     try:
-        with activations_paused(act_probe):  # per-sample forwards: not the step's
+        # per-sample forwards: not the step's; and is dim 0 their sample axis?
+        with activations_paused(act_probe), watch_sample_axis(model) as widths:
             found = spike_sources(
                 replay or (lambda _batch: torch.zeros(())), model=model,
                 params=params, param_names=param_names,
@@ -62,6 +64,7 @@ def explain_spike(stats: StepStats, *, replay: Replay | None, model: nn.Module,
                 step_rng=step_rng, loss_level=loss_level,
                 batch_loss=stats.loss if stats.loss and stats.loss > 0 else None,
             )
+        drop_if_not_samples(found, widths)
     except Exception as exc:  # noqa: BLE001 - an explanation must never stop training
         found = {"layers": [], "samples": [], "error": f"{type(exc).__name__}: {exc}"}
     if replay is not None:
