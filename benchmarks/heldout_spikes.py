@@ -278,10 +278,14 @@ def measures(cause: str, config: str, args: argparse.Namespace, losses: dict[int
     median = MedianEpisodes()
     # every iteration above 1.5x the median of the 50 before (bad batches included), with the
     # corrupted rows its batch held: what a bad batch looks like in the loss
-    history = [losses[i] for i in sorted(losses)]
-    spikes = [(i, round(history[i] / statistics.median(history[i - 50:i]), 2), counts.get(i, 0))
-              for i in range(max(50, args.measure_from), len(history))
-              if history[i] > 1.5 * statistics.median(history[i - 50:i])]
+    # (by position in the printed losses: a program that prints no loss for some steps has
+    # them missing from its keys, never a wrong step)
+    steps = sorted(losses)
+    history = [losses[i] for i in steps]
+    spikes = [(steps[k], round(history[k] / statistics.median(history[k - 50:k]), 2),
+               counts.get(steps[k], 0))
+              for k in range(50, len(history)) if steps[k] >= args.measure_from
+              and history[k] > 1.5 * statistics.median(history[k - 50:k])]
     kept = []
     for it in sorted(losses):
         if it >= args.measure_from and it not in truth:

@@ -14,9 +14,12 @@ then nothing in the model or the optimizer changed between a healthy step and th
 batch: the batch is the cause. The fix is about that batch (discard or clip its update, name
 it and its rows), never the LR or the weight decay.
 
-A gradient spike whose batch's loss stays at its level is not called a bad batch: that is the
-signature of an unstable optimizer (the update of the step before pushed the weights to where
-any batch's gradient is large; its loss spike comes one step later), which `heal` corrects.
+A gradient spike whose batch's loss stays at its level is not called a bad batch on that
+evidence: it is also the signature of an unstable optimizer (the update of the step before
+pushed the weights to where any batch's gradient is large; its loss spike comes one step
+later), which `heal` corrects. It is one when, under the same quiet-step and steady-LR
+conditions, the spike's replay shows a few rows carrying the gradient far above the others
+(`by_rows`): a row of one repeated symbol has an ordinary loss and a huge gradient.
 
 `judge` runs only on a step where the spike detector fired: the quiet step pays nothing.
 """
@@ -39,6 +42,12 @@ _PRECURSOR = 3.0
 """A grad norm this many times its recent level on the step before is a precursor that may
 have made this step's loss (heal's own precursor ratio, `HealConfig.ratio`); below it, small
 batches' gradients jump 1.5-2x too often to rule the batch out."""
+
+
+ROW_Z = 10.0
+"""How far (robust sigma over the batch's rows) a row's own gradient norm must stand out for a
+grad-norm spike to be named a bad batch on its rows alone (`by_rows`): repeated-symbol rows
+stand at 17-22 (nanoGPT, a tiny char GRU); the replay names a row at 3.5."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,19 @@ def judge(step: int, outlier: LossOutlier | None, *, lr: float | None, last_lr: 
     """
     if outlier is None:
         return None
+    lr_note = steady(step, lr=lr, last_lr=last_lr, prev_lr=prev_lr, last_spike=last_spike,
+                     before_jump=before_jump)
+    if lr_note is None:
+        return None
+    return (f"a bad batch: its own loss {outlier.loss:.4g} is {outlier.loss / outlier.level:.3g}x "
+            f"its recent level {outlier.level:.4g} ({outlier.z:.0f} sigma) before its update, "
+            f"after a quiet step, {lr_note}: the data, not the model or the optimizer")
+
+
+def steady(step: int, *, lr: float | None, last_lr: float | None, prev_lr: float | None,
+           last_spike: int | None, before_jump: float | None) -> str | None:
+    """Whether nothing but the batch changed between a quiet step and `step` (`judge`'s
+    arguments): a note on the LR ("LR unchanged (0.003)") when so, else None."""
     if last_spike is not None and last_spike >= step - 1:
         return None  # the parameters that computed this loss came from a spiking step
     if before_jump is not None and before_jump >= _PRECURSOR:
@@ -80,12 +102,25 @@ def judge(step: int, outlier: LossOutlier | None, *, lr: float | None, last_lr: 
     if lr is not None and last_lr is not None and last_lr > 0 and math.isfinite(lr):
         if abs(lr / last_lr - 1.0) > _LR_STEADY:
             return None  # the LR moved: a cause of its own
-        lr_note = f"LR unchanged ({lr:.3g})"
-    else:
-        lr_note = "no LR change seen"
-    return (f"a bad batch: its own loss {outlier.loss:.4g} is {outlier.loss / outlier.level:.3g}x "
-            f"its recent level {outlier.level:.4g} ({outlier.z:.0f} sigma) before its update, "
-            f"after a quiet step, {lr_note}: the data, not the model or the optimizer")
+        return f"LR unchanged ({lr:.3g})"
+    return "no LR change seen"
+
+
+def by_rows(found: dict[str, Any], lr_note: str) -> str | None:
+    """A grad-norm spike whose batch's loss stayed at its level, after a quiet step at a
+    steady LR (`lr_note`, from `steady`): a bad batch when the replay (`found`, from
+    `pinpoint.live.explain_spike`) shows a few rows carrying its gradient, each `ROW_Z` or more
+    robust sigma above the batch's other rows (a row of one repeated symbol: its loss is no
+    outlier, its gradient is). An unstable optimizer raises every row's gradient together:
+    no row stands out. The sentence for the alarm, or None."""
+    rows = [d for d in found.get("samples") or [] if float(d.get("z", 0.0)) >= ROW_Z]
+    if not rows:
+        return None
+    z = min(float(d["z"]) for d in rows)
+    names = ", ".join(str(d["index"]) for d in rows)
+    return (f"a bad batch: row(s) {names} carry its gradient ({z:.0f} sigma or more above the "
+            f"batch's other rows, replayed before its update), after a quiet step, {lr_note}: "
+            "the data, not the model or the optimizer")
 
 
 def batch_fingerprint(hashes: list[int]) -> str | None:

@@ -7,9 +7,10 @@ from typing import Any
 
 from nanguard.config import DetectConfig
 from nanguard.detect.alarm import Alarm
-from nanguard.detect.bad_batch import BAD_BATCH, LossOutlier, judge
+from nanguard.detect.bad_batch import BAD_BATCH, LossOutlier, judge, steady
 from nanguard.detect.base import Append, Norms
 from nanguard.detect.series import LEVEL_MIN_STEPS, SeriesDetector, robust_z
+from nanguard.detect.short_batch import batch_rows, noise_scale
 from nanguard.detect.trend import recent_level, trend_jump, trend_z
 from nanguard.watch.stats import StepStats
 
@@ -34,6 +35,10 @@ class SpikeDetector(SeriesDetector):
 
     A spike whose batch's own loss is an outlier after a quiet step, at an unchanged LR, is
     named a bad batch (`detect.bad_batch`): its alarms carry `cause="bad_batch"`.
+
+    A batch smaller than the largest one seen (an epoch's short last batch) has its grad norm
+    judged as a full batch's of the same noise (`detect.short_batch`); the quiet path needs
+    no scaling (scaling only lowers a norm), it only notes the usual size once.
     """
 
     phase = "pre"
@@ -47,12 +52,21 @@ class SpikeDetector(SeriesDetector):
         self.last_lr: float | None = None  # the LR of the step seen before
         self.prev_lr: float | None = None  # ...and of the step before that
         self.last_spike: int | None = None  # the step of the last spike (either signal)
+        self.usual_rows = 0  # the largest batch (samples) seen (the first quiet step's, `check`'s)
+        # (step, LR note) of this step's grad-norm spike whose loss stayed at its level, after
+        # a quiet step at a steady LR: a bad batch if its replay shows rows far out
+        # (`bad_batch.by_rows`, asked by the spike's explanation); None otherwise
+        self.row_suspect: tuple[int, str] | None = None
         self._jump = math.log10(config.spike_min_ratio)  # `trend_jump`'s least jump
 
     def check(self, stats: StepStats) -> list[Alarm]:
         grads = self.history["grad_norm"]
         before = grads[-1] if grads else None  # the step before's grad norm, if it was healthy
-        alarms, spiked = self._check_grad(stats)
+        rows = batch_rows(stats)
+        scale = noise_scale(rows, self.usual_rows)
+        # (as the quiet path notes it: -1 when no batch is watched)
+        self.usual_rows = max(self.usual_rows, rows) or -1
+        alarms, spiked = self._check_grad(stats, scale, rows)
         found, outlier = self._check_loss(stats)
         if spiked or outlier is not None:
             alarms += found
@@ -66,6 +80,11 @@ class SpikeDetector(SeriesDetector):
                 for a in alarms:
                     a.cause = BAD_BATCH
                     a.message += f"; {cause}"
+            elif spiked and outlier is None:
+                note = steady(stats.step, lr=stats.lr, last_lr=self.last_lr,
+                              prev_lr=self.prev_lr, last_spike=self.last_spike,
+                              before_jump=jump)
+                self.row_suspect = None if note is None else (stats.step, note)
             self.last_spike = stats.step
         self.prev_lr, self.last_lr = self.last_lr, stats.lr
         return alarms
@@ -105,6 +124,12 @@ class SpikeDetector(SeriesDetector):
                 return None
             lost = (llx, 10 ** losses.mid if len(s) >= LEVEL_MIN_STEPS else None)
         # Quiet: what `check` changes (`_note_level` inline, before the append as there).
+        # The usual batch size, from the first quiet step (a quiet run's `check` may never
+        # run before an epoch's short last batch), then from the steps `check` sees: one
+        # attribute test a quiet step. (A batch size that grows later, seen only by quiet
+        # steps, leaves it low: a larger batch is never scaled, a shorter one less.)
+        if not self.usual_rows:  # (-1: no batch watched, not asked again)
+            self.usual_rows = batch_rows(stats) or -1
         peak = self.peak
         appends: list[Append] = []
         if grad is not None:
@@ -120,13 +145,21 @@ class SpikeDetector(SeriesDetector):
         self.prev_lr, self.last_lr = self.last_lr, stats.lr
         return appends
 
-    def _check_grad(self, stats: StepStats) -> tuple[list[Alarm], bool]:
+    def _check_grad(self, stats: StepStats, scale: float = 1.0, rows: int = 0
+                    ) -> tuple[list[Alarm], bool]:
         """The grad norm's tests: (alarms, whether it spiked: an alarm a cooldown silenced
-        still keeps the value out of the window)."""
+        still keeps the value out of the window). `scale`: `short_batch.noise_scale` of a
+        batch of `rows` samples, below 1 for a batch shorter than the usual."""
         x = stats.grad_norm
         hist = self.history["grad_norm"]
         if not math.isfinite(x) or x <= 0 or stats.nonfinite_grads:
             return [], False
+        short = ""
+        if scale < 1.0:
+            short = (f" (measured {x:.3g} on a batch of {rows} samples, not "
+                     f"{self.usual_rows}: scaled by sqrt({rows}/{self.usual_rows}) for its "
+                     "noisier gradient)")
+            x *= scale
         lx = math.log10(x)
         cfg = self.config
         alarms: list[Alarm] = []
@@ -140,11 +173,15 @@ class SpikeDetector(SeriesDetector):
             # is a spike however noisy the history was (unless it stays far below the run's scale).
             # It only matters once the ratio test passed: computed then (its MAD sorts).
             z = math.nan
+            # (a short batch's norm is scaled, but `spike_hard_ratio` x the median measured
+            # as it is stays a spike: noise that large would take a batch of 1/900 the size)
+            raw = ratio / scale
             if (
-                ratio >= cfg.spike_ratio  # the cheap test first: no side effects
+                raw >= cfg.spike_ratio  # the cheap test first: no side effects
                 and self._reaches_level("grad_norm", x)
-                and ((z := robust_z(lx, hist, floor=0.05)[0]) >= cfg.spike_z
-                     or ratio >= cfg.spike_hard_ratio)
+                and (((z := robust_z(lx, hist, floor=0.05)[0]) >= cfg.spike_z
+                      and ratio >= cfg.spike_ratio)
+                     or raw >= cfg.spike_hard_ratio)
             ):
                 is_spike = True
                 alarms = self._fire(
@@ -153,7 +190,7 @@ class SpikeDetector(SeriesDetector):
                     "grad_norm",
                     x,
                     f"grad norm {x:.3g} is {ratio:.3g}x its recent median {10**med:.3g} "
-                    f"(robust z {z:.1f})",
+                    f"(robust z {z:.1f}){short}",
                 )
             elif trend_jump(lx, hist, cfg) and self._reaches_level("grad_norm", x):
                 tz, level = trend_z(lx, hist, cfg.spike_level_steps, floor=1e-3)
@@ -162,7 +199,7 @@ class SpikeDetector(SeriesDetector):
                     alarms = self._fire(
                         stats, "spike", "grad_norm", x,
                         f"grad norm {x:.3g} is {10 ** (lx - level):.3g}x its recent level "
-                        f"{10 ** level:.3g} ({tz:.0f} sigma of its step-to-step changes)")
+                        f"{10 ** level:.3g} ({tz:.0f} sigma of its step-to-step changes){short}")
         elif (hist and 10 ** (lx - med) >= cfg.early_spike_ratio
               and 10 ** (lx - hist.largest()) >= EARLY_OVER_LARGEST):
             # Too little history for statistics: only the unmistakable case, a jump far above
@@ -176,7 +213,7 @@ class SpikeDetector(SeriesDetector):
                 stats, "spike", "grad_norm", x,
                 f"grad norm {x:.3g} is {ratio:.3g}x the median of the {len(hist)} healthy "
                 f"step(s) so far ({10 ** med:.3g}; largest "
-                f"{10 ** hist.largest():.3g})",
+                f"{10 ** hist.largest():.3g}){short}",
             )
         if not is_spike:
             hist.append(lx)
@@ -207,10 +244,11 @@ class SpikeDetector(SeriesDetector):
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "last_lr": self.last_lr, "prev_lr": self.prev_lr,
-                "last_spike": self.last_spike}
+                "last_spike": self.last_spike, "usual_rows": self.usual_rows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.last_lr = state.get("last_lr")  # absent in states saved before the loss test
         self.prev_lr = state.get("prev_lr")  # (absent before the LR of two steps back)
         self.last_spike = state.get("last_spike")
+        self.usual_rows = int(state.get("usual_rows", 0))  # (absent before short batches)

@@ -50,9 +50,11 @@ def explain_spike(stats: StepStats, *, replay: Replay | None, model: nn.Module,
     spike, against which the rows' own losses are judged (`pinpoint.inprocess.spike_sources`).
     The spike's entry for the run log (no `step`)."""
     from nanguard.pinpoint.inprocess import spike_sources
+    from nanguard.pinpoint.sample_axis import drop_if_not_samples, watch_sample_axis
 
     try:
-        with activations_paused(act_probe):  # per-sample forwards: not the step's
+        # per-sample forwards: not the step's; and is dim 0 their sample axis?
+        with activations_paused(act_probe), watch_sample_axis(model) as widths:
             found = spike_sources(
                 replay or (lambda _batch: torch.zeros(())), model=model,
                 params=params, param_names=param_names,
@@ -62,6 +64,7 @@ def explain_spike(stats: StepStats, *, replay: Replay | None, model: nn.Module,
                 step_rng=step_rng, loss_level=loss_level,
                 batch_loss=stats.loss if stats.loss and stats.loss > 0 else None,
             )
+        drop_if_not_samples(found, widths)
     except Exception as exc:  # noqa: BLE001 - an explanation must never stop training
         found = {"layers": [], "samples": [], "error": f"{type(exc).__name__}: {exc}"}
     if replay is not None:
@@ -80,6 +83,18 @@ def loss_level(detectors: Iterable[object]) -> float | None:
     for d in detectors:
         if isinstance(d, SpikeDetector) and (hist := d.history["loss"]):
             return float(10 ** recent_level(hist, d.config.spike_level_steps))
+    return None
+
+
+def row_suspect(detectors: Iterable[object], step: int) -> str | None:
+    """The spike detector's LR note when step `step`'s grad-norm spike came after a quiet step
+    at a steady LR with the batch's loss at its level (`SpikeDetector.row_suspect`): what a
+    bad batch named on its rows alone needs besides the rows (`detect.bad_batch.by_rows`)."""
+    from nanguard.detect.spike import SpikeDetector
+
+    for d in detectors:
+        if isinstance(d, SpikeDetector) and d.row_suspect and d.row_suspect[0] == step:
+            return d.row_suspect[1]
     return None
 
 

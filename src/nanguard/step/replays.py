@@ -97,6 +97,13 @@ class StepReplays:
             loss_level=pinpoint.loss_level(self._parts.detectors))
         if alarm.kind != "spike":  # an overflow the spike detector could not see (step 0)
             found["alarm"] = alarm.kind
+        elif (alarm.cause is None and alarm.signal == "grad_norm"
+              and (note := pinpoint.row_suspect(self._parts.detectors, stats.step))
+              and (cause := bad_batch.by_rows(found, note))):
+            # the rows the replay just measured name the batch (no loss outlier needed):
+            # before the policy decides, so skip and heal act on a bad batch
+            alarm.cause = bad_batch.BAD_BATCH
+            alarm.message += f"; {cause}"
         found.update(bad_batch.spike_entry(stats, alarm, found))
         self._parts.log.add_spike(stats.step, found)
         alarm.message += pinpoint.spike_note(found)
