@@ -192,7 +192,8 @@ def bad_batch(ev: Evidence) -> Cause | None:
     return weigh_verdict(ev, Cause(
         cause="bad_batch",
         confidence=0.5,
-        evidence=f"gradient spikes at steps {steps[:6]} without a NaN: finite but extreme samples",
+        evidence=f"gradient spikes at steps {steps[:6]} without a NaN, none of them traced to its "
+        "batch (`bad_batch` named on none): finite but extreme samples are not ruled out",
         fix="look up those steps' batch fingerprints in run.db (table `batches`) and scan the "
         "data (`nanguard scan`); clip the grad norm",
     ))
