@@ -67,13 +67,16 @@ def _history_folder(run: str, info: dict[str, Any], first: dict[str, Any] | None
     or ranks) the part where the first non-finite value showed, else the first part."""
     if (Path(run) / DB_NAME).is_file():
         return run
-    parts = info.get("parts") or {}
-    label = (first or {}).get("part") or next(iter(parts), None)
-    folder = (parts.get(label) or {}).get("folder") if label else None
-    if folder and (Path(folder) / DB_NAME).is_file():
-        return str(folder)
-    if label and (Path(run) / label / DB_NAME).is_file():
-        return str(Path(run) / label)
+    label = (first or {}).get("part") or next(iter(info.get("parts") or {}), None)
+    return _part_folder(run, info, label) if label else None
+
+
+def _part_folder(run: str, info: dict[str, Any], label: str) -> str | None:
+    """The folder holding part `label`'s run.db: as report.json records it, else `run/label`."""
+    folder = ((info.get("parts") or {}).get(label) or {}).get("folder")
+    for where in (folder, str(Path(run) / label)):
+        if where and (Path(where) / DB_NAME).is_file():
+            return str(where)
     return None
 
 
@@ -124,23 +127,19 @@ def _print_one(console: Console, folder_arg: str, report: Any, *, full: bool) ->
 
 def _parts_steps(run: str, info: dict[str, Any], first: dict[str, Any] | None
                  ) -> dict[str, list[dict[str, float | None]]]:
-    """Each part's last steps for a merged run (several optimizers or ranks), labelled as the
-    closing summary labels them: the failing part's up to its first non-finite value; of
-    optimizers built one after the other over the same parameters (a chain), only the last
-    and the failing one. Empty for a run of one part."""
-    parts = info.get("parts") or {}
+    """Each part's last steps for a merged run (several optimizers or ranks), the parts the
+    closing summary shows (`show.summary.parts_shown`), the failing one's up to its first
+    non-finite value. Empty for a run of one part."""
+    from nanguard.show.summary import parts_shown
+
+    parts = list(info.get("parts") or {})
     if len(parts) < 2 or (Path(run) / DB_NAME).is_file():
         return {}
     failing = (first or {}).get("part")
-    earlier = {name for chain in info.get("optimizer_chains") or [] for name in chain[:-1]}
     out: dict[str, list[dict[str, float | None]]] = {}
-    for label, part in parts.items():
-        if label in earlier and label != failing:
-            continue
-        folder = (part or {}).get("folder")
-        for where in (folder, str(Path(run) / label)):
-            if where and (Path(where) / DB_NAME).is_file():
-                until = first["step"] + 1 if first and label == failing else None
-                out[label] = _last_steps(where, until)
-                break
+    for label in parts_shown(info, parts, failing):
+        folder = _part_folder(run, info, label)
+        if folder is not None:
+            until = first["step"] + 1 if first and label == failing else None
+            out[label] = _last_steps(folder, until)
     return out

@@ -68,18 +68,14 @@ def say(line: str, prefix: str = "") -> None:
 def print_run_summary(report: Report, disc: Discovery, target: Watched | None) -> None:
     """The closing summary (show/summary.py) with the failing part's history, or each
     part's when several optimizers were watched."""
-    from nanguard.show.summary import print_summary
+    from nanguard.show.summary import parts_shown, print_summary
 
     history = target.guard.history if target is not None and target.guard is not None else []
     parts: dict[str, Any] = {}
     if len(disc.watched) > 1:
-        # Of optimizers built one after the other over the same parameters (a chain), the
-        # last one's table and the failing one's: the others are the same training's
-        # earlier steps.
-        earlier = {name for chain in report.run.get("optimizer_chains") or []
-                   for name in chain[:-1]}
-        parts = {w.name: w.guard.history for w in disc.watched
-                 if w.guard is not None and (w is target or w.name not in earlier)}
+        watched = {w.name: w.guard.history for w in disc.watched if w.guard is not None}
+        shown = parts_shown(report.run, list(watched), target.name if target else None)
+        parts = {name: watched[name] for name in shown}
     elif not history and len(disc.watched) == 1 and disc.watched[0].guard is not None:
         history = disc.watched[0].guard.history
     sys.stdout.flush()

@@ -33,8 +33,9 @@ from nanguard.show.tables import (
 )
 from nanguard.watch.stats import StepStats
 
-__all__ = ["BUDGET", "SERIES", "first_where", "heal_line", "headline", "print_last_steps",
-           "print_summary", "report_spike_line", "sparkline", "spike_line", "step_row"]
+__all__ = ["BUDGET", "SERIES", "first_where", "heal_line", "headline", "parts_shown",
+           "print_last_steps", "print_summary", "report_spike_line", "sparkline", "spike_line",
+           "step_row"]
 
 BUDGET = 25
 """Lines the default summary may take at the console's width."""
@@ -102,6 +103,16 @@ def print_summary(
         return
     for line in compact_lines(report, parts, own, max(40, console.width)):
         console.print(line, soft_wrap=True)
+
+
+def parts_shown(run: Mapping[str, Any], labels: Sequence[str], failing: str | None
+                ) -> list[str]:
+    """The parts of a merged run whose steps the summary shows: every one of `labels` but,
+    of optimizers built one after the other over the same parameters (a chain, report.json
+    `run.optimizer_chains`), the earlier ones, which are the same training's earlier steps;
+    the failing part always."""
+    earlier = {name for chain in run.get("optimizer_chains") or [] for name in chain[:-1]}
+    return [label for label in labels if label == failing or label not in earlier]
 
 
 def _status_line(report: Report, width: int | None = None) -> Text:

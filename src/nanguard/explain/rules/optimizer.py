@@ -374,11 +374,13 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
             spike_ratio = float(spikes[0]["value"]) / healthy
             why.append(f"the first spike was {spike_ratio:.3g}x the healthy grad norm "
                        f"{healthy:.3g}")
-        if spikes and spikes[0].get("cause") == "bad_batch":
-            # The live line named the batch; the run's story keeps it: the data set the
-            # spike off, the optimizer is what turned it into a failure.
-            why.append(f"it began with a bad batch at step {spikes[0]['step']} (the data "
-                       "set it off; the optimizer fed it back)")
+    # The first spike's batch named its cause (the live line said so): the run's story keeps
+    # it: the data set the spike off, the optimizer is what turned it into a failure.
+    first_spike = next((a for a in warn if a["kind"] == "spike"), {})
+    by_batch = first_spike.get("cause") == "bad_batch"
+    if by_batch:
+        why.append(f"it began with a bad batch at step {first_spike['step']} (the data set it "
+                   "off; the optimizer fed it back)")
     if jump:
         name = "grad norm" if jump["signal"] == "grad_norm" else "loss"
         went = [f"the {name} went {jump['before']:.3g} -> {jump['after']:.3g} "
@@ -458,12 +460,11 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
         lower = (f"lower the LR: heal cut it {n} time{'s' if n > 1 else ''} in this run, {lr} "
                  f"-> lr={at:.3g} ({at / ev.lr:.3g}x); start at or below {start}")
     clip = _clip_fix(ev, healthy)
-    # A script that turned its own clipping off: turning it back on is the first fix.
-    fixes = [clip, lower] if ev.clip == 0 else [lower, clip]
-    if warn and any(a["kind"] == "spike" and a.get("cause") == "bad_batch" for a in warn[:1]):
+    if by_batch:
         clip += ("; find the bad batch (report.json `spikes`: its fingerprint and the rows "
                  "that stand out) and clean that data")
-        fixes = [clip, lower] if ev.clip == 0 else [lower, clip]
+    # A script that turned its own clipping off: turning it back on is the first fix.
+    fixes = [clip, lower] if ev.clip == 0 else [lower, clip]
     return weigh_verdict(ev, Cause(
         cause="optimizer_divergence",
         confidence=conf,
