@@ -19,8 +19,9 @@ in turn: one word repeated, random words, the text under a permuted vocabulary.
 
 Configurations: `plain` (`--clip 1e9`: `main.py` always clips), `clip` (`--clip 0.25`, its
 default), and `nanguard run --policy P` for observe, skip and heal (`--clip 1e9`), `heal_clip`
-(heal with `--clip 0.25`); `healthy` and `healthy_observe` run heal and observe on the clean
-corpus (no plant).
+(heal with `--clip 0.25`), `observe_clip` (observe with it); `healthy` and `healthy_observe`
+run heal and observe on the clean corpus (no plant), `healthy_clip` heal on it with `--clip
+0.25`.
 
 Per run, from the losses `main.py` prints (`--log-interval 1`: every batch's own loss, two
 decimals; batch 0 of an epoch is never printed and batch 1's print is batches 0 and 1 summed:
@@ -57,8 +58,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "src")]
 from heldout_spikes import measures, report  # noqa: E402
 
 SRC = HERE.parent / "src"
-CONFIGS = ("plain", "clip", "observe", "skip", "heal", "heal_clip", "healthy",
-           "healthy_observe")
+CONFIGS = ("plain", "clip", "observe", "skip", "heal", "heal_clip", "observe_clip", "healthy",
+           "healthy_observe", "healthy_clip")
 KINDS = ("repeat", "random", "permuted")
 BATCH = re.compile(r"^\| epoch +(\d+) \| +(\d+)/ *(\d+) batches \|.*\| loss +([0-9.naif]+) \|",
                    re.M)
@@ -152,7 +153,7 @@ def make_corpus(folder: Path, seed: int, args: argparse.Namespace, plant: bool
 def run_one(examples: Path, work: Path, config: str, seed: int, args: argparse.Namespace
             ) -> tuple[str, Path | None]:
     """One `main.py` process under `config`; its output and its nanguard run folder."""
-    clip = args.clip if config in ("clip", "heal_clip") else "1e9"
+    clip = args.clip if config.endswith("clip") else "1e9"
     script = [str(examples / "word_language_model" / "main.py"), "--data", str(work / "data"),
               "--model", args.model, "--emsize", str(args.emsize), "--nhid", str(args.nhid),
               "--nlayers", str(args.nlayers), "--batch_size", str(args.batch_size),
@@ -164,8 +165,8 @@ def run_one(examples: Path, work: Path, config: str, seed: int, args: argparse.N
         cmd = [sys.executable, *script]
     else:
         out = work / "ng"
-        policy = {"heal_clip": "heal", "healthy": "heal", "healthy_observe": "observe"}.get(
-            config, config)
+        policy = {"heal_clip": "heal", "observe_clip": "observe", "healthy": "heal",
+                  "healthy_observe": "observe", "healthy_clip": "heal"}.get(config, config)
         cmd = [sys.executable, "-m", "nanguard", "run", "--out", str(out), "--overwrite",
                "--policy", policy, "--quiet", *script]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",

@@ -190,8 +190,14 @@ class Guard:
         self._pipe.watch_micro_batch(batch)
 
     def note_clip_norm(self, total_norm: torch.Tensor | float) -> None:
-        """Give the guard what your `clip_grad_norm_` returned, before `optimizer.step()`: the
-        spike measures score the norm before clipping, as OLMo does (`steps.clip_norm`)."""
+        """Give the guard what your `clip_grad_norm_` returned, before `optimizer.step()`.
+
+        Read with the step's own values (no extra host read). The grad-norm detectors judge
+        it, not the clipped gradients (a clip below the usual norm makes every step read
+        `max_norm`: a bad batch's spike was invisible), the spike measures score it, as OLMo
+        does, run.db keeps it as `steps.clip_norm`, and a spike's re-run compares its
+        gradients through it. `nanguard run` calls this for you. A DTensor total (FSDP2) is
+        ignored: its value needs a collective."""
         self._pipe.note_clip_norm(total_norm)
 
     def before_update(self) -> None:

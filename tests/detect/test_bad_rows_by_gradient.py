@@ -69,9 +69,11 @@ def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.T
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[1].reshape(-1))
 
 
-def _train(tmp_path, policy: str, plant: bool = True, layout: str = "batch_first"
-           ) -> tuple[dict, list[float], list[float]]:
-    """The run under `policy`; its report, the script's own grad norms and losses."""
+def _train(tmp_path, policy: str, plant: bool = True, layout: str = "batch_first",
+           clip: float | None = None) -> tuple[dict, list[float], list[float]]:
+    """The run under `policy`; its report, the script's own grad norms and losses. `clip`:
+    the script clips to that norm (`clip_grad_norm_`) and hands its total to the guard; its
+    grad norms are then the totals the clip returned (before clipping)."""
     torch.manual_seed(0)
     model = CharGRU(layout)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -85,7 +87,13 @@ def _train(tmp_path, policy: str, plant: bool = True, layout: str = "batch_first
         g.watch(loss=loss, batch=batch)
         opt.zero_grad()
         loss.backward()
-        norms.append(float(torch.sqrt(sum((p.grad ** 2).sum() for p in model.parameters()))))
+        if clip is None:
+            norms.append(float(torch.sqrt(sum((p.grad ** 2).sum()
+                                              for p in model.parameters()))))
+        else:
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            g.note_clip_norm(total)
+            norms.append(float(total))
         opt.step()
     g.close()
     return json.loads((tmp_path / "report.json").read_text()), norms, losses
@@ -134,3 +142,22 @@ def test_a_sequence_first_batch_names_no_time_steps_as_rows(tmp_path) -> None:
     spike = next(s for s in report["spikes"] if s["step"] == K)
     assert spike["samples"] == [] and not spike.get("rows"), spike
     assert "not its sample axis" in spike["error"] and "saw 32 sequences" in spike["error"]
+
+
+@pytest.mark.parametrize("policy", ["observe", "heal"])
+def test_a_script_that_clips_is_judged_before_its_clip(tmp_path, policy) -> None:
+    """The script clips to 0.2, below its usual grad norm (word_language_model's `--clip
+    0.25` clips nearly every step): the gradients the optimizer sees all read ~0.2, the spike
+    is only in the total its clip measured (`Guard.note_clip_norm`). Judged on the clipped
+    norms, the run was `healthy` with no alarm."""
+    report, norms, _ = _train(tmp_path / "plant", policy, clip=0.2)
+    assert sorted(norms)[len(norms) // 2] > 0.2  # the clip acts on most steps
+    assert norms[K] >= 3 * max(norms[K - 20:K]), norms[K - 5:K + 1]  # the script's own totals
+    at_k = [a for a in report["alarms"] if a["step"] == K]
+    assert at_k and at_k[0]["cause"] == "bad_batch", report["alarms"]
+    assert at_k[0]["message"].startswith("grad norm before your clip ")
+    spike = next(s for s in report["spikes"] if s["step"] == K)
+    assert spike["rows"] == BAD_ROWS, spike
+    assert report["status"] == ("warned" if policy == "observe" else "recovered")
+    clean, _, _ = _train(tmp_path / "clean", policy, plant=False, clip=0.2)
+    assert clean["status"] == "healthy" and not clean["alarms"], clean["alarms"]

@@ -69,6 +69,9 @@ def test_nanguard_run_records_the_norm_before_the_scripts_clip(tmp_path: Path) -
     assert len(rows) == 60
     assert [r[1] for r in rows] == norms  # the same float32 values, read as floats
     assert max(r[0] for r in rows) <= 1.0 + 1e-5  # the optimizer's were clipped
+    # The detectors judge the clip's total too: the spike at 45 is named in its terms.
+    at_45 = [a for a in report(out)["alarms"] if a["step"] == 45 and a["signal"] == "grad_norm"]
+    assert at_45 and at_45[0]["message"].startswith("grad norm before your clip "), at_45
     measures = report(out)["spike_measures"]
     assert measures["score"]["grad_norm"] == round(_olmo_score(norms), 6) > 0
     assert _olmo_score([r[0] for r in rows]) != _olmo_score(norms)  # the clipped series differs

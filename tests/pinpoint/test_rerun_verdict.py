@@ -85,3 +85,42 @@ def test_a_nonfinite_finding_carries_its_verdict(tmp_path: Path) -> None:
     first = report["first_nonfinite"]
     assert first["step"] == 15 and first["reproduced"] is True
     assert first["verdict"] == "reproducible"
+
+
+def _clipped_step(norm_type: float) -> tuple[nn.Module, list[torch.Tensor], tuple, float, float]:
+    """One real step of a tiny MLP whose gradients the script clipped to 0.01 (far below their
+    norm): its model, parameters, batch, loss and the total its `clip_grad_norm_` returned."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    batch = (torch.randn(32, 6), torch.randn(32, 1))
+    loss = nn.functional.mse_loss(model(batch[0]), batch[1])
+    loss.backward()
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01, norm_type=norm_type)
+    return model, list(model.parameters()), batch, loss.item(), float(total)
+
+
+def test_a_step_the_script_clipped_is_compared_through_its_clip() -> None:
+    """Its `.grad` are the backward's times the clip's coefficient: compared with the re-run's
+    as they are, every gradient differed and a deterministic CPU step was called `transient`
+    (the tiny GPT at `--lr 1e3`: 'nondeterministic 90%'). A real difference still shows."""
+    from nanguard.pinpoint.rerun import rerun_verdict
+
+    for norm_type in (2.0, float("inf"), 1.0):
+        model, params, batch, loss, total = _clipped_step(norm_type)
+        assert total > 0.1  # the clip changed the gradients
+
+        def replay(b: tuple, model: nn.Module = model) -> torch.Tensor:
+            return nn.functional.mse_loss(model(b[0]), b[1])
+
+        got = rerun_verdict(replay, model=model, params=params, batch=batch, step_rng=None,
+                            loss=loss, clip_norm=total)
+        assert got["verdict"] == "reproducible" and got["differing"] == 0, got
+        # an L2 or max-norm clip is matched bit for bit through its total; another up to scale
+        assert ("bit for bit: software" in got["why"]) == (norm_type != 1.0), got["why"]
+        unclipped = rerun_verdict(replay, model=model, params=params, batch=batch,
+                                  step_rng=None, loss=loss)
+        assert unclipped["verdict"] == "transient"  # what the comparison without the clip said
+        params[0].grad[0, 0] += 1e-3  # one gradient the re-run does not give
+        got = rerun_verdict(replay, model=model, params=params, batch=batch, step_rng=None,
+                            loss=loss, clip_norm=total)
+        assert got["verdict"] == "transient" and got["differing"] >= 1, got

@@ -61,6 +61,8 @@ class QuietGate:
                 alarms += d.check(stats)
             return alarms
         norms = stats.sealed_norms or stats.global_norms()  # sealed: no call
+        if stats.clip_norm is not None:  # the script clipped: judged before its clip
+            norms = (stats.clip_norm, norms[1], norms[2])
         appends: list[Append] = []
         passed = True
         for d, quiet in pairs:

@@ -163,7 +163,9 @@ class SeriesDetector(Detector):
 
     @staticmethod
     def value(stats: Any, signal: str) -> float | None:
-        v = getattr(stats, signal)
+        """The value of `signal` judged on this step (the grad norm before the script's own
+        clip where it clipped: `StepStats.judged_grad_norm`)."""
+        v = getattr(stats, "judged_grad_norm" if signal == "grad_norm" else signal)
         return None if v is None else float(v)
 
     def state_dict(self) -> dict[str, Any]:

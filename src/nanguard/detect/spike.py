@@ -150,10 +150,12 @@ class SpikeDetector(SeriesDetector):
         """The grad norm's tests: (alarms, whether it spiked: an alarm a cooldown silenced
         still keeps the value out of the window). `scale`: `short_batch.noise_scale` of a
         batch of `rows` samples, below 1 for a batch shorter than the usual."""
-        x = stats.grad_norm
+        x = stats.judged_grad_norm
         hist = self.history["grad_norm"]
         if not math.isfinite(x) or x <= 0 or stats.nonfinite_grads:
             return [], False
+        # Where the script clips, the norm judged is its clip's total (`judged_grad_norm`).
+        what = "grad norm" if stats.clip_norm is None else "grad norm before your clip"
         short = ""
         if scale < 1.0:
             short = (f" (measured {x:.3g} on a batch of {rows} samples, not "
@@ -189,7 +191,7 @@ class SpikeDetector(SeriesDetector):
                     "spike",
                     "grad_norm",
                     x,
-                    f"grad norm {x:.3g} is {ratio:.3g}x its recent median {10**med:.3g} "
+                    f"{what} {x:.3g} is {ratio:.3g}x its recent median {10**med:.3g} "
                     f"(robust z {z:.1f}){short}",
                 )
             elif trend_jump(lx, hist, cfg) and self._reaches_level("grad_norm", x):
@@ -198,7 +200,7 @@ class SpikeDetector(SeriesDetector):
                     is_spike = True
                     alarms = self._fire(
                         stats, "spike", "grad_norm", x,
-                        f"grad norm {x:.3g} is {10 ** (lx - level):.3g}x its recent level "
+                        f"{what} {x:.3g} is {10 ** (lx - level):.3g}x its recent level "
                         f"{10 ** level:.3g} ({tz:.0f} sigma of its step-to-step changes){short}")
         elif (hist and 10 ** (lx - med) >= cfg.early_spike_ratio
               and 10 ** (lx - hist.largest()) >= EARLY_OVER_LARGEST):
@@ -211,7 +213,7 @@ class SpikeDetector(SeriesDetector):
             is_spike = True
             alarms = self._fire(
                 stats, "spike", "grad_norm", x,
-                f"grad norm {x:.3g} is {ratio:.3g}x the median of the {len(hist)} healthy "
+                f"{what} {x:.3g} is {ratio:.3g}x the median of the {len(hist)} healthy "
                 f"step(s) so far ({10 ** med:.3g}; largest "
                 f"{10 ** hist.largest():.3g}){short}",
             )

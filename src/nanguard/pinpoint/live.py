@@ -120,7 +120,8 @@ def rerun(stats: StepStats, replay: Replay, *, model: nn.Module, params: list[to
     try:
         with activations_paused(act_probe):
             return rerun_verdict(replay, model=model, params=params, batch=batches.last,
-                                 step_rng=step_rng, loss=stats.loss)
+                                 step_rng=step_rng, loss=stats.loss,
+                                 clip_norm=stats.clip_norm)
     except Exception as exc:  # noqa: BLE001 - a verdict must never stop training
         return {"verdict": None, "why": f"the re-run failed: {type(exc).__name__}: {exc}"}
 

@@ -79,6 +79,52 @@ def run_again(compute_loss: Callable[[Any], torch.Tensor], *, model: nn.Module,
     return out, grads
 
 
+def _total_as_clip(grads: list[torch.Tensor], norm_type: float) -> float:
+    """The gradients' total norm as `clip_grad_norm_` measures it (per-tensor norms, then the
+    norm of those, in their dtype): equal bit for bit to the total the script's clip returned
+    for the same gradients and norm."""
+    total = getattr(torch.nn.utils, "get_total_norm", None)
+    if total is not None:  # torch >= 2.6: what `clip_grad_norm_` itself calls
+        return float(total(grads, norm_type))
+    if math.isinf(norm_type):
+        return max(float(g.abs().max()) for g in grads)
+    return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2)), 2))
+
+
+def clipped_differing(grads: tuple[torch.Tensor | None, ...], trainable: list[torch.Tensor],
+                      clip_norm: float) -> tuple[int, bool]:
+    """Gradients of a re-run that differ from the step's own when the script clipped them
+    (its `clip_grad_norm_` returned `clip_norm`): the step's `.grad` are the backward's times
+    one clip coefficient, the re-run's are not. Returns (differing, exact).
+
+    The clipped gradients are checked against the re-run's scaled by the ratio of their
+    totals, within 1e-4 each; and the backward through the clip's total: the re-run's,
+    measured as the clip measures it (L2, or the max norm), equal to `clip_norm` bit for bit
+    makes the match `exact`. (A total that is not equal says little: the script may sum its
+    parameters in another order, or clip in another norm.)"""
+    pairs = [(g, p.grad) for g, p in zip(grads, trainable, strict=True)]
+    missing = sum((g is None) != (p is None) for g, p in pairs)
+    got = [(g.detach(), p.detach()) for g, p in pairs if g is not None and p is not None]
+    if missing or not got:
+        return missing, not missing
+    rerun = [g for g, _ in got]
+    totals = (_total_as_clip(rerun, 2.0), _total_as_clip(rerun, math.inf))
+    exact = any(t == clip_norm or (math.isnan(t) and math.isnan(clip_norm)) for t in totals)
+    if exact and not math.isfinite(clip_norm):
+        # A non-finite total made the clip's coefficient NaN (or 0): it rewrote every
+        # gradient, which only the total can be compared through.
+        return 0, True
+    ours = math.sqrt(sum(float(p.double().pow(2).sum()) for _, p in got))
+    theirs = math.sqrt(sum(float(g.double().pow(2).sum()) for g, _ in got))
+    if not (math.isfinite(ours) and math.isfinite(theirs)) or theirs == 0:
+        differing = sum(not _same(g, p) for g, p in got)
+    else:
+        scale = ours / theirs
+        differing = sum(not torch.allclose(g.double() * scale, p.double(), rtol=1e-4,
+                                           atol=1e-12) for g, p in got)
+    return differing, exact and not differing
+
+
 def grad_norm(grads: tuple[torch.Tensor | None, ...]) -> float:
     """The float64 norm of a re-run's gradients (inf when one overflows or is non-finite)."""
     sq = sum(float(g.detach().double().pow(2).sum()) for g in grads if g is not None)
@@ -93,6 +139,7 @@ def rerun_verdict(
     batch: Any,
     step_rng: dict[str, Any] | None,
     loss: float | None,
+    clip_norm: float | None = None,
 ) -> dict[str, Any]:
     """Run the step again and compare its loss and every gradient with the step's own.
 
@@ -103,6 +150,9 @@ def rerun_verdict(
         batch: the step's batch.
         step_rng: the RNG states at the start of the step (None: as they are now).
         loss: the loss the step computed (None when it was not watched).
+        clip_norm: the total the script's own `clip_grad_norm_` returned this step (None:
+            it did not clip): the step's gradients are clipped, the re-run's are compared
+            through that total (`clipped_differing`).
 
     Under a process group of more than one rank the step's gradients are the ranks' average
     (DDP's all-reduce), which a re-run of this rank's batch alone cannot give: there only the
@@ -122,15 +172,23 @@ def rerun_verdict(
                            step_rng=step_rng)
     value = float(out.detach().reshape(-1)[0]) if out.numel() else float("nan")
     loss_same = loss is None or value == loss or (math.isnan(value) and math.isnan(loss))
-    differing = 0 if reduced else sum(
-        not _same(g, p.grad) for g, p in zip(grads, trainable, strict=True))
+    exact = True
+    if reduced:
+        differing = 0
+    elif clip_norm is not None:
+        differing, exact = clipped_differing(grads, trainable, clip_norm)
+    else:
+        differing = sum(not _same(g, p.grad) for g, p in zip(grads, trainable, strict=True))
     ctx = context(trainable)
     deterministic, device = ctx["deterministic_algorithms"], ctx["device"]
     verdict = "reproducible" if loss_same and differing == 0 else "transient"
     if verdict == "reproducible":
         why = ("the re-run gave the same loss bit for bit (its gradients were not compared: the "
                "step's are averaged across ranks): software or data" if reduced else
-               "the re-run gave the same loss and gradients bit for bit: software or data")
+               "the re-run gave the same loss and gradients bit for bit: software or data"
+               if exact else
+               "the re-run gave the same loss bit for bit and the same gradients up to the "
+               "script's clip (within 1e-4 once scaled as it scaled them): software or data")
     elif device == "cpu" or deterministic:
         why = (f"the re-run differs ({'loss' if not loss_same else ''}"
                f"{', ' if not loss_same and differing else ''}"

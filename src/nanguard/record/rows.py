@@ -9,8 +9,6 @@ writer thread (`record/writer.py`), except for steps that must be committed at o
 
 from __future__ import annotations
 
-from typing import Any
-
 from nanguard.record.store import NullStore
 from nanguard.record.writer import PerParam, batch_hash
 from nanguard.watch.stats import HASHES_SLOT, StepStats
@@ -32,11 +30,10 @@ def step_signals(stats: StepStats) -> dict[str, float]:
 
 
 def write_step(store: NullStore, stats: StepStats, n_params: int, per_parameter: bool,
-               clip_norm: Any = None, signals: list[str] | None = None) -> None:
+               signals: list[str] | None = None) -> None:
     """Record the step row, per-parameter stats, activations, batch fingerprints and alarms.
-    `clip_norm`: the total norm the script's own clipping measured this step (a 0-dim tensor,
-    read on the writer thread: no host sync here), or None. `signals`: the step's non-finite
-    signals as the detectors sealed them (None: `stats.seal()` says)."""
+    `signals`: the step's non-finite signals as the detectors sealed them (None:
+    `stats.seal()` says)."""
     # As the detectors sealed them (an attribute: no call on the quiet step), else computed.
     grad_norm, param_norm, momentum_norm = stats.sealed_norms or stats.global_norms()
     row = {
@@ -52,7 +49,7 @@ def write_step(store: NullStore, stats: StepStats, n_params: int, per_parameter:
         "amp_scale": stats.amp_scale, "act_limit": stats.act_limit,
         # (No call without optimizer state: plain SGD's quiet step stays as it was.)
         "second_moment_norm": stats.second_moment_norm if stats.state_norms else None,
-        "attn_logit_max": stats.attn_logit_max, "clip_norm": clip_norm,
+        "attn_logit_max": stats.attn_logit_max, "clip_norm": stats.clip_norm,
     }
     per_param: PerParam | None = None
     if per_parameter and n_params:

@@ -67,12 +67,6 @@ def enc(x: float | None) -> float | str | None:
     return x
 
 
-def _host(x: Any) -> float | None:
-    """A value the training thread queued as a 0-dim tensor (the script's clip norm, still on
-    its device): read here, on the writer thread, so the step's hook never waits for it."""
-    return None if x is None else float(x)
-
-
 _MASK = (1 << 52) - 1
 
 RawHashes = tuple[list[Any], int, tuple[int, ...]]
@@ -201,7 +195,7 @@ def encode(items: list[tuple[Any, ...]]) -> dict[str, list[tuple[Any, ...]]]:
                 enc(get("update_ratio")), enc(get("momentum_norm")), enc(get("act_max")),
                 enc(get("lr")), _json_list(get("nonfinite")), int(get("skipped", False)),
                 enc(get("amp_scale")), enc(get("act_limit")), enc(get("second_moment_norm")),
-                enc(get("attn_logit_max")), enc(_host(get("clip_norm")))))
+                enc(get("attn_logit_max")), enc(get("clip_norm"))))
             if per_param is not None:
                 out["param_blobs"].append((step, param_blob(per_param)))
             if acts:

@@ -41,9 +41,7 @@ def keep(config: GuardConfig, state: StepState, parts: Parts, stats: StepStats,
     # Keep the steps up to the first non-finite value: what led into it is the story.
     if finding is None or stats.step <= finding.step + 1:
         log.history.append(stats)
-    clips = state.clips
-    write_step(parts.store, stats, len(state.params), config.watch.per_parameter,
-               clips.pop(stats.step, None) if clips else None, signals)
+    write_step(parts.store, stats, len(state.params), config.watch.per_parameter, signals)
     events = parts.events
     if events.episodes.start is not None:  # an episode is open (a quiet step: nothing)
         events.tick(stats.step, bool(signals))

@@ -219,8 +219,12 @@ class StepPipeline:
     @fail_open("note_clip_norm")
     def note_clip_norm(self, total_norm: torch.Tensor | float) -> None:
         """The script's own clip norm for the coming step (`Guard.note_clip_norm`)."""
-        t = (total_norm.detach() if isinstance(total_norm, torch.Tensor)
-             else torch.tensor(float(total_norm)))
+        if isinstance(total_norm, torch.Tensor):
+            if is_dtensor(total_norm):  # its value needs a collective: not in a hook
+                return
+            t = total_norm.detach()
+        else:
+            t = torch.tensor(float(total_norm))
         self.state.clip_norm = t.reshape(())
 
     def _on_load(self, loaded: Any, *_: Any) -> None:
@@ -244,8 +248,8 @@ class StepPipeline:
             st, parts = self.state, self.parts
             recovery = parts.recovery
             st.agreed = False
-            if st.clip_norm is not None:  # the script's own clipping measured it
-                st.clips[st.step], st.clip_norm = st.clip_norm, None
+            # The script's own clip's measured total, read with the step's values.
+            clip, st.clip_norm = st.clip_norm, None
             groups = optimizer.param_groups
             if sum(map(len, map(_PARAMS, groups))) != len(st.params):  # in C: every step
                 before.follow_params(st, parts, self.model, optimizer)  # a group added
@@ -261,10 +265,10 @@ class StepPipeline:
                     or (self.replay is not None and parts.log.finding is None)
                     or st.params[0].device.type != "cpu"
                     or (lane.every and not st.step % lane.every)):
-                self._pre_packet(optimizer, lr)
+                self._pre_packet(optimizer, lr, clip)
                 return
             # The quiet lane (`watch.lane`): under `observe` nothing to read before the update.
-            quiet = st.current = lane.begin(st.step, lr, st.loss, st.step_rng)
+            quiet = st.current = lane.begin(st.step, lr, st.loss, st.step_rng, clip)
             st.loss = None
             st.watch_calls = 0
             if self.config.policy != "observe":
@@ -272,7 +276,8 @@ class StepPipeline:
         except Exception as exc:  # noqa: BLE001 - a monitor never breaks training
             contain(self, exc, PRE_HOOK)
 
-    def _pre_packet(self, optimizer: torch.optim.Optimizer, lr: float | None) -> None:
+    def _pre_packet(self, optimizer: torch.optim.Optimizer, lr: float | None,
+                    clip: torch.Tensor | None) -> None:
         """The pre-hook's packet path (`watch.step`): loaded state to check, a replay armed,
         a scaler, a GPU, a sampled step; read before the update where something acts on it."""
         cfg, st, parts = self.config, self.state, self.parts
@@ -287,7 +292,7 @@ class StepPipeline:
         amp = parts.recovery.amp
         cur, grads = parts.steps.begin(st.step, lr, self.device, st.loss,
                                        amp.scale_tensor() if amp is not None else None,
-                                       loaded, flags, st.step_rng)
+                                       loaded, flags, st.step_rng, clip)
         st.current = cur
         pre = cur.pre
         st.loss = None

@@ -73,9 +73,8 @@ class StepState:
     watch_calls: int = 0
     """`watch(loss=...)` calls since the last optimizer step (a GradScaler skipping them all)."""
     clip_norm: torch.Tensor | None = None
-    """The script's clip norm for the coming step (`Guard.note_clip_norm`)."""
-    clips: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
-    """Clip norms by their step, until that step is recorded (read a step late on a GPU)."""
+    """The script's clip norm for the coming step (`Guard.note_clip_norm`): read with the
+    step's own values (`StepStats.clip_norm`)."""
     current: Pending | LaneStep | None = None
     """The step between its pre- and post-update hooks."""
     pending: list[Pending] = dataclasses.field(default_factory=list)

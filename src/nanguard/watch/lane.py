@@ -64,13 +64,15 @@ class LaneStep:
     `device_skip` and `found_inf` mirror `watch.step.Pending`'s (always False here) for code
     that inspects the step in progress. Made by `QuietLane.begin` only."""
 
-    __slots__ = ("step", "lr", "loss", "idx", "micro", "batch", "rng", "stats", "parts",
-                 "scalars")
+    __slots__ = ("step", "lr", "loss", "clip", "idx", "micro", "batch", "rng", "stats",
+                 "parts", "scalars")
     device_skip: bool
     found_inf: bool
     step: int
     lr: float | None
     loss: torch.Tensor | None
+    clip: bool
+    """The script's own clip's measured total is among `parts` (after the loss)."""
     idx: list[int]
     micro: list[Micro] | None
     """The step's micro-batches, all measured on the host (nothing of them to read)."""
@@ -83,7 +85,8 @@ class LaneStep:
     `QuietLane.read_pre`)."""
     parts: list[torch.Tensor]
     """The pre-update values to read, in `QuietLane._decode_pre`'s order: the loss, the
-    gradient norms, the batch's vectors (none for a batch measured on the host)."""
+    script's clip total, the gradient norms, the batch's vectors (none for a batch measured
+    on the host)."""
     scalars: bool
     """Every one of `parts` is a 0-dim value (read with `item()` each)."""
 
@@ -111,10 +114,11 @@ class QuietLane:
         parameter has a gradient (kept; read only by the decoder)."""
 
     def begin(self, step: int, lr: float | None, loss: torch.Tensor | None,
-              step_rng: dict[str, Any] | None) -> LaneStep:
+              step_rng: dict[str, Any] | None, clip: torch.Tensor | None = None) -> LaneStep:
         """Runs in the step pre-hook: the gradient norms (device values) and the batch taken
-        for this step, kept with the loss until the post-hook reads them. The same values as
-        `StepProbe.pre_step` and `BatchProbe.take` give."""
+        for this step, kept with the loss (and `clip`, the script's own clip's measured total)
+        until the post-hook reads them. The same values as `StepProbe.pre_step` and
+        `BatchProbe.take` give."""
         probe = self.probe
         params = probe.params
         every = list(map(_GRAD, params))  # C-level: no call per parameter
@@ -136,6 +140,9 @@ class QuietLane:
         cur.step, cur.lr, cur.loss, cur.idx, cur.rng = step, lr, loss, idx, step_rng
         cur.stats = cur.batch = cur.micro = None
         parts: list[torch.Tensor] = [] if loss is None else [loss]
+        cur.clip = clip is not None
+        if clip is not None:
+            parts.append(clip)
         scalars = True
         if grads is not None:
             if type(grads) is torch.Tensor:  # a plan's vector
@@ -253,6 +260,9 @@ class QuietLane:
         a = 0
         if cur.loss is not None:
             stats.loss, a = values[0], 1
+        if cur.clip:
+            stats.clip_norm = values[a]
+            a += 1
         # `StepProbe.decode_pre`, inline.
         idx = cur.idx
         b = a + len(idx)

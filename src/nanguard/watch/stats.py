@@ -117,6 +117,10 @@ class StepStats:
     """(`param` or a state key, index) whose infinite norm is known to be a float32 overflow of
     finite values (see `assume_overflow`)."""
     skipped: bool = False
+    clip_norm: float | None = None
+    """The gradients' total norm as the script's own `clip_grad_norm_` measured it this step,
+    before clipping (`Guard.note_clip_norm`), read with the step; None where it did not clip.
+    What the grad-norm detectors judge (`judged_grad_norm`)."""
     amp_scale: float | None = None
     """The GradScaler's loss scale at this step (when a scaler was given to the guard)."""
     amp_skipped: int = 0
@@ -217,6 +221,15 @@ class StepStats:
         return v if v is not None else self._sealed_global("grad_norm", self.grad_norms)
 
     @property
+    def judged_grad_norm(self) -> float:
+        """The global grad norm the detectors judge: the script's own clip's measured total
+        where it clipped this step (`clip_norm`), else `grad_norm`. A clip bounds the update,
+        not the backward pass: a bad batch's spike, or a growing gradient, shows in the norm
+        before clipping; after it every step of a clipped run can read `max_norm`."""
+        c = self.clip_norm
+        return self.grad_norm if c is None else c
+
+    @property
     def param_norm(self) -> float:
         v = self._derived.get("param_norm") if self._signals is not None else None
         return v if v is not None else self._sealed_global("param_norm", self.param_norms)
@@ -270,12 +283,13 @@ class StepStats:
 
     def record(self) -> dict[str, Any]:
         """The magnitudes of this step a diagnosis reads (`Guard.run_log()["history"]`): `step`,
-        `loss`, `grad_norm` (global; None when no gradient was measured), `act_max` (largest
+        `loss`, `grad_norm` (global, before the script's own clip where it clipped, as the
+        detectors judge it; None when no gradient was measured), `act_max` (largest
         finite activation abs-max), `lr` and `update_ratio` (None on steps not sampled). Plain
         floats, NaN/Inf kept."""
         acts = [v for v in self.activations.values() if math.isfinite(v)]
         return {"step": self.step, "loss": self.loss,
-                "grad_norm": self.grad_norm if self.grad_norms else None,
+                "grad_norm": self.judged_grad_norm if self.grad_norms else None,
                 "act_max": max(acts) if acts else None, "lr": self.lr,
                 "update_ratio": self.update_ratio}
 

@@ -127,15 +127,19 @@ class StepWatch:
     def begin(self, step: int, lr: float | None, device: torch.device,
               loss: torch.Tensor | None, scale: torch.Tensor | None,
               loaded: list[str], flags: torch.Tensor | None,
-              step_rng: dict[str, Any] | None) -> tuple[Pending, Norms | None]:
+              step_rng: dict[str, Any] | None, clip: torch.Tensor | None = None
+              ) -> tuple[Pending, Norms | None]:
         """Runs in the step pre-hook (after backward and clipping, before the update): the
-        step's pre-update packet. Returns the pending step and its gradient norms (device
-        values, for a `skip` decided on the device)."""
+        step's pre-update packet (`clip`: the script's own clip's measured total, or None).
+        Returns the pending step and its gradient norms (device values, for a `skip` decided
+        on the device)."""
         every = self.config.update_ratio_every
         grads, layout = self.probe.pre_step(snapshot_update=every > 0 and step % every == 0)
         pre = Packet(device)
         if loss is not None:
             pre.add("loss", loss)
+        if clip is not None:
+            pre.add("clip", clip)
         if grads is not None:
             pre.add("grad", grads)
         act_names: list[str] = []
@@ -234,6 +238,8 @@ class StepWatch:
         slots = p.pre.decode(values)
         if "loss" in slots:
             stats.loss = slots["loss"][0]
+        if "clip" in slots:
+            stats.clip_norm = slots["clip"][0]
         self.probe.decode_pre(slots.get("grad", []), p.grad_layout, stats)
         if p.act_names:
             stats.activations = dict(zip(p.act_names, slots.get("act", []), strict=True))
