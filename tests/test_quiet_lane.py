@@ -46,7 +46,7 @@ def _guard(model: nn.Module, opt: torch.optim.Optimizer, out: Path, lane: bool,
 
 def _mlp_run(out: Path, lane: bool, *, opt_kind: str, steps: int, spike_at: int | None = None,
              nan_at: int | None = None, micro_at: int | None = None,
-             group_at: int | None = None, policy: str = "observe"
+             group_at: int | None = None, policy: str = "observe", clip: float | None = None
              ) -> tuple[nanguard.Guard, list[torch.Tensor]]:
     task = make_mlp(3)
     model = task.model
@@ -76,6 +76,8 @@ def _mlp_run(out: Path, lane: bool, *, opt_kind: str, steps: int, spike_at: int 
             else:
                 g.watch_micro_batch((bx, by))
             loss.backward()
+        if clip is not None:  # the script's own clip, its total handed to the guard
+            g.note_clip_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
         opt.step()
         if sched is not None:
             sched.step()
@@ -112,6 +114,9 @@ CASES: list[tuple[str, Callable[[Path, bool], tuple[nanguard.Guard, list[torch.T
     ("sgd-spike-micro-group", lambda o, lane: _mlp_run(
         o, lane, opt_kind="sgd", steps=90, spike_at=60, micro_at=30, group_at=45)),
     ("adamw-nan-row", lambda o, lane: _mlp_run(o, lane, opt_kind="adamw", steps=70, nan_at=50)),
+    # The script clips below the usual norm: the spike is only in the total its clip measured.
+    ("adamw-spike-clipped", lambda o, lane: _mlp_run(
+        o, lane, opt_kind="adamw", steps=80, spike_at=60, clip=0.05)),
     ("cnn-buffers", _cnn_run),
     ("cascade", _cascade_run),
     # Acting policies read the pre-update part before the update (`QuietLane.read_pre`).
@@ -146,6 +151,8 @@ def test_lane_leaves_what_the_packet_path_leaves(tmp_path: Path, name: str, run:
     for a, b in zip(hist_on, hist_off, strict=True):
         assert repr(a) == repr(b), a.step  # every field (NaN == NaN by repr)
     assert_same_runs(on, off, tmp_path / "on", tmp_path / "off")
+    if name.endswith("clipped"):  # each step read its clip's total, on both paths
+        assert all(s.clip_norm is not None and s.clip_norm > 0.05 for s in hist_on[:60])
     if name != "cnn-buffers":
         assert on.alarms  # spike, NaN row, cascade: both paths see them
     if name.endswith(("heal", "rollback", "skip")):
