@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from nanguard.pinpoint.replay import find_origin
+from nanguard.pinpoint.sample_axis import columns
 from nanguard.watch import rng
 
 _BACKPROPAGATED: dict[str, Any] = {"ref": None, "comparable": True}
@@ -160,8 +161,12 @@ def replay_forward_backward(
     return found
 
 
-def _slice(batch: Any, i: int) -> Any:
-    """Sample `i` of a batch (tensor, or tuple / list / dict of them), keeping a batch dim."""
+def _slice(batch: Any, i: int, width: int = 0) -> Any:
+    """Sample `i` of a batch (tensor, or tuple / list / dict of them), keeping a batch dim.
+    `width` > 0: a sequence-first batch of `width` sequences, its column `i`
+    (`sample_axis.columns`, as a recorded step's is sliced)."""
+    if width:
+        return columns(batch, width, i)
     if isinstance(batch, torch.Tensor):
         return batch[i : i + 1] if batch.dim() > 0 else batch
     if isinstance(batch, dict):
@@ -187,6 +192,7 @@ def spike_sources(
     max_samples: int = 64,
     loss_level: float | None = None,
     batch_loss: float | None = None,
+    width: int = 0,
 ) -> dict[str, Any]:
     """A spike without a NaN, before its update: the layers whose gradient norm is far above
     their own healthy level, the samples whose per-sample gradient norm is an outlier and
@@ -201,6 +207,9 @@ def spike_sources(
     with half its rows corrupted still has each named. None: against the batch's own median,
     as also when the rows' mean loss is not the step's loss `batch_loss` within a third (a
     summed loss: a row's loss is not in the level's units).
+
+    `width` > 0: the batch is sequence-first (`pinpoint.sample_axis`), its samples the
+    `width` columns of dim 1 (`batch_size` is then `width`).
     """
     from nanguard.pinpoint.spike import norm_outliers
 
@@ -222,7 +231,7 @@ def spike_sources(
             for i in range(min(batch_size, max_samples)):
                 if step_rng is not None:
                     rng.restore(step_rng)
-                loss = compute_loss(_slice(batch, i))
+                loss = compute_loss(_slice(batch, i, width))
                 losses.append(float(loss.detach()))
                 grads = torch.autograd.grad(loss, trainable, allow_unused=True)
                 sq = sum(float(g.detach().double().pow(2).sum()) for g in grads if g is not None)

@@ -52,18 +52,25 @@ def explain_spike(stats: StepStats, *, replay: Replay | None, model: nn.Module,
     from nanguard.pinpoint.inprocess import spike_sources
     from nanguard.pinpoint.sample_axis import drop_if_not_samples, watch_sample_axis
 
-    try:
+    def sources(size: int, width: int = 0) -> tuple[dict[str, Any], list[int]]:
         # per-sample forwards: not the step's; and is dim 0 their sample axis?
         with activations_paused(act_probe), watch_sample_axis(model) as widths:
             found = spike_sources(
                 replay or (lambda _batch: torch.zeros(())), model=model,
                 params=params, param_names=param_names,
                 batch=batches.last, grad_norms=stats.grad_norms,
-                baseline=baseline,
-                batch_size=len(stats.sample_hashes) if replay else 0,
+                baseline=baseline, batch_size=size,
                 step_rng=step_rng, loss_level=loss_level,
-                batch_loss=stats.loss if stats.loss and stats.loss > 0 else None,
+                batch_loss=stats.loss if stats.loss and stats.loss > 0 else None, width=width,
             )
+        return found, widths
+
+    try:
+        found, widths = sources(len(stats.sample_hashes) if replay else 0)
+        n = max(widths, default=1)
+        if n > 1 and replay is not None:
+            # Sequence-first (`pinpoint.sample_axis`): its samples are the n columns of dim 1.
+            found, widths = sources(n, width=n)
         drop_if_not_samples(found, widths)
     except Exception as exc:  # noqa: BLE001 - an explanation must never stop training
         found = {"layers": [], "samples": [], "error": f"{type(exc).__name__}: {exc}"}

@@ -27,6 +27,7 @@ from torch import nn
 from nanguard.audit.preflight_live import select_path, tensor_versions
 from nanguard.pinpoint import loss_expr
 from nanguard.pinpoint.attribution import replayed_at
+from nanguard.pinpoint.sample_axis import columns
 from nanguard.watch import rng
 
 MAX_CALLS = 8
@@ -188,26 +189,29 @@ class Recipe:
                 return True
         return False
 
-    def sample_of(self, batch: Any) -> int | None:
+    def sample_of(self, batch: Any) -> tuple[int, int] | None:
         """`batch` is one sample of this step's batch (`batch[i:i+1]` of each of its tensors,
-        as the guard slices it to find a spike's samples): its index `i`, else None (also for
-        a step of several model calls)."""
+        as the guard slices it to find a spike's samples; `batch[:, i:i+1]` of a
+        sequence-first one, `pinpoint.sample_axis`): `(i, axis)`, else None (also for a step
+        of several model calls)."""
         mine = _batch_of(self.call.args, self.call.kwargs)
         theirs = _given(batch)
         if self.calls or not mine or len(theirs) != len(mine):
             return None
-        index = None
+        found = None
         for t, r in zip(theirs, mine, strict=True):
-            i = _row_of(t, r)
-            if i is None or (index is not None and i != index):
+            at = _row_of(t, r)
+            if at is None or (found is not None and at != found):
                 return None
-            index = i
-        return index
+            found = at
+        return found
 
-    def run(self, sample: int | None = None) -> torch.Tensor:
+    def run(self, sample: int | None = None, axis: int = 0) -> torch.Tensor:
         """The step's forwards and loss again, each forward from the RNG states it started
         with; with `sample`, of that sample of the batch alone (the batch's tensors and the
-        loss's per-sample arguments sliced to it).
+        loss's per-sample arguments sliced to it; `axis` 1: a sequence-first batch, its
+        sample `sample` the column of each tensor whose dim 1 is the batch's, and of each
+        target flattened time-major, `targets.view(-1)`).
 
         Raises:
             NotReplayable: a tensor of the batch or the targets changed in place since, or
@@ -226,13 +230,15 @@ class Recipe:
         if sample is not None and (self.forward_only is not None or not losses):
             raise NotReplayable("no per-sample loss: the loss is not a recognised one of the "
                                 "model's output")
-        n = len(_batch_of(self.call.args, self.call.kwargs)[0]) if sample is not None else 0
+        n = (_batch_of(self.call.args, self.call.kwargs)[0].shape[axis]
+             if sample is not None else 0)
+        cut = _rows if axis == 0 else columns
         outputs: dict[int, Any] = {}
         for call in calls:
             rng.restore(call.rng)
             args, kwargs = call.args, call.kwargs
             if sample is not None:
-                args, kwargs = _rows(args, n, sample), _rows(kwargs, n, sample)
+                args, kwargs = cut(args, n, sample), cut(kwargs, n, sample)
             # Its ops ran at the script's line of this call, not in this frame.
             with autocast_as(call.amp), replayed_at(call.source):
                 outputs[id(call)] = call.module(*args, **kwargs)
@@ -248,7 +254,7 @@ class Recipe:
                 return cast(torch.Tensor, x)
             rest, extra, shape = loss.rest, loss.kwargs, loss.shape
             if sample is not None:
-                rest, extra = _rows(rest, n, sample), _rows(extra, n, sample)
+                rest, extra = cut(rest, n, sample), cut(extra, n, sample)
                 if shape is not None and shape and shape[0] % n == 0:
                     shape = (shape[0] // n, *shape[1:])  # logits.view(-1, V): a sample's rows
             if shape is not None:
@@ -261,18 +267,24 @@ class Recipe:
         return loss_expr.evaluate(self.expr, value_of)
 
 
-def _row_of(t: Any, r: torch.Tensor) -> int | None:
-    """`t` is `r[i:i+1]` (a view of one row of `r`): `i`, else None."""
-    if not isinstance(t, torch.Tensor) or t.dim() != r.dim() or t.shape[0] != 1 \
-            or t.shape[1:] != r.shape[1:] or r.stride(0) == 0:
+def _row_of(t: Any, r: torch.Tensor) -> tuple[int, int] | None:
+    """`t` is `r[i:i+1]` (a view of one row of `r`): `(i, 0)`; `r[:, i:i+1]` (one column of a
+    sequence-first batch): `(i, 1)`; else None."""
+    if not isinstance(t, torch.Tensor) or t.dim() != r.dim():
+        return None
+    axis = 0 if t.shape[0] == 1 and t.shape[1:] == r.shape[1:] else 1
+    if axis and (r.dim() < 2 or t.shape[1] != 1 or t.shape[0] != r.shape[0]
+                 or t.shape[2:] != r.shape[2:]):
+        return None
+    if r.stride(axis) == 0:
         return None
     try:
         if t.untyped_storage().data_ptr() != r.untyped_storage().data_ptr():
             return None
     except (RuntimeError, NotImplementedError):
         return None
-    i, rem = divmod(int(t.storage_offset()) - int(r.storage_offset()), int(r.stride(0)))
-    return i if rem == 0 and 0 <= i < r.shape[0] else None
+    i, rem = divmod(int(t.storage_offset()) - int(r.storage_offset()), int(r.stride(axis)))
+    return (i, axis) if rem == 0 and 0 <= i < r.shape[axis] else None
 
 
 def _rows(obj: Any, n: int, i: int) -> Any:

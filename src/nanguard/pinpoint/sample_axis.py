@@ -60,3 +60,25 @@ def drop_if_not_samples(found: dict[str, Any], widths: list[int]) -> None:
         found["samples"] = []
         found.pop("loss_samples", None)
         found["error"] = NOT_SAMPLES.format(n=n)
+
+
+def columns(obj: Any, n: int, i: int) -> Any:
+    """`obj` (arguments of a sequence-first step, `n` sequences) with each tensor whose dim 1
+    is `n` sliced to column `i` (`(time, batch, ...)` inputs, `(layers, batch, hidden)`
+    states), and each 1-D one of `k * n` entries (targets flattened time-major,
+    `targets.view(-1)`: entry `t * n + i` is column `i`'s) to that column's `k`."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() >= 2 and obj.shape[1] == n:
+            return obj[:, i:i + 1]
+        if obj.dim() == 1 and obj.shape[0] == n:  # one target per sequence
+            return obj[i:i + 1]
+        if obj.dim() == 1 and obj.shape[0] % n == 0:
+            return obj.view(-1, n)[:, i]
+        return obj
+    if isinstance(obj, tuple):
+        return tuple(columns(v, n, i) for v in obj)
+    if isinstance(obj, list):
+        return [columns(v, n, i) for v in obj]
+    if isinstance(obj, dict):
+        return {k: columns(v, n, i) for k, v in obj.items()}
+    return obj

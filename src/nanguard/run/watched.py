@@ -155,7 +155,9 @@ def replay_recorded(w: Watched, batch: Any) -> torch.Tensor:
                     if unscaled is not None:  # the guard recorded it unscaled
                         compare_as(loss, unscaled)
                 else:  # one sample of the batch: a spike's per-sample gradients
-                    loss = cast(Recipe, recipe).run(_sample_of(recipe, batch))
+                    at = _sample_of(recipe, batch)
+                    assert at is not None  # (tested above)
+                    loss = cast(Recipe, recipe).run(*at)
         except NotReplayable as exc:
             reason = str(exc)
         else:
@@ -166,6 +168,7 @@ def replay_recorded(w: Watched, batch: Any) -> torch.Tensor:
     raise NotReplayable(reason)
 
 
-def _sample_of(recipe: Recipe | ClosureRecipe, batch: Any) -> int | None:
-    """Which sample of `recipe`'s batch `batch` is (None: none, or a closure's step)."""
+def _sample_of(recipe: Recipe | ClosureRecipe, batch: Any) -> tuple[int, int] | None:
+    """Which sample of `recipe`'s batch `batch` is, and on which axis (None: none, or a
+    closure's step)."""
     return recipe.sample_of(batch) if isinstance(recipe, Recipe) else None
