@@ -164,6 +164,12 @@ def _first_text(first: dict[str, Any]) -> str:
 
 def _lead_text(report: Report) -> str:
     if report.first_warning is None:
+        step = (report.first_nonfinite or {}).get("step")
+        with_it = sorted({str(a["kind"]) for a in report.alarms
+                          if a["step"] == step and a["kind"] != "nonfinite"})
+        if with_it:  # at the NaN's own step: they came with it, not before it (record.lead)
+            return (f"no warning came before it: {', '.join(with_it)} came at its own step "
+                    f"{step}, with the non-finite value")
         return "no warning came before it: the first alarm was the non-finite value itself"
     return (f"first warning at step {report.first_warning}: {report.lead_steps} steps before "
             "the first non-finite value")
