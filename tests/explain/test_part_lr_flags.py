@@ -52,3 +52,15 @@ def test_which_flag_a_line_names() -> None:
     one = find_flag(["--lr", "0.1", "--max-lr", "1"], "lr", [1.0])
     assert one is not None and one.name == "--max-lr"
     assert find_flag(["--q-lr", "3", "--policy-lr", "0.001"], "lr", [3.0]).name == "--q-lr"
+
+
+def test_a_schedules_bounds_are_no_parts() -> None:
+    # `--min-lr`, `--lr-decay`: a schedule's, not a second part's LR; with no value to go
+    # by, the LR's own flag (the last one given) as before.
+    for argv in (["--lr", "0.1", "--min-lr", "1e-5"], ["--lr", "0.1", "--lr-decay", "0.5"],
+                 ["--lr", "0.05", "--max-lr", "1", "--lr", "0.1"]):
+        found = find_flag(argv, "lr")
+        assert found is not None and (found.name, found.text) == ("--lr", "0.1"), argv
+    # A part's flag beside the LR's own: the one holding the failing LR.
+    q = find_flag(["--lr", "0.1", "--q-lr", "3"], "lr", [3.0])
+    assert q is not None and q.name == "--q-lr"

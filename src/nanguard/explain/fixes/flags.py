@@ -190,24 +190,32 @@ def holders(argv: Sequence[str] | None, setting: str,
     if not argv:
         return []
     flags = _flags(argv)
-    named = [f for f in flags if _named(f, setting)]
+    generic = [f for f in flags if _NAMES[setting].match(_fold(f.name))]
+    named = [f for f in flags if f in generic or _part_lr(f, setting)]
     held = [f for f in named if any(math.isclose(f.value, v, rel_tol=1e-6) for v in values)]
     if not named and setting in _BY_VALUE and values:
         held = [f for f in flags if not f.text.lstrip("+-").isdigit()
                 and any(math.isclose(f.value, v, rel_tol=1e-6) for v in values)]
-    last = {_fold(f.name): f for f in held or named}
-    return list(last.values())
+    # `--lr 0.1 --q-lr 3` with no value to go by: the LR's own flag, as before part flags.
+    found = held or generic or named
+    last: dict[str, Flag] = {}
+    for f in reversed(found):  # each name's last, in the order of those
+        last.setdefault(_fold(f.name), f)
+    return list(last.values())[::-1]
 
 
-def _named(flag: Flag, setting: str) -> bool:
-    """`flag`'s name is the setting's (`--lr`), or for an LR a part's LR (`--q-lr`,
-    `--critic_learning_rate`: SAC, DDPG, a GAN's two optimizers)."""
+_SCHEDULE_WORDS = frozenset({"min", "final", "end", "last", "warmup", "start", "target",
+                             "cycle", "cyclic", "scheduler", "schedule", "decay", "lrs"})
+"""Words of an LR flag's name that make it a schedule's bound, not a part's LR."""
+
+
+def _part_lr(flag: Flag, setting: str) -> bool:
+    """`flag` is a part's LR (`--q-lr`, `--critic_learning_rate`, `--lr-d`: SAC, DDPG, a
+    GAN's two optimizers), not a schedule's bound (`--min-lr`, `--lr-decay`)."""
     folded = _fold(flag.name)
-    if _NAMES[setting].match(folded):
-        return True
-    if setting != "lr":
+    if setting != "lr" or words(flag.name) & _SCHEDULE_WORDS:
         return False
-    after = re.fullmatch(r"(?:lr|learningrate)([a-z]+)[0-9]*", folded)  # `--lr-d`, not `--lr-decay`
+    after = re.fullmatch(r"(?:lr|learningrate)([a-z]+)[0-9]*", folded)  # LR first: `--lr-d`
     return bool(_PART_LR.match(folded)) or (after is not None
                                             and any(after[1] in g for g in _SAME_PART))
 
