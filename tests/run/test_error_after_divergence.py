@@ -40,6 +40,15 @@ def test_a_bookkeeping_bug_in_a_healthy_run_is_the_scripts_own(tmp_path: Path) -
     assert "its own error, not a numerical one: KeyError" in line, line
 
 
+def test_the_scripts_own_exit_after_divergence_says_so(tmp_path: Path) -> None:
+    r = nanguard(["run", "--out", str(tmp_path / "r"), SCRIPT, "--lr", "1000",
+                  "--exit-above", "1e5"], tmp_path)
+    assert "above 100000: stopping" in r.stderr  # the script's own check ended it
+    line = _last_line(r.stderr)
+    assert "the script's own exit, after nanguard found the numbers running away" in line, line
+    assert "not a nanguard failure" not in line
+
+
 def test_arithmetic_errors_are_named_as_such() -> None:
     healthy = Report(status="healthy", steps=20)
     assert numeric_error("ValueError: math domain error")

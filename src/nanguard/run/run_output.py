@@ -100,9 +100,12 @@ def print_outcome(outcome: ScriptOutcome, script: Path, replay: dict[str, Any] |
         say(f"the re-run could not pinpoint the origin: {replay.get('reason')}", prefix=prefix)
     numerical = report is not None and report.first_nonfinite is not None
     if outcome.kind == "exit":
-        say(f"{script.name} exited with code {outcome.code} (the script's own exit"
-             + (", after non-finite values appeared: see above)" if numerical
-                else ", not a nanguard failure)"), prefix=prefix)
+        runaway = _runaway(report)
+        why = ("after non-finite values appeared: see above" if numerical else
+               f"after nanguard found the numbers running away ({runaway}: see above)"
+               if runaway else "not a nanguard failure")
+        say(f"{script.name} exited with code {outcome.code} (the script's own exit, {why})",
+            prefix=prefix)
     elif outcome.kind == "error" and numerical:
         say(f"{script.name} failed with an error after non-finite values appeared: a "
              f"numerical failure (see above): {outcome.message}", prefix=prefix)
@@ -138,21 +141,29 @@ def numeric_error(message: str) -> bool:
         name == "ValueError" and any(t in text.lower() for t in _NUMERIC_VALUE_ERRORS))
 
 
+def _runaway(report: Report | None) -> str | None:
+    """nanguard's first finding that the numbers were running away, in words (`divergence
+    at step 3, cause optimizer_divergence`), or None."""
+    if report is None:
+        return None
+    first = next((a for a in report.alarms if a["kind"] in RUNAWAY_KINDS), None)
+    if first is None:
+        return None
+    causes = [d["cause"] for d in report.diagnosis if d.get("cause") != "undetermined"]
+    return f"{first['kind']} at step {first['step']}" + (f", cause {causes[0]}" if causes
+                                                          else "")
+
+
 def error_text(name: str, message: str, report: Report | None) -> str:
     """The script's own error, when no non-finite value was recorded: one that came after
     nanguard found the numbers running away followed from them (word_language_model at
     `--lr 1000`: `math.exp(cur_loss)` overflows after the divergence alarm), and an
     arithmetic error says so even without one."""
-    alarms = report.alarms if report is not None else []
-    runaway = next((a for a in alarms if a["kind"] in RUNAWAY_KINDS), None)
-    causes = [d["cause"] for d in (report.diagnosis if report is not None else [])
-              if d.get("cause") != "undetermined"]
+    runaway = _runaway(report)
     if runaway is not None:
-        cause = f", cause {causes[0]}" if causes else ""
         kind = "an arithmetic error" if numeric_error(message) else "an error"
         return (f"{name} failed with {kind} that followed from the numbers: nanguard found "
-                f"them running away first ({runaway['kind']} at step {runaway['step']}"
-                f"{cause}: see above): {message}")
+                f"them running away first ({runaway}: see above): {message}")
     if numeric_error(message):
         return (f"{name} failed with an arithmetic error of its own: {message}; the steps "
                 "nanguard watched held no non-finite value and no divergence before it, so "
