@@ -31,7 +31,8 @@ def test_a_spike_long_before_with_quiet_steps_between_is_not_a_warning_of_it() -
                           first_nonfinite={"step": 500})
     assert (report.first_warning, report.lead_steps) == (495, 5)
     assert lead_in([40], 500, 10) is None  # nothing within the window: no warning
-    assert lead_in([489, 500], 500, 10) == 500  # a gap of 11 breaks the run; same step: 0
+    assert lead_in([489, 500], 500, 10) is None  # a gap of 11 breaks the run; same step: none
+    assert lead_in([491, 500], 500, 10) == 491  # the same-step alarm is no link of the run
 
 
 def test_a_diverging_run_reports_the_warning_that_came_first(tmp_path: Path) -> None:

@@ -368,6 +368,17 @@ def test_cnn_workers_nan_pixel(tmp_path: Path) -> None:
     said = " ".join((g.proc.stderr + g.proc.stdout).split())
     if g.first["op"] == "aten.set_":
         assert "op aten.set_: it arrived with a DataLoader worker's batch" in said, said[-2000:]
+    # The script is seeded and runs on the CPU: its re-run repeats the step bit for bit (the
+    # tracer's own run, above, failed at the same step). Its loss is divided by --accum for
+    # the backward and recorded undivided: compared in those units, no `nondeterministic`.
+    assert g.first.get("reproduced") is True and "nondeterministic" not in g.causes, g.explain()
+    # BatchNorm's running statistics took the NaN in the same forward: an alarm at the NaN's
+    # own step, no warning before it.
+    assert any(a["step"] == step and a["kind"] == "buffer_nonfinite"
+               for a in g.report["alarms"]), g.explain()
+    assert g.report["first_warning"] is None and g.report["lead_steps"] is None, g.explain()
+    assert "0 steps before" not in said and (
+        f"no warning came before it: buffer_nonfinite came at its own step {step}") in said
 
 
 # --------------------------------------------------------------------- house prices (MLP)

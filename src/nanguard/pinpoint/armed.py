@@ -18,7 +18,10 @@ optimizer phase while it runs.
 `reproduced` is set on the origin: with an expected loss (`expect_loss`, or the environment
 variable NANGUARD_EXPECT_LOSS that `nanguard run` sets for its re-run), whether the loss
 backpropagated in the armed step equals it bit for bit (NaN equals NaN); else whether the step
-went non-finite again.
+went non-finite again. `nanguard run` records a loss scaled for its backward (`loss / accum`,
+`scaler.scale(loss)`) in the script's units, so the backpropagated value is compared with its
+scalings undone too (`loss_expr.unscalings`): otherwise every accumulating script's re-run
+would read as non-deterministic.
 
     with armed(first_nonfinite_step) as a:
         train(seed)              # unchanged training code
@@ -42,6 +45,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
+from nanguard.pinpoint import loss_expr
 from nanguard.pinpoint.attribution import Attribution
 from nanguard.pinpoint.checker import NonfiniteChecker
 from nanguard.pinpoint.origin import Origin
@@ -61,6 +65,9 @@ class Armed:
     ops_seen: int = 0
     loss: float | None = None
     """The last scalar backpropagated during the armed step (read once, when it ends)."""
+    losses: list[float] = field(default_factory=list)
+    """`loss`, then the same value with the constant scalings of its backward undone (the
+    units a guard may have recorded it in)."""
     _checker: NonfiniteChecker | None = field(default=None, repr=False)
 
 
@@ -95,6 +102,17 @@ def armed(step: int, *, model: nn.Module | None = None, rank: int = 0,
     manual = ManualBoundaries(roots=lambda: list(attr.roots)).install()
     handles: list[RemovableHandle] = []
     loss_seq = [0]
+    scaled: list[list[loss_expr.Scaled]] = [[]]
+
+    def saw_loss(tensor: torch.Tensor) -> None:
+        # Read before the backward frees the graph's saved constants; only while armed.
+        if state._checker is not None:
+            try:
+                scaled[0] = loss_expr.scalings(tensor)
+            except Exception:  # noqa: BLE001 - never in the script's way: compared raw only
+                scaled[0] = []
+
+    manual.on_loss = saw_loss
 
     def arm() -> None:
         checker = NonfiniteChecker(attr, step=step, rank=rank)
@@ -112,9 +130,12 @@ def armed(step: int, *, model: nn.Module | None = None, rank: int = 0,
         checker.__exit__(None, None, None)
         state.origin, state.ops_seen = checker.origin, checker.ops_seen
         if manual.loss_seq > loss_seq[0] and manual.last_loss is not None:
-            state.loss = float(manual.last_loss.reshape(-1)[0])
+            last = manual.last_loss.reshape(-1)[0]
+            state.loss = float(last)
+            state.losses = [state.loss] + [
+                float(v) for v in loss_expr.unscalings(last, scaled[0])]
         if state.origin is not None:
-            state.origin.reproduced = _reproduced(state.loss, expect_loss)
+            state.origin.reproduced = _reproduced(state.losses, expect_loss)
 
     def pre(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -152,11 +173,12 @@ def armed(step: int, *, model: nn.Module | None = None, rank: int = 0,
         attr.remove()
 
 
-def _reproduced(loss: float | None, expected: float | None) -> bool:
-    """The armed step failed again; with both losses known, also bit for bit the same loss."""
-    if loss is None or expected is None:
+def _reproduced(losses: list[float], expected: float | None) -> bool:
+    """The armed step failed again; with both losses known, also bit for bit the same loss
+    (as backpropagated, or in the units of one of its scalings undone)."""
+    if not losses or expected is None:
         return True
-    return (math.isnan(loss) and math.isnan(expected)) or loss == expected
+    return any((math.isnan(v) and math.isnan(expected)) or v == expected for v in losses)
 
 
 def _lift_closure(attr: Attribution, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],

@@ -25,7 +25,8 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["Combined", "Scaled", "evaluate", "leaves", "parse", "tag", "unscale"]
+__all__ = ["Combined", "Scaled", "evaluate", "leaves", "parse", "scalings", "tag", "unscale",
+           "unscalings"]
 
 TAG = "nanguard.loss"
 """The key of a recorded loss's tag in its autograd node's `metadata` (`id` of the record)."""
@@ -159,3 +160,40 @@ def unscale(expr: Any, value: torch.Tensor) -> torch.Tensor | None:
             value = value * other if expr.op is torch.div else value / other
             expr = expr.inner
     return None if isinstance(expr, Combined) else value
+
+
+def scalings(tensor: torch.Tensor) -> list[Scaled]:
+    """The products with and divisions by a constant at the top of `tensor`'s graph, outermost
+    first (`loss / accum`, `scaler.scale(loss)`, `0.5 * loss`), each with `inner` None: what
+    `unscalings` undoes. For a re-run that has no recorded losses to parse against (the
+    zero-code re-run, `pinpoint.armed`). Must be asked before `tensor.backward()` runs."""
+    found: list[Scaled] = []
+    node = tensor.grad_fn
+    while node is not None and len(found) < _MAX_DEPTH:
+        op = _SCALE_OPS.get(type(node).__name__)
+        nxt = node.next_functions
+        if op is None or len(nxt) != 2:
+            break
+        (a, _), (b, _) = nxt
+        if b is None and a is not None:
+            node, other = a, getattr(node, "_saved_other", None)
+        elif a is None and b is not None and op is torch.mul:
+            node, other = b, getattr(node, "_saved_self", None)
+        else:
+            break
+        if not isinstance(other, torch.Tensor):
+            break
+        found.append(Scaled(None, op, other, _is_number(other, tensor.dtype)))
+    return found
+
+
+def unscalings(value: torch.Tensor, scaled: list[Scaled]) -> list[torch.Tensor]:
+    """`value` (detached) with the first 1, 2, ... of `scaled` (from `scalings`) undone, in
+    the arithmetic `unscale` uses: whichever of them a guard recorded as the step's loss."""
+    out = []
+    with torch.no_grad():
+        for s in scaled:
+            other = s.other.to(value.dtype) if s.number else s.other
+            value = value * other if s.op is torch.div else value / other
+            out.append(value)
+    return out

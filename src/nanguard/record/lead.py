@@ -15,10 +15,14 @@ def lead_in(warnings: list[int], failure: int, window: int) -> int | None:
     (steps of alarms) that led into it, walking back from the failure while each warning
     comes no more than `window` steps before the next one (or the failure). Warnings that
     kept coming from step 2 to a NaN at step 18 all belong to it; a spike long before, with
-    quiet steps between, does not. None when no warning came within `window` steps."""
+    quiet steps between, does not. None when no warning came within `window` steps.
+
+    An alarm at the failure's own step is no warning of it: it came with the non-finite
+    value (BatchNorm's running statistics holding the batch's NaN, a spike judged in the same
+    step), so it gives the person no step to act in and is not counted."""
     first = None
     edge = failure
-    for s in sorted({s for s in warnings if s <= failure}, reverse=True):
+    for s in sorted({s for s in warnings if s < failure}, reverse=True):
         if edge - s > window:
             break
         first = edge = s

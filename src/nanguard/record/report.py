@@ -16,7 +16,8 @@ diagnosis       [{cause, confidence, evidence, fix}], best first; a `failed` run
 actions         [{step, action, detail}]
 first_warning   null | step of the first alarm that is not `nonfinite` (on a failed run:
                 the first of the warnings that led into the first non-finite value, each
-                within `lead_window` steps of the next: `record.lead.lead_in`)
+                within `lead_window` steps of the next, none at its own step:
+                `record.lead.lead_in`)
 lead_steps      null | first_nonfinite.step - first_warning (steps of warning)
 spikes          [{step, layers, samples}]: where each spike alarm sits
 preflight       null | the `nanguard run --preflight` verdict

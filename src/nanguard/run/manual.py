@@ -204,6 +204,9 @@ class ManualBoundaries:
         self.last_loss: torch.Tensor | None = None
         """The last scalar backpropagated (detached, on its device: never read here)."""
         self.loss_seq = 0
+        self.on_loss: Callable[[torch.Tensor], None] | None = None
+        """Called with each scalar backpropagated, before its backward runs (its graph
+        intact)."""
         self.created: list[weakref.ref[torch.optim.Optimizer]] = []
         """Real optimizers constructed while installed (one may never step)."""
 
@@ -226,6 +229,8 @@ class ManualBoundaries:
                 m._before_backward(tensor)
             if tensor.numel() == 1 and tensor.is_floating_point():
                 m.last_loss, m.loss_seq = tensor.detach(), m.loss_seq + 1
+                if m.on_loss is not None:
+                    m.on_loss(tensor)
             if not m.enabled:
                 return original_backward(tensor, *args, **kwargs)
             out = original_backward(tensor, *args, **kwargs)

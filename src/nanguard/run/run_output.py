@@ -100,15 +100,17 @@ def print_outcome(outcome: ScriptOutcome, script: Path, replay: dict[str, Any] |
         say(f"the re-run could not pinpoint the origin: {replay.get('reason')}", prefix=prefix)
     numerical = report is not None and report.first_nonfinite is not None
     if outcome.kind == "exit":
-        say(f"{script.name} exited with code {outcome.code} (the script's own exit"
-             + (", after non-finite values appeared: see above)" if numerical
-                else ", not a nanguard failure)"), prefix=prefix)
+        runaway = _runaway(report)
+        why = ("after non-finite values appeared: see above" if numerical else
+               f"after nanguard found the numbers running away ({runaway}: see above)"
+               if runaway else "not a nanguard failure")
+        say(f"{script.name} exited with code {outcome.code} (the script's own exit, {why})",
+            prefix=prefix)
     elif outcome.kind == "error" and numerical:
         say(f"{script.name} failed with an error after non-finite values appeared: a "
              f"numerical failure (see above): {outcome.message}", prefix=prefix)
     elif outcome.kind == "error":
-        say(f"{script.name} failed with its own error, not a numerical one: "
-             f"{outcome.message}", prefix=prefix)
+        say(error_text(script.name, outcome.message or "", report), prefix=prefix)
     elif outcome.kind == "internal":
         say(f"nanguard itself failed while {script.name} ran (a nanguard bug, please report "
              f"it): {outcome.message}", prefix=prefix)
@@ -119,6 +121,54 @@ def print_outcome(outcome: ScriptOutcome, script: Path, replay: dict[str, Any] |
              "step up to then", prefix=prefix)
     if report is not None and report.status == "unwatched":
         say(_unwatched_reason(disc), prefix=prefix)
+
+
+RUNAWAY_KINDS = ("overflow", "cascade", "forecast", "divergence")
+"""Alarms that say the numbers were running away (not a spike, which may heal): an error the
+script raised after one followed from them."""
+
+_NUMERIC_ERRORS = ("OverflowError", "ZeroDivisionError", "FloatingPointError")
+_NUMERIC_VALUE_ERRORS = ("math domain error", "cannot convert float nan",
+                         "cannot convert float infinity", "out of range float")
+
+
+def numeric_error(message: str) -> bool:
+    """`message` (`Type: text`, as `ScriptOutcome` keeps it) is an error of arithmetic on
+    numbers: an overflow (`math.exp` of a huge loss), a division by zero, a domain error
+    (`math.log` of a negative), a NaN or inf made an integer."""
+    name, _, text = message.partition(": ")
+    return name in _NUMERIC_ERRORS or (
+        name == "ValueError" and any(t in text.lower() for t in _NUMERIC_VALUE_ERRORS))
+
+
+def _runaway(report: Report | None) -> str | None:
+    """nanguard's first finding that the numbers were running away, in words (`divergence
+    at step 3, cause optimizer_divergence`), or None."""
+    if report is None:
+        return None
+    first = next((a for a in report.alarms if a["kind"] in RUNAWAY_KINDS), None)
+    if first is None:
+        return None
+    causes = [d["cause"] for d in report.diagnosis if d.get("cause") != "undetermined"]
+    return f"{first['kind']} at step {first['step']}" + (f", cause {causes[0]}" if causes
+                                                          else "")
+
+
+def error_text(name: str, message: str, report: Report | None) -> str:
+    """The script's own error, when no non-finite value was recorded: one that came after
+    nanguard found the numbers running away followed from them (word_language_model at
+    `--lr 1000`: `math.exp(cur_loss)` overflows after the divergence alarm), and an
+    arithmetic error says so even without one."""
+    runaway = _runaway(report)
+    if runaway is not None:
+        kind = "an arithmetic error" if numeric_error(message) else "an error"
+        return (f"{name} failed with {kind} that followed from the numbers: nanguard found "
+                f"them running away first ({runaway}: see above): {message}")
+    if numeric_error(message):
+        return (f"{name} failed with an arithmetic error of its own: {message}; the steps "
+                "nanguard watched held no non-finite value and no divergence before it, so "
+                "look at the values that line computes (a loss, a count, a log of one)")
+    return f"{name} failed with its own error, not a numerical one: {message}"
 
 
 def _unwatched_reason(disc: Discovery | None) -> str:

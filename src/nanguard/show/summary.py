@@ -55,6 +55,32 @@ _STEPPED_OVER = {
 """What `first_nonfinite.skipped_by` means for the run, said under the finding."""
 
 
+def _stepped_over(first: Mapping[str, Any]) -> str | None:
+    """What `first_nonfinite.skipped_by` means for this finding. A forward op's value that
+    the step's re-run under the op checker saw flow into no later non-finite value (no
+    `propagated_by`) was not stepped over by the script: it never left the forward (makemore's
+    RNN at `--learning-rate 1000`: `xh_to_h` overflowed, its `tanh` read the inf as 1)."""
+    how = first.get("skipped_by")
+    if (how == "script" and first.get("kind") == "op" and first.get("phase") == "forward"
+            and not first.get("propagated_by")):
+        op = f"`{first['module']}`" if first.get("module") else "it"
+        return ("no update used it: the step's loss, gradients and parameters stayed "
+                f"finite; its re-run saw an op after {op} bound the value (a tanh or clamp "
+                "reads an inf as finite) or nothing read it")
+    return _STEPPED_OVER.get(str(how)) if how else None
+
+
+def _read_every(report: Report, first: Mapping[str, Any]) -> str | None:
+    """A finding seen in activations alone, which are read every k steps (`sampling`): the
+    value may have begun between two reads (a tanh RNN at `--learning-rate 1000`: its cell
+    overflowed at step 18, first read at 20). None when activations are read every step."""
+    every = ((report.sampling or {}).get("signals") or {}).get("activations")
+    if first.get("signals") != ["activation"] or not isinstance(every, int) or every <= 1:
+        return None
+    return (f"activations are read every {every} steps: it may have begun up to {every - 1} "
+            "steps earlier")
+
+
 def headline(report: Report) -> str:
     """`failed after 12 steps`; a failure before any update says so instead of reading like a
     crash (`failed: non-finite at step 0, before any update`)."""
@@ -164,6 +190,12 @@ def _first_text(first: dict[str, Any]) -> str:
 
 def _lead_text(report: Report) -> str:
     if report.first_warning is None:
+        step = (report.first_nonfinite or {}).get("step")
+        with_it = sorted({str(a["kind"]) for a in report.alarms
+                          if a["step"] == step and a["kind"] != "nonfinite"})
+        if with_it:  # at the NaN's own step: they came with it, not before it (record.lead)
+            return (f"no warning came before it: {', '.join(with_it)} came at its own step "
+                    f"{step}, with the non-finite value")
         return "no warning came before it: the first alarm was the non-finite value itself"
     return (f"first warning at step {report.first_warning}: {report.lead_steps} steps before "
             "the first non-finite value")
@@ -216,8 +248,10 @@ def compact_lines(report: Report, parts: Mapping[str, Sequence[dict[str, Any]]],
         finding.wrap(_first_text(first), label="first non-finite", style="red", cap=3)
         if first.get("source"):
             finding.wrap(f"at {first['source']}", 4, cap=2)
-        if first.get("skipped_by") in _STEPPED_OVER:
-            finding.wrap(_STEPPED_OVER[first["skipped_by"]], 4, cap=2)
+        if (over := _stepped_over(first)) is not None:
+            finding.wrap(over, 4, cap=3)
+        if (every := _read_every(report, first)) is not None:
+            finding.wrap(every, 4, cap=2)
         finding.wrap(_lead_text(report), cap=2)
     cause = report.diagnosis[0] if report.diagnosis else None
     named, why, fix = _Block(width), _Block(width), _Block(width)
@@ -347,8 +381,10 @@ def _print_full(console: Console, report: Report, parts: Mapping[str, Sequence[d
         _plain(console, f"  {_first_text(first)}")
         if first.get("source"):
             _plain(console, f"    at {first['source']}")
-        if first.get("skipped_by") in _STEPPED_OVER:
-            _plain(console, f"    {_STEPPED_OVER[first['skipped_by']]}")
+        if (over := _stepped_over(first)) is not None:
+            _plain(console, f"    {over}")
+        if (every := _read_every(report, first)) is not None:
+            _plain(console, f"    {every}")
         _plain(console, f"  {_lead_text(report)}")
     for rank, cause in enumerate(report.diagnosis, 1):
         _plain(console, f"  cause {rank}: {cause['cause']} ({cause['confidence']:.0%})")

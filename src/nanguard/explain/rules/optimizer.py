@@ -13,7 +13,16 @@ from typing import Any
 import torch
 
 from nanguard.explain.evidence import Cause, Evidence
-from nanguard.explain.fixes import Flag, find_flag, lr_range, lr_typo, number, plausible_lr
+from nanguard.explain.fixes import (
+    Flag,
+    context_words,
+    find_flag,
+    holders,
+    lr_range,
+    lr_typo,
+    number,
+    plausible_lr,
+)
 from nanguard.explain.rules.common import (
     CASCADE,
     LOW_PRECISION,
@@ -155,7 +164,7 @@ def _lower_lr(ev: Evidence, factor: float, basis: str, onset: int | None,
     flag when one set it. `probed`: `factor` came from the preflight's probe of this model."""
     assert ev.lr is not None
     at_onset = _lr_at(ev, onset)
-    flag = find_flag(ev.argv, "lr", [v for v in (ev.lr, at_onset) if v is not None])
+    flag = _lr_flag(ev, [v for v in (ev.lr, at_onset) if v is not None])
     same = flag is not None and math.isclose(flag.value, ev.lr, rel_tol=1e-6)
     name = ev.optimizer or "the optimizer"
     typed = _typed_lr(ev, flag)
@@ -172,14 +181,28 @@ def _lower_lr(ev: Evidence, factor: float, basis: str, onset: int | None,
     target, why = plausible_lr(ev.optimizer, ev.lr, measured, on_this_model=probed)
     cut = ev.lr / target
     sched = _sched_note(ev, at, onset, target, flag)
+    several = [f for f in holders(ev.argv, "lr", [ev.lr])
+               if math.isclose(f.value, ev.lr, rel_tol=1e-6)] if flag is None else []
     if flag is not None and (same or at is not None):  # the LR, or the schedule's peak
         before, after = flag.now(), flag.set(target)
+    elif len(several) > 1:
+        # Two flags hold this optimizer's LR (SAC's `--q-lr 3 --policy-lr 3`) and nothing
+        # in the finding tells which feeds it: name them all, not a bare `lr=`.
+        before = " and ".join(f.now() for f in several)
+        after = f"{number(target)}, whichever of them sets this {name}'s LR"
     else:
         # No flag, or one the optimizer's LR is not (a batch-size rule scaled it, or it is
         # another part's LR): the optimizer's own LR, not a guess at how the flag maps to it.
         before, after = f"lr={ev.lr:g}", f"lr={number(target)}"
     return (f"lower the LR ({before} -> {after}: {_times(cut)} smaller, {basis}"
             f"{'; ' + why if why else ''}{sched})")
+
+
+def _lr_flag(ev: Evidence, values: list[float]) -> Flag | None:
+    """The script's LR flag of the failing optimizer (`find_flag`): of several holding its
+    LR, the one whose name names the part the finding is in (`--q-lr` for
+    `q_optimizer.step()`)."""
+    return find_flag(ev.argv, "lr", values, context_words(ev.first_nonfinite))
 
 
 def _typed_lr(ev: Evidence, flag: Flag | None) -> Flag | None:
@@ -198,7 +221,7 @@ def _typo(ev: Evidence) -> float | None:
     """The LR the user presumably meant (`explain.fixes.lr_typo`), or None."""
     if ev.lr is None:
         return None
-    typed = _typed_lr(ev, find_flag(ev.argv, "lr", [ev.lr]))
+    typed = _typed_lr(ev, _lr_flag(ev, [ev.lr]))
     return lr_typo(ev.optimizer, typed.value) if typed is not None else None
 
 
@@ -454,7 +477,7 @@ def optimizer_divergence(ev: Evidence) -> Cause | None:
     if (healed is not None and ev.lr is not None and healed[1] < ev.lr
             and _typo(ev) is None):
         n, at = healed
-        flag = find_flag(ev.argv, "lr", [ev.lr])
+        flag = _lr_flag(ev, [ev.lr])
         start = (flag.set(at) if flag is not None and math.isclose(flag.value, ev.lr)
                  else f"lr={at:.3g}")
         lower = (f"lower the LR: heal cut it {n} time{'s' if n > 1 else ''} in this run, {lr} "
