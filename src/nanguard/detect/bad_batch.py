@@ -111,16 +111,26 @@ def by_rows(found: dict[str, Any], lr_note: str) -> str | None:
     steady LR (`lr_note`, from `steady`): a bad batch when the replay (`found`, from
     `pinpoint.live.explain_spike`) shows a few rows carrying its gradient, each `ROW_Z` or more
     robust sigma above the batch's other rows (a row of one repeated symbol: its loss is no
-    outlier, its gradient is). An unstable optimizer raises every row's gradient together:
-    no row stands out. The sentence for the alarm, or None."""
+    outlier, its gradient is), or rows whose own loss stands `ROW_Z` or more robust sigma
+    above the loss's recent level (the clean rows' spread below it: however many rows are
+    corrupted, while their mean stays under the batch-loss test, as 6 rows of 10 of a new
+    word do). An unstable optimizer raises every row's gradient together and leaves no row's
+    loss far out: no row stands out. The sentence for the alarm, or None."""
     rows = [d for d in found.get("samples") or [] if float(d.get("z", 0.0)) >= ROW_Z]
+    if rows:
+        z = min(float(d["z"]) for d in rows)
+        names = ", ".join(str(d["index"]) for d in rows)
+        return (f"a bad batch: row(s) {names} carry its gradient ({z:.0f} sigma or more above "
+                f"the batch's other rows, replayed before its update), after a quiet step, "
+                f"{lr_note}: the data, not the model or the optimizer")
+    rows = [d for d in found.get("loss_samples") or [] if float(d.get("z", 0.0)) >= ROW_Z]
     if not rows:
         return None
     z = min(float(d["z"]) for d in rows)
-    names = ", ".join(str(d["index"]) for d in rows)
-    return (f"a bad batch: row(s) {names} carry its gradient ({z:.0f} sigma or more above the "
-            f"batch's other rows, replayed before its update), after a quiet step, {lr_note}: "
-            "the data, not the model or the optimizer")
+    names = ", ".join(str(d["index"]) for d in sorted(rows, key=lambda d: int(d["index"])))
+    return (f"a bad batch: row(s) {names} have a loss {z:.0f} sigma or more above the loss's "
+            f"recent level (replayed before its update), after a quiet step, {lr_note}: the "
+            "data, not the model or the optimizer")
 
 
 def batch_fingerprint(hashes: list[int]) -> str | None:

@@ -340,6 +340,11 @@ class Discovery:
         self._steps += 1
         self._in_step = True
         clipped, self.clipped = self.clipped, None
+        if isinstance(optimizer, ManualStep):
+            # A hand-written update's step is read at the end of its backward, before the
+            # script clips: its norms are the clip's own input, and a clip seen now was the
+            # step before's (noted here, it was judged one step late).
+            clipped = None
         if clipped is not None and w.guard is not None and not w.guard.closed and any(
                 id(p) in clipped[0] for g in optimizer.param_groups for p in g["params"]):
             w.guard.note_clip_norm(clipped[1])
