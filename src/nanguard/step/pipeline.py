@@ -364,8 +364,12 @@ class StepPipeline:
                 self._read_after(cur)
             if cur.stats is not None and steps.snapshot is not None:
                 steps.snapshot(cur.stats)  # read before the update: what a rollback needs
-            if parts.act_probe:  # activations on sampled steps only
-                parts.act_probe.enabled = st.step % self.config.watch.activations_every == 0
+            if parts.act_probe:  # activations on sampled steps, and through an alarm episode
+                sampler = parts.steps.sampler
+                last = sampler.last
+                parts.act_probe.enabled = (
+                    st.step % self.config.watch.activations_every == 0
+                    or sampler.due <= st.step or (last is not None and bool(last.alarms)))
             if (sat := parts.saturation) is not None and st.step >= sat.due:  # arm, or disarm
                 sat.after_step(st.step)
             if st.step % self.config.record.rng_every == 0:  # kept: every generator
