@@ -57,12 +57,17 @@ def test_arithmetic_errors_are_named_as_such() -> None:
     assert not numeric_error("ValueError: too many values to unpack (expected 2)")
     text = error_text("train.py", "ValueError: math domain error", healthy)
     assert "arithmetic error of its own" in text and "not a numerical one" not in text
-    # Any error after a runaway finding followed from it; the finding is named.
+    # An arithmetic error after a runaway finding followed from it; another error is named
+    # beside the finding, not blamed on it.
     ran = Report(status="warned", steps=5, alarms=[
         {"step": 1, "kind": "spike", "signal": "grad_norm", "value": 9.0, "message": ""},
         {"step": 3, "kind": "divergence", "signal": "loss", "value": 9.0, "message": ""}])
+    text = error_text("train.py", "OverflowError: math range error", ran)
+    assert "arithmetic error that followed from the numbers" in text
+    assert "divergence at step 3" in text
     text = error_text("train.py", "KeyError: 'epoch'", ran)
-    assert "an error that followed from the numbers" in text and "divergence at step 3" in text
+    assert "its own error, after nanguard found the numbers running away" in text, text
+    assert "followed from" not in text and "divergence at step 3" in text
     # A spike alone (it may heal) is no runaway.
     spike = Report(status="warned", steps=5, alarms=ran.alarms[:1])
     assert "not a numerical one" in error_text("train.py", "KeyError: 'epoch'", spike)

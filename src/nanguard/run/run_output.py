@@ -155,15 +155,18 @@ def _runaway(report: Report | None) -> str | None:
 
 
 def error_text(name: str, message: str, report: Report | None) -> str:
-    """The script's own error, when no non-finite value was recorded: one that came after
-    nanguard found the numbers running away followed from them (word_language_model at
-    `--lr 1000`: `math.exp(cur_loss)` overflows after the divergence alarm), and an
-    arithmetic error says so even without one."""
+    """The script's own error, when no non-finite value was recorded: an arithmetic one that
+    came after nanguard found the numbers running away followed from them (word_language_model
+    at `--lr 1000`: `math.exp(cur_loss)` overflows after the divergence alarm); another error
+    after it is named beside the finding, not blamed on it; an arithmetic error says so even
+    without one."""
     runaway = _runaway(report)
-    if runaway is not None:
-        kind = "an arithmetic error" if numeric_error(message) else "an error"
-        return (f"{name} failed with {kind} that followed from the numbers: nanguard found "
-                f"them running away first ({runaway}: see above): {message}")
+    if runaway is not None and numeric_error(message):
+        return (f"{name} failed with an arithmetic error that followed from the numbers: "
+                f"nanguard found them running away first ({runaway}: see above): {message}")
+    if runaway is not None:  # (a KeyError does not follow from a divergence: not claimed)
+        return (f"{name} failed with its own error, after nanguard found the numbers running "
+                f"away ({runaway}: see above): {message}")
     if numeric_error(message):
         return (f"{name} failed with an arithmetic error of its own: {message}; the steps "
                 "nanguard watched held no non-finite value and no divergence before it, so "
