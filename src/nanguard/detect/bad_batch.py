@@ -162,13 +162,22 @@ def spike_entry(stats: Any, alarm: Any, found: dict[str, Any]) -> dict[str, Any]
     `rows`. Empty otherwise."""
     if getattr(alarm, "cause", None) != BAD_BATCH:
         return {}
+    rows = rows_of(found)
+    # The rows ride on the alarm object (never in report.json: the entry holds them) for the
+    # action that answers the spike: its skip names them (`describe`).
+    alarm.named_rows = rows
     return {"cause": BAD_BATCH, "batch": batch_fingerprint(list(stats.sample_hashes)),
-            "rows": rows_of(found)}
+            "rows": rows}
 
 
 def describe(stats: Any, alarms: list[Any]) -> str:
-    """`; a bad batch (batch FP)` for an action's detail when the batch is the cause."""
+    """`; a bad batch (batch FP, rows [R])` for an action's detail when the batch is the
+    cause (the rows when its replay named them, `spike_entry`)."""
     if not is_bad_batch(alarms):
         return ""
     fp = batch_fingerprint(list(stats.sample_hashes))
-    return f"; a bad batch{f' (batch {fp})' if fp else ''}: LR and weight decay left alone"
+    rows = next((r for a in alarms if (r := getattr(a, "named_rows", None))), None)
+    named = ", ".join(([f"batch {fp}"] if fp else [])
+                      + ([f"rows {rows[:16]}{' ...' if len(rows) > 16 else ''}"]
+                         if rows else []))
+    return f"; a bad batch{f' ({named})' if named else ''}: LR and weight decay left alone"
