@@ -21,6 +21,7 @@ from typing import Literal
 
 from nanguard.detect import Alarm, bad_batch
 from nanguard.policy.recurrence import Recurrence, hold_sentence, instability_only, traced
+from nanguard.runtime import distributed
 from nanguard.watch.stats import StepStats
 
 Action = Literal["none", "skip", "discard_spike", "rollback", "escalate", "cannot_skip",
@@ -110,9 +111,13 @@ class Raise(Policy):
 def _unexplained(stats: StepStats, alarms: list[Alarm], kinds: tuple[str, ...]) -> bool:
     """A step acted on for spikes (or cascades, when `kinds` has them) alone, nothing
     non-finite, not traced to its batch: a discarded update answers it only when it is lone
-    (`policy.recurrence`)."""
+    (`policy.recurrence`).
+
+    Never under torch.distributed: every rank discards the update the agreement asked for, as
+    before. A rank's trace of its own batch (its loss, its rows) is not the other ranks', and
+    one rank holding an update another discards would leave the replicas apart."""
     return (instability_only(alarms, kinds) and not traced(alarms)
-            and not [s for s in stats.seal() if s != "data"])
+            and not [s for s in stats.seal() if s != "data"] and not distributed.active())
 
 
 class Skip(Policy):
