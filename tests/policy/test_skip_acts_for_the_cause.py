@@ -30,13 +30,16 @@ STEPS = 140
 RAMP_TO = 0.3  # the SGD LR at step 100 (from 0.01): past this MLP's stability limit
 
 
-def _ramp(tmp_path: Path) -> tuple[list[float], dict]:
-    """Train the MLP under `skip`; its own grad norm of every step, and the report."""
+def _ramp(tmp_path: Path, replay: bool = False) -> tuple[list[float], dict]:
+    """Train the MLP under `skip` (with `replay`: the guard can replay a batch row by row);
+    its own grad norm of every step, and the report."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    guard = nanguard.Guard(model, opt, policy="skip", out=tmp_path / "run",
-                           config=GuardConfig(record=RecordConfig(summary=False)))
+    guard = nanguard.Guard(
+        model, opt, policy="skip", out=tmp_path / "run",
+        replay=(lambda b: nn.functional.mse_loss(model(b[0]), b[1])) if replay else None,
+        config=GuardConfig(record=RecordConfig(summary=False)))
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(8, 1, generator=gen)
     norms = []
@@ -97,3 +100,17 @@ def test_bad_batches_close_together_are_each_skipped_with_their_rows(tmp_path: P
     for step, rows in truth.items():
         assert re.search(rf"step {step} action skip: .*rows {re.escape(str(rows))}", live), \
             live[-3000:]
+
+
+def test_a_spike_its_replay_rules_the_batch_out_of_is_not_skipped(tmp_path: Path) -> None:
+    """The same run with a replay: the first spike's rows, measured one by one before its
+    update, have no row standing out (every row's gradient rose together), so even the first
+    spike is the optimizer's: no update is discarded, the hold is said once, on that spike."""
+    _, report = _ramp(tmp_path, replay=True)
+    spikes = sorted({a["step"] for a in report["alarms"] if a["kind"] == "spike"})
+    assert len(spikes) >= 3, report["alarms"]
+    assert not [a for a in report["actions"] if a["action"] == "skip"], report["actions"]
+    held = [a for a in report["actions"] if a["action"] == "not_skipped"]
+    assert [a["step"] for a in held] == [spikes[0]], report["actions"]
+    assert "replayed row by row" in held[0]["detail"], held[0]["detail"]
+    assert report["status"] == "warned"  # nothing was done: not `recovered`

@@ -161,6 +161,11 @@ def spike_entry(stats: Any, alarm: Any, found: dict[str, Any]) -> dict[str, Any]
     `alarm` of step `stats`: `cause`, `batch` (its fingerprint, `batch_fingerprint`) and
     `rows`. Empty otherwise."""
     if getattr(alarm, "cause", None) != BAD_BATCH:
+        if alarm.kind == "spike" and rows_measured(found) and not any(
+                float(d.get("z", 0.0)) >= ROW_Z for key in ("samples", "loss_samples")
+                for d in found.get(key) or []):
+            # (on the alarm object, for the policy that weighs it: `ruled_out`)
+            alarm.rows_ruled_out = True
         return {}
     rows = rows_of(found)
     # The rows ride on the alarm object (never in report.json: the entry holds them) for the
@@ -168,6 +173,23 @@ def spike_entry(stats: Any, alarm: Any, found: dict[str, Any]) -> dict[str, Any]
     alarm.named_rows = rows
     return {"cause": BAD_BATCH, "batch": batch_fingerprint(list(stats.sample_hashes)),
             "rows": rows}
+
+
+def rows_measured(found: dict[str, Any]) -> bool:
+    """Whether a spike's explanation (`pinpoint.live.explain_spike`) measured every row of its
+    batch before the update: each row's own loss and gradient norm (a replay ran, one sample
+    per row, nothing failed)."""
+    return "rerun" in found and "loss_samples" in found and "error" not in found
+
+
+def ruled_out(alarms: list[Any]) -> bool:
+    """Whether the replay of a spike's batch ruled the batch out as its cause: every row
+    measured (`rows_measured`), none `ROW_Z` robust sigma above the others in its gradient or
+    its loss, and the batch not named for its own loss. Its gradient rose in every row
+    together: the optimizer's spike (the weights moved to where every batch's gradient is
+    large), not the data's; a discarded update answers nothing (`policy.recurrence`)."""
+    return not is_bad_batch(alarms) and any(getattr(a, "rows_ruled_out", False)
+                                            for a in alarms)
 
 
 def describe(stats: Any, alarms: list[Any]) -> str:

@@ -115,12 +115,22 @@ def hold_sentence(step: int, rec: Recurrence, alarms: list[Alarm]) -> str:
             f"{_ANSWER}")
 
 
+def ruled_out_sentence(step: int, alarms: list[Alarm]) -> str:
+    """Why the update of a lone spike whose batch's replay ruled the batch out
+    (`detect.bad_batch.ruled_out`) was not skipped."""
+    return (f"not skipped: the {_what(alarms)} at step {step} is not its batch's: replayed "
+            f"row by row before its update, no row's gradient or loss stands "
+            f"{bad_batch.ROW_Z:g} sigma above the others (the gradient rose in every row "
+            f"together: the weights moved to where any batch's gradient is large); {_ANSWER}")
+
+
 def after_jump(step: int, jump: Jump | None) -> str | None:
     """Why an unexplained spike at `step` is the LR jump's, not a batch's (None when no jump
     was seen in the `FOLLOWS` steps before it)."""
     if jump is None or not 0 <= step - jump.step < FOLLOWS:
         return None
-    return (f"not skipped: a spike {step - jump.step} step(s) after {jump.text()}, not traced "
-            "to a batch: Adam's moments still hold the old step size, and discarding updates "
-            f"does not bring them up to it; recorded, not acted on, and so are the spikes after "
-            f"it; policy='heal' ramps the LR back up from {jump.old:.3g}")
+    return (f"not skipped: a spike {step - jump.step} step(s) after {jump.text()}, not "
+            "traced to a batch: the optimizer's state (Adam's moments, a momentum) still "
+            "holds the old step size, and discarding updates does not bring it up to the new "
+            "one; recorded, not acted on, and so are the spikes after it; policy='heal' ramps "
+            f"the LR back up from {jump.old:.3g}")

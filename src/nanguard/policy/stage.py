@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from nanguard.detect import Alarm, bad_batch
-from nanguard.policy.recurrence import Recurrence, hold_sentence, instability_only, traced
+from nanguard.policy.recurrence import (
+    Recurrence,
+    hold_sentence,
+    instability_only,
+    ruled_out_sentence,
+    traced,
+)
 from nanguard.runtime import distributed
 from nanguard.watch.stats import StepStats
 
@@ -147,7 +153,8 @@ class Skip(Policy):
         if _unexplained(stats, alarms, self.acting_on):
             rec = self.recurrence
             if rec.see(stats.step) > 1 or any(a.kind == "cascade" for a in alarms
-                                              if a.kind in self.acting_on):
+                                              if a.kind in self.acting_on) or \
+                    bad_batch.ruled_out(alarms):
                 return _hold(stats, alarms, rec)
             lone = rec
         if skips_in_row >= self.max_consecutive_skips:
@@ -158,7 +165,10 @@ class Skip(Policy):
 def _hold(stats: StepStats, alarms: list[Alarm], rec: Recurrence) -> Decision:
     """Leave the update of a recurring instability's spike alone; say why once."""
     say, rec.said = not rec.said, True
-    return Decision(action="hold", why=hold_sentence(stats.step, rec, alarms), say=say)
+    why = (ruled_out_sentence(stats.step, alarms)
+           if rec.count <= 1 and bad_batch.ruled_out(alarms)
+           else hold_sentence(stats.step, rec, alarms))
+    return Decision(action="hold", why=why, say=say)
 
 
 class Rollback(Policy):
@@ -181,7 +191,7 @@ class Rollback(Policy):
         if not post and acting <= {"spike"} and not nonfinite:
             lone = None
             if _unexplained(stats, alarms, ("spike",)):
-                if self.recurrence.see(stats.step) > 1:
+                if self.recurrence.see(stats.step) > 1 or bad_batch.ruled_out(alarms):
                     return _hold(stats, alarms, self.recurrence)
                 lone = self.recurrence
             return Decision(action="discard_spike", why=why, lone=lone)
