@@ -91,3 +91,22 @@ def test_effects_a_hold_is_recorded_once_and_a_lone_spike_after_a_jump_is_held()
     effects, row = effects_of(d, _stats(400), recovery=SimpleNamespace(lr_changes=LrChanges()),
                               post=False, skips_in_row=0, limit=10)
     assert row == 1 and isinstance(effects[0], Discard)
+
+
+def test_a_replay_that_measured_every_row_and_found_none_out_rules_the_batch_out() -> None:
+    from nanguard.detect import bad_batch
+
+    def entry(found: dict) -> list[Alarm]:
+        alarms = _spike(60)
+        bad_batch.spike_entry(_stats(60), alarms[0], found)
+        return alarms
+
+    measured = {"rerun": {"verdict": "reproducible"}, "samples": [{"index": 4, "z": 4.0}],
+                "loss_samples": [{"index": 4, "loss": 2.0, "z": 3.6}]}
+    assert bad_batch.ruled_out(entry(measured))
+    assert not bad_batch.ruled_out(entry({**measured, "samples": [{"index": 4, "z": 12.0}]}))
+    assert not bad_batch.ruled_out(entry({"samples": []}))  # no replay: nothing measured
+    assert not bad_batch.ruled_out(entry({**measured, "error": "per-sample gradients failed"}))
+    policy = make_policy("skip", default_act_on("skip"))
+    d = policy.decide(_stats(60), entry(measured), post=False, skips_in_row=0)
+    assert d.action == "hold" and d.say and "replayed row by row" in d.why
