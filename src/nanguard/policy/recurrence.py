@@ -8,22 +8,25 @@ went wrong, the state before it is still good.
 
 A spike of a recurring instability is not: an optimizer whose LR x weight-decay product (or
 whose LR alone) is too high, a cascade feeding its own growth back, the steps after an LR jump
-without warm-up. The state the next batch trains from is the one that spiked already;
-discarding update after update stalls training while the instability goes on (issue 40:
-nanoGPT's `lr_wd` seed 0 under `skip` discarded the updates of three spikes 5 steps apart and
-never recovered, 93% of its steps in spike against plain training's 4%). There the policy
+without warm-up; nor is a spike whose batch its replay ruled out (every row measured before
+the update, none standing out: `detect.bad_batch.ruled_out`), even a lone one. The state the
+next batch trains from is the one that spiked already; discarding update after update stalls
+training while the instability goes on (issue 40: nanoGPT's `lr_wd` seed 0 under `skip`
+discarded the updates of three spikes 5 steps apart and never recovered, 93% of its steps in
+spike against plain training's 4%; discarding only the first, lone one: 74%). There the policy
 records, and says once per instability, why it did not skip, and leaves the update alone: the
 status stays `warned`, and `heal` (or clipping) is the answer it names.
 
-`Recurrence` is the memory this needs (the steps of the unexplained spikes seen); the rules
-are pure functions of it, the step's alarms and the LR jump the guard last saw
-(`policy.lr_change`). Nothing here holds a reference to the guard.
+`Recurrence` is the memory this needs (the steps of the unexplained spikes seen; not saved
+with the guard's state: a resumed run starts without it); the rules are pure functions of it,
+the step's alarms and the LR jump the guard last saw (`policy.lr_change`). Nothing here holds
+a reference to the guard. Without a replay a lone spike cannot be told from a bad batch's and
+is discarded, as before.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from nanguard.detect import Alarm, bad_batch
 from nanguard.policy.lr_change import FOLLOWS, Jump
@@ -63,14 +66,6 @@ class Recurrence:
         self.last = step
         self.count += 1
         return self.count
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"last": self.last, "first": self.first, "count": self.count,
-                "said": self.said}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.last, self.first = state.get("last"), state.get("first")
-        self.count, self.said = int(state.get("count", 0)), bool(state.get("said", False))
 
 
 def instability_only(alarms: list[Alarm], acting_on: tuple[str, ...]) -> bool:
