@@ -85,6 +85,12 @@ def test_effects_a_hold_is_recorded_once_and_a_lone_spike_after_a_jump_is_held()
     assert effects_of(d, _stats(208), recovery=recovery, post=False, skips_in_row=0,
                       limit=10) == ([], 0)
     assert after_jump(200 + FOLLOWS, changes.jump) is None
+    # A hold the policy made itself (a cascade) right after the jump is said as the jump's.
+    policy = make_policy("skip", default_act_on("skip"))
+    d = _decide(policy, 201, _spike(201, kind="cascade"))
+    effects, _ = effects_of(d, _stats(201), recovery=recovery, post=False, skips_in_row=0,
+                            limit=10)
+    assert len(effects) == 1 and "1 step(s) after the LR went 10x" in effects[0].detail
     # Without a jump a lone spike's update is discarded.
     policy = make_policy("skip", default_act_on("skip"))
     d = _decide(policy, 400, _spike(400))

@@ -30,8 +30,12 @@ def effects_of(d: Decision, stats: StepStats, *, recovery: Recovery, post: bool,
         say, d.lone.said = not d.lone.said, True
         return ([Record(stats.step, "not_skipped", held)] if say else []), skips_in_row
     if d.action == "hold":
-        # A spike of a recurring instability: the update goes ahead; said once per instability.
-        return ([Record(stats.step, "not_skipped", d.why)] if d.say else []), skips_in_row
+        # A spike of a recurring instability: the update goes ahead; said once per instability,
+        # naming the LR jump when one came just before (the more specific cause).
+        if not d.say:
+            return [], skips_in_row
+        why = after_jump(stats.step, recovery.lr_changes.jump) or d.why
+        return [Record(stats.step, "not_skipped", why)], skips_in_row
     if d.action == "skip":
         return [Discard(stats), Record(stats.step, "skip", f"update discarded ({d.why})"
                                        f"{batch_note(stats)}")], skips_in_row + 1
