@@ -102,10 +102,10 @@ def hold_sentence(step: int, rec: Recurrence, alarms: list[Alarm]) -> str:
     """Why the update of `step` (a spike of a recurring instability) was not skipped."""
     what = _what(alarms)
     if rec.count <= 1:  # a cascade on its own
-        return (f"not skipped: a {what} at step {step}, not traced to a batch: the optimizer "
+        return (f"update kept: a {what} at step {step}, not traced to a batch: the optimizer "
                 f"feeding its own growth back, {_ANSWER}")
     first = rec.first if rec.first is not None else step
-    return (f"not skipped: the {_ordinal(rec.count)} {what} in {step - first + 1} steps "
+    return (f"update kept: the {_ordinal(rec.count)} {what} in {step - first + 1} steps "
             f"(since step {first}), none traced to a batch: an optimizer instability, "
             f"{_ANSWER}")
 
@@ -113,7 +113,7 @@ def hold_sentence(step: int, rec: Recurrence, alarms: list[Alarm]) -> str:
 def ruled_out_sentence(step: int, alarms: list[Alarm]) -> str:
     """Why the update of a lone spike whose batch's replay ruled the batch out
     (`detect.bad_batch.ruled_out`) was not skipped."""
-    return (f"not skipped: the {_what(alarms)} at step {step} is not its batch's: replayed "
+    return (f"update kept: the {_what(alarms)} at step {step} is not its batch's: replayed "
             f"row by row before its update, no row's gradient or loss stands "
             f"{bad_batch.ROW_Z:g} sigma above the others (the gradient rose in every row "
             f"together: the weights moved to where any batch's gradient is large); {_ANSWER}")
@@ -124,7 +124,7 @@ def after_jump(step: int, jump: Jump | None) -> str | None:
     was seen in the `FOLLOWS` steps before it)."""
     if jump is None or not 0 <= step - jump.step < FOLLOWS:
         return None
-    return (f"not skipped: a spike {step - jump.step} step(s) after {jump.text()}, not "
+    return (f"update kept: a spike {step - jump.step} step(s) after {jump.text()}, not "
             "traced to a batch: the optimizer's state (Adam's moments, a momentum) still "
             "holds the old step size, and discarding updates does not bring it up to the new "
             "one; recorded, not acted on, and so are the spikes after it; policy='heal' ramps "
