@@ -59,6 +59,12 @@ def test_a_cascade_is_held_and_a_post_update_cascade_claims_nothing_non_finite()
     assert d.action == "hold" and d.say and "feeding its own growth back" in d.why
     post = policy.decide(_stats(51), _spike(51, kind="cascade"), post=True, skips_in_row=0)
     assert post.action == "none"  # was "cannot_skip": "non-finite after the update"
+    # Another rank's cascade (no alarm here): the same answer on this rank...
+    assert policy.decide(_stats(51), [], post=True, skips_in_row=0).action == "none"
+    # ...but a non-finite value on another rank (agreed) is that rank's "cannot skip" here too.
+    other = _stats(51)
+    other.agreed_bad_rank = 1
+    assert policy.decide(other, [], post=True, skips_in_row=0).action == "cannot_skip"
 
 
 def test_rollback_discards_a_lone_spike_and_holds_a_recurring_one() -> None:

@@ -21,6 +21,7 @@ from typing import Literal
 
 from nanguard.detect import Alarm, bad_batch
 from nanguard.policy.recurrence import (
+    INSTABILITY,
     Recurrence,
     hold_sentence,
     instability_only,
@@ -142,10 +143,13 @@ class Skip(Policy):
                skips_in_row: int) -> Decision:
         why = reason(stats, alarms)
         if post:
-            if instability_only(alarms, self.acting_on) and not [
-                    s for s in stats.seal() if s.startswith(("param", "optimizer"))]:
-                # A cascade the post-update detectors saw (of activations): nothing the update
-                # made non-finite ("cannot skip" would claim so), nothing a skip could do.
+            if (all(a.kind in INSTABILITY for a in alarms if a.kind in self.acting_on)
+                    and stats.agreed_bad_rank is None
+                    and not [s for s in stats.seal() if s.startswith(("param", "optimizer"))]):
+                # A cascade the post-update detectors saw (of activations), here or on another
+                # rank, and nothing non-finite on any: nothing the update made non-finite
+                # ("cannot skip" would claim so), nothing a skip could do. (Every rank decides
+                # alike: a rank without the alarm has none, and `agreed_bad_rank` is agreed.)
                 return Decision(action="none", why=why)
             # Discarded already (the values were bad before the update): nothing more to do.
             return Decision(action="none" if stats.skipped else "cannot_skip", why=why)
