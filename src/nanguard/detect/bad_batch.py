@@ -21,6 +21,10 @@ later), which `heal` corrects. It is one when, under the same quiet-step and ste
 conditions, the spike's replay shows a few rows carrying the gradient far above the others
 (`by_rows`): a row of one repeated symbol has an ordinary loss and a huge gradient.
 
+The converse is evidence too: a spike whose replay measured every row of its batch before the
+update and found none standing out was not made by its batch (`ruled_out`): the policies do
+not discard its update (`policy.recurrence`).
+
 `judge` runs only on a step where the spike detector fired: the quiet step pays nothing.
 """
 
