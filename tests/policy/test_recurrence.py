@@ -77,7 +77,7 @@ def test_effects_a_hold_is_recorded_once_and_a_lone_spike_after_a_jump_is_held()
     changes = LrChanges()
     changes.see(199, 1e-3)
     assert changes.see(200, 1e-2) is not None  # a 10x jump at step 200
-    recovery = SimpleNamespace(lr_changes=changes)
+    recovery = SimpleNamespace(lr_changes=changes, link=SimpleNamespace(spikes=list))
     policy = make_policy("skip", default_act_on("skip"))
     d = _decide(policy, 203, _spike(203))
     assert d.action == "skip" and d.lone is not None  # lone, as far as the policy knows
@@ -100,8 +100,9 @@ def test_effects_a_hold_is_recorded_once_and_a_lone_spike_after_a_jump_is_held()
     # Without a jump a lone spike's update is discarded.
     policy = make_policy("skip", default_act_on("skip"))
     d = _decide(policy, 400, _spike(400))
-    effects, row = effects_of(d, _stats(400), recovery=SimpleNamespace(lr_changes=LrChanges()),
-                              post=False, skips_in_row=0, limit=10)
+    quiet = SimpleNamespace(lr_changes=LrChanges(), link=SimpleNamespace(spikes=list))
+    effects, row = effects_of(d, _stats(400), recovery=quiet, post=False, skips_in_row=0,
+                              limit=10)
     assert row == 1 and isinstance(effects[0], Discard)
 
 
@@ -122,3 +123,27 @@ def test_a_replay_that_measured_every_row_and_found_none_out_rules_the_batch_out
     policy = make_policy("skip", default_act_on("skip"))
     d = policy.decide(_stats(60), entry(measured), post=False, skips_in_row=0)
     assert d.action == "hold" and d.say and "replayed row by row" in d.why
+
+
+def test_a_lone_spike_after_a_logged_spike_no_policy_saw_is_held() -> None:
+    """A loss spike not traced to its batch raises no decision; the guard's spike log has it,
+    and a grad-norm spike 1 step after it is no lone spike (nanoGPT's resume seed 0: a skip at
+    592, one step after a loss spike at 591 in a 600-step episode, left it worse than plain)."""
+    logged = [{"step": 560, "samples": []}, {"step": 591, "samples": []},
+              {"step": 592, "samples": []}]
+    recovery = SimpleNamespace(lr_changes=LrChanges(), link=SimpleNamespace(spikes=lambda: logged))
+    policy = make_policy("skip", default_act_on("skip"))
+    d = _decide(policy, 592, _spike(592))
+    assert d.action == "skip" and d.lone is not None  # lone, as far as the policy knows
+    effects, row = effects_of(d, _stats(592), recovery=recovery, post=False, skips_in_row=0,
+                              limit=10)
+    assert row == 0 and [e.action for e in effects] == ["not_skipped"]
+    assert "1 step(s) after the spike at step 591" in effects[0].detail
+    # A bad batch's spike, or one further back than the window, leaves it lone.
+    for before in ({"step": 591, "cause": "bad_batch"}, {"step": 592 - RECUR_STEPS - 1}):
+        recovery.link.spikes = lambda before=before: [before, {"step": 592}]
+        policy = make_policy("skip", default_act_on("skip"))
+        d = _decide(policy, 592, _spike(592))
+        effects, row = effects_of(d, _stats(592), recovery=recovery, post=False,
+                                  skips_in_row=0, limit=10)
+        assert row == 1 and isinstance(effects[0], Discard), before

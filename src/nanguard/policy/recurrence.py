@@ -17,16 +17,19 @@ spike against plain training's 4%; discarding only the first, lone one: 74%). Th
 records, and says once per instability, why it did not skip, and leaves the update alone: the
 status stays `warned`, and `heal` (or clipping) is the answer it names.
 
-`Recurrence` is the memory this needs (the steps of the unexplained spikes seen; not saved
-with the guard's state: a resumed run starts without it); the rules are pure functions of it,
-the step's alarms and the LR jump the guard last saw (`policy.lr_change`). Nothing here holds
-a reference to the guard. Without a replay a lone spike cannot be told from a bad batch's and
+`Recurrence` is the memory this needs (the steps of the unexplained spikes the policy was asked
+about; not saved with the guard's state: a resumed run starts without it); the rules are pure
+functions of it, the step's alarms, and what the policy is not asked about, which
+`policy.act` hands in from recovery: the LR jump the guard last saw (`policy.lr_change`) and
+the spikes it logged (a loss spike not traced to its batch raises no decision). Nothing here
+holds a reference to the guard. Without a replay a lone spike cannot be told from a bad batch's and
 is discarded, as before.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from nanguard.detect import Alarm, bad_batch
 from nanguard.policy.lr_change import FOLLOWS, Jump
@@ -117,6 +120,24 @@ def ruled_out_sentence(step: int, alarms: list[Alarm]) -> str:
             f"row by row before its update, no row's gradient or loss stands "
             f"{bad_batch.ROW_Z:g} sigma above the others (the gradient rose in every row "
             f"together: the weights moved to where any batch's gradient is large); {_ANSWER}")
+
+
+def after_spikes(step: int, spikes: list[dict[str, Any]]) -> str | None:
+    """Why a spike at `step` the policy took for lone is not: the guard logged another spike
+    (`spikes`: report.json's, either signal, one no policy acted on included: a loss spike not
+    traced to its batch) in the `RECUR_STEPS` steps before it, not traced to its batch either
+    (None when it logged none). Its steps were not quiet: the spike is a recurrence."""
+    for entry in reversed(spikes):
+        k = entry.get("step")
+        if not isinstance(k, int) or k >= step:
+            continue  # this step's own entry
+        if step - k > RECUR_STEPS:
+            return None
+        if entry.get("alarm") is None and entry.get("cause") != bad_batch.BAD_BATCH:
+            return (f"update kept: a spike at step {step}, {step - k} step(s) after the spike "
+                    f"at step {k}, neither traced to a batch: not after quiet steps, a "
+                    f"recurring instability; {_ANSWER}")
+    return None
 
 
 def after_jump(step: int, jump: Jump | None) -> str | None:
