@@ -5,8 +5,9 @@ symbol) when its *own* loss is an outlier: the loss of a step is computed by the
 that step's batch with the parameters the previous update left, before this step's update.
 If that loss is far above its recent level while
 
-- the step before was quiet (no spike, its grad norm under 3x its recent level: the update
-  that made the parameters which computed this loss was an ordinary one), and
+- the steps before were quiet (no spike in the last `QUIET_STEPS`, the step before's grad
+  norm under 3x its recent level: the update that made the parameters which computed this
+  loss was an ordinary one), and
 - the LR is the one of the step before (within `_LR_STEADY`: a schedule's slow drift, not a
   jump, a restart or a resume without warm-up, which are causes of their own),
 
@@ -40,6 +41,14 @@ BAD_BATCH = "bad_batch"
 _LR_STEADY = 0.1
 """An LR within this share of the previous step's counts as unchanged (a cosine schedule
 moves it by far less per step; a warm-up's first steps or a 10x jump by far more)."""
+
+
+QUIET_STEPS = 5
+"""Steps before a spike that must hold no spike (of either signal) for its batch to be named
+its cause. One quiet step inside a run of spikes is no evidence: in nanoGPT's resumed run at
+20x (seed 0) the loss sat 1.5-1.8x its level for 400 iterations, iteration 795's dipped under
+the spike threshold, and 796 was named a bad batch (its skip left the run worse than plain).
+Bad batches come apart: the planted ones of tests/programs 8 steps or more."""
 
 
 _PRECURSOR = 3.0
@@ -96,8 +105,8 @@ def steady(step: int, *, lr: float | None, last_lr: float | None, prev_lr: float
            last_spike: int | None, before_jump: float | None) -> str | None:
     """Whether nothing but the batch changed between a quiet step and `step` (`judge`'s
     arguments): a note on the LR ("LR unchanged (0.003)") when so, else None."""
-    if last_spike is not None and last_spike >= step - 1:
-        return None  # the parameters that computed this loss came from a spiking step
+    if last_spike is not None and last_spike >= step - QUIET_STEPS:
+        return None  # the parameters that computed this loss came from a run of spikes
     if before_jump is not None and before_jump >= _PRECURSOR:
         return None  # ...or from a step whose gradient had already jumped
     if (last_lr is not None and prev_lr is not None and prev_lr > 0 and math.isfinite(last_lr)
