@@ -77,10 +77,11 @@ def test_an_lr_cascade_is_cut_by_its_measured_growth() -> None:
     assert signal == "grad_norm" and steps >= 2
     # The values named are the grad norms this test measured, `steps` steps apart, ending at
     # the step before the rollback (or at it), each step up at least 1.5x.
+    # (the detail prints 3 significant digits: 1.52e+04 for 15249 is 3.2e-3 off)
     k_end = next(k for k in range(first["step"], JUMP - 1, -1)
-                 if math.isclose(norms[k], end, rel_tol=2e-3))
+                 if math.isclose(norms[k], end, rel_tol=5e-3))
     k_start = k_end - steps
-    assert math.isclose(norms[k_start], start, rel_tol=2e-3), (norms[k_start], start)
+    assert math.isclose(norms[k_start], start, rel_tol=5e-3), (norms[k_start], start)
     assert all(norms[k + 1] >= 1.5 * norms[k] for k in range(k_start, k_end))
     g = (norms[k_end] / norms[k_start]) ** (1 / steps)
     assert math.isclose(per_step, g, rel_tol=5e-3)
@@ -89,7 +90,11 @@ def test_an_lr_cascade_is_cut_by_its_measured_growth() -> None:
     # The next updates used the scheduler's LR (1.0) times that factor.
     after = used[first["step"] + 1: first["step"] + 6]
     assert after and all(math.isclose(lr, 1.0 * factor, rel_tol=5e-3) for lr in after), after
-    assert "after the spike at step" in detail or g < 10
+    # A spike that opened the run (its first step 10x, `DetectConfig.spike_ratio`) is named;
+    # a run grown from its first step on (the spike at 22 left to the rollback, not
+    # discarded: `policy.recurrence`, a spike right after an LR jump) has none to name.
+    if "after the spike at step" not in detail:
+        assert norms[k_start + 1] < 10 * norms[k_start], (norms[k_start:k_end + 1], detail)
 
 
 def test_backoff_min_must_be_a_factor() -> None:

@@ -5,8 +5,9 @@ symbol) when its *own* loss is an outlier: the loss of a step is computed by the
 that step's batch with the parameters the previous update left, before this step's update.
 If that loss is far above its recent level while
 
-- the step before was quiet (no spike, its grad norm under 3x its recent level: the update
-  that made the parameters which computed this loss was an ordinary one), and
+- the steps before were quiet (no spike in the last `QUIET_STEPS`, the step before's grad
+  norm under 3x its recent level: the update that made the parameters which computed this
+  loss was an ordinary one), and
 - the LR is the one of the step before (within `_LR_STEADY`: a schedule's slow drift, not a
   jump, a restart or a resume without warm-up, which are causes of their own),
 
@@ -20,6 +21,10 @@ pushed the weights to where any batch's gradient is large; its loss spike comes 
 later), which `heal` corrects. It is one when, under the same quiet-step and steady-LR
 conditions, the spike's replay shows a few rows carrying the gradient far above the others
 (`by_rows`): a row of one repeated symbol has an ordinary loss and a huge gradient.
+
+The converse is evidence too: a spike whose replay measured every row of its batch before the
+update and found none standing out was not made by its batch (`ruled_out`): the policies do
+not discard its update (`policy.recurrence`).
 
 `judge` runs only on a step where the spike detector fired: the quiet step pays nothing.
 """
@@ -36,6 +41,14 @@ BAD_BATCH = "bad_batch"
 _LR_STEADY = 0.1
 """An LR within this share of the previous step's counts as unchanged (a cosine schedule
 moves it by far less per step; a warm-up's first steps or a 10x jump by far more)."""
+
+
+QUIET_STEPS = 5
+"""Steps before a spike that must hold no spike (of either signal) for its batch to be named
+its cause. One quiet step inside a run of spikes is no evidence: in nanoGPT's resumed run at
+20x (seed 0) the loss sat 1.5-1.8x its level for 400 iterations, iteration 795's dipped under
+the spike threshold, and 796 was named a bad batch (its skip left the run worse than plain).
+Bad batches come apart: the planted ones of tests/programs 8 steps or more."""
 
 
 _PRECURSOR = 3.0
@@ -92,8 +105,8 @@ def steady(step: int, *, lr: float | None, last_lr: float | None, prev_lr: float
            last_spike: int | None, before_jump: float | None) -> str | None:
     """Whether nothing but the batch changed between a quiet step and `step` (`judge`'s
     arguments): a note on the LR ("LR unchanged (0.003)") when so, else None."""
-    if last_spike is not None and last_spike >= step - 1:
-        return None  # the parameters that computed this loss came from a spiking step
+    if last_spike is not None and last_spike >= step - QUIET_STEPS:
+        return None  # the parameters that computed this loss came from a run of spikes
     if before_jump is not None and before_jump >= _PRECURSOR:
         return None  # ...or from a step whose gradient had already jumped
     if (last_lr is not None and prev_lr is not None and prev_lr > 0 and math.isfinite(last_lr)
@@ -171,14 +184,45 @@ def spike_entry(stats: Any, alarm: Any, found: dict[str, Any]) -> dict[str, Any]
     `alarm` of step `stats`: `cause`, `batch` (its fingerprint, `batch_fingerprint`) and
     `rows`. Empty otherwise."""
     if getattr(alarm, "cause", None) != BAD_BATCH:
+        if alarm.kind == "spike" and rows_measured(found) and not any(
+                float(d.get("z", 0.0)) >= ROW_Z for key in ("samples", "loss_samples")
+                for d in found.get(key) or []):
+            # (on the alarm object, for the policy that weighs it: `ruled_out`)
+            alarm.rows_ruled_out = True
         return {}
+    rows = rows_of(found)
+    # The rows ride on the alarm object (never in report.json: the entry holds them) for the
+    # action that answers the spike: its skip names them (`describe`).
+    alarm.named_rows = rows
     return {"cause": BAD_BATCH, "batch": batch_fingerprint(list(stats.sample_hashes)),
-            "rows": rows_of(found)}
+            "rows": rows}
+
+
+def rows_measured(found: dict[str, Any]) -> bool:
+    """Whether a spike's explanation (`pinpoint.live.explain_spike`) measured every row of its
+    batch before the update: each row's own loss and gradient norm (a replay ran, one sample
+    per row, nothing failed)."""
+    return "rerun" in found and "loss_samples" in found and "error" not in found
+
+
+def ruled_out(alarms: list[Any]) -> bool:
+    """Whether the replay of a spike's batch ruled the batch out as its cause: every row
+    measured (`rows_measured`), none `ROW_Z` robust sigma above the others in its gradient or
+    its loss, and the batch not named for its own loss. Its gradient rose in every row
+    together: the optimizer's spike (the weights moved to where every batch's gradient is
+    large), not the data's; a discarded update answers nothing (`policy.recurrence`)."""
+    return not is_bad_batch(alarms) and any(getattr(a, "rows_ruled_out", False)
+                                            for a in alarms)
 
 
 def describe(stats: Any, alarms: list[Any]) -> str:
-    """`; a bad batch (batch FP)` for an action's detail when the batch is the cause."""
+    """`; a bad batch (batch FP, rows [R])` for an action's detail when the batch is the
+    cause (the rows when its replay named them, `spike_entry`)."""
     if not is_bad_batch(alarms):
         return ""
     fp = batch_fingerprint(list(stats.sample_hashes))
-    return f"; a bad batch{f' (batch {fp})' if fp else ''}: LR and weight decay left alone"
+    rows = next((r for a in alarms if (r := getattr(a, "named_rows", None))), None)
+    named = ", ".join(([f"batch {fp}"] if fp else [])
+                      + ([f"rows {rows[:16]}{' ...' if len(rows) > 16 else ''}"]
+                         if rows else []))
+    return f"; a bad batch{f' ({named})' if named else ''}: LR and weight decay left alone"

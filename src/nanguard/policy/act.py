@@ -8,6 +8,7 @@ the returned effects in order (a `Stop` last).
 
 from __future__ import annotations
 
+from nanguard.policy.recurrence import after_jump, after_spikes
 from nanguard.policy.stage import Decision
 from nanguard.recover.effects import Discard, Effect, Record, Stop
 from nanguard.recover.recovery import Recovery
@@ -23,6 +24,21 @@ def effects_of(d: Decision, stats: StepStats, *, recovery: Recovery, post: bool,
     Runs in the step hook that decided (pre: before the update; `post`: after it). A rollback
     has restored the model by the time this returns; the rest happens when the guard applies
     the effects."""
+    if d.lone is not None and (
+            held := after_jump(stats.step, recovery.lr_changes.jump)
+            or after_spikes(stats.step, recovery.link.spikes())):
+        # A lone spike right after an LR jump is the jump's, one a few steps after a spike no
+        # policy was asked about (a loss spike) a recurrence (`policy.recurrence`): the policy
+        # sees neither (the guard's `LrChanges`, its spike log), so they are weighed here.
+        say, d.lone.said = not d.lone.said, True
+        return ([Record(stats.step, "not_skipped", held)] if say else []), skips_in_row
+    if d.action == "hold":
+        # A spike of a recurring instability: the update goes ahead; said once per instability,
+        # naming the LR jump when one came just before (the more specific cause).
+        if not d.say:
+            return [], skips_in_row
+        why = after_jump(stats.step, recovery.lr_changes.jump) or d.why
+        return [Record(stats.step, "not_skipped", why)], skips_in_row
     if d.action == "skip":
         return [Discard(stats), Record(stats.step, "skip", f"update discarded ({d.why})"
                                        f"{batch_note(stats)}")], skips_in_row + 1

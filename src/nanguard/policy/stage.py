@@ -20,10 +20,19 @@ from dataclasses import dataclass
 from typing import Literal
 
 from nanguard.detect import Alarm, bad_batch
+from nanguard.policy.recurrence import (
+    INSTABILITY,
+    Recurrence,
+    hold_sentence,
+    instability_only,
+    ruled_out_sentence,
+    traced,
+)
+from nanguard.runtime import distributed
 from nanguard.watch.stats import StepStats
 
 Action = Literal["none", "skip", "discard_spike", "rollback", "escalate", "cannot_skip",
-                 "raise"]
+                 "raise", "hold"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,9 +44,18 @@ class Decision:
     state before it is still good (no rollback, no LR change). `rollback`: restore a snapshot.
     `escalate`: skipping does not heal the run (too many skips in a row): roll back if
     configured, else stop. `cannot_skip`: the update itself went non-finite (escalate if
-    configured, else record that it could not be skipped). `raise`: stop the run."""
+    configured, else record that it could not be skipped). `raise`: stop the run. `hold`: a
+    spike of a recurring instability (`policy.recurrence`): the update goes ahead, `why` says
+    why (recorded as a `not_skipped` action when `say`)."""
     why: str
     """The alarms or non-finite signals behind it, for `actions[].detail`."""
+    lone: Recurrence | None = None
+    """A `skip` / `discard_spike` of a lone spike not traced to its batch: the policy's
+    memory of such spikes, for the check that needs the guard's last LR jump
+    (`policy.act`: a spike right after a jump is held, not skipped)."""
+    say: bool = True
+    """`hold`: record and say why (the first hold of an instability; its later ones are
+    silent)."""
 
 
 def wants_to_act(stats: StepStats, alarms: list[Alarm], acting_on: tuple[str, ...],
@@ -97,29 +115,77 @@ class Raise(Policy):
         return Decision(action="raise", why=reason(stats, alarms))
 
 
+def _unexplained(stats: StepStats, alarms: list[Alarm], kinds: tuple[str, ...]) -> bool:
+    """A step acted on for spikes (or cascades, when `kinds` has them) alone, nothing
+    non-finite, not traced to its batch: a discarded update answers it only when it is lone
+    (`policy.recurrence`).
+
+    Never under torch.distributed: every rank discards the update the agreement asked for, as
+    before. A rank's trace of its own batch (its loss, its rows) is not the other ranks', and
+    one rank holding an update another discards would leave the replicas apart."""
+    return (instability_only(alarms, kinds) and not traced(alarms)
+            and not [s for s in stats.seal() if s != "data"] and not distributed.active())
+
+
 class Skip(Policy):
     """`skip`: discard the update of a bad step; after `max_consecutive_skips` discarded in a
     row, skipping does not heal the run: escalate. A value the update itself made non-finite
-    cannot be skipped any more."""
+    cannot be skipped any more. A spike is skipped when it was traced to its batch or is lone;
+    a spike of a recurring instability, or a cascade, is held (`policy.recurrence`)."""
 
     name = "skip"
+
+    def __init__(self, acting_on: tuple[str, ...], max_consecutive_skips: int = 10) -> None:
+        super().__init__(acting_on, max_consecutive_skips)
+        self.recurrence = Recurrence()
 
     def decide(self, stats: StepStats, alarms: list[Alarm], *, post: bool,
                skips_in_row: int) -> Decision:
         why = reason(stats, alarms)
         if post:
+            if (all(a.kind in INSTABILITY for a in alarms if a.kind in self.acting_on)
+                    and stats.agreed_bad_rank is None
+                    and not [s for s in stats.seal() if s.startswith(("param", "optimizer"))]):
+                # A cascade the post-update detectors saw (of activations), here or on another
+                # rank, and nothing non-finite on any: nothing the update made non-finite
+                # ("cannot skip" would claim so), nothing a skip could do. (Every rank decides
+                # alike: a rank without the alarm has none, and `agreed_bad_rank` is agreed.)
+                return Decision(action="none", why=why)
             # Discarded already (the values were bad before the update): nothing more to do.
             return Decision(action="none" if stats.skipped else "cannot_skip", why=why)
+        lone = None
+        if _unexplained(stats, alarms, self.acting_on):
+            rec = self.recurrence
+            if rec.see(stats.step) > 1 or any(a.kind == "cascade" for a in alarms
+                                              if a.kind in self.acting_on) or \
+                    bad_batch.ruled_out(alarms):
+                return _hold(stats, alarms, rec)
+            lone = rec
         if skips_in_row >= self.max_consecutive_skips:
             return Decision(action="escalate", why=why)
-        return Decision(action="skip", why=why)
+        return Decision(action="skip", why=why, lone=lone)
+
+
+def _hold(stats: StepStats, alarms: list[Alarm], rec: Recurrence) -> Decision:
+    """Leave the update of a recurring instability's spike alone; say why once."""
+    say, rec.said = not rec.said, True
+    why = (ruled_out_sentence(stats.step, alarms)
+           if rec.count <= 1 and bad_batch.ruled_out(alarms)
+           else hold_sentence(stats.step, rec, alarms))
+    return Decision(action="hold", why=why, say=say)
 
 
 class Rollback(Policy):
     """`rollback`: restore the last good snapshot. A spike seen before its update (and nothing
-    else acted on, nothing non-finite) only needs that update discarded: the state is good."""
+    else acted on, nothing non-finite) only needs that update discarded when it was traced
+    to its batch or is lone: the state is good. A spike of a recurring instability is held
+    (`policy.recurrence`; a cascade is rolled back, with the LR backed off)."""
 
     name = "rollback"
+
+    def __init__(self, acting_on: tuple[str, ...], max_consecutive_skips: int = 10) -> None:
+        super().__init__(acting_on, max_consecutive_skips)
+        self.recurrence = Recurrence()
 
     def decide(self, stats: StepStats, alarms: list[Alarm], *, post: bool,
                skips_in_row: int) -> Decision:
@@ -127,7 +193,12 @@ class Rollback(Policy):
         acting = {a.kind for a in alarms if a.kind in self.acting_on}
         nonfinite = [s for s in stats.seal() if s != "data"]
         if not post and acting <= {"spike"} and not nonfinite:
-            return Decision(action="discard_spike", why=why)
+            lone = None
+            if _unexplained(stats, alarms, ("spike",)):
+                if self.recurrence.see(stats.step) > 1 or bad_batch.ruled_out(alarms):
+                    return _hold(stats, alarms, self.recurrence)
+                lone = self.recurrence
+            return Decision(action="discard_spike", why=why, lone=lone)
         return Decision(action="rollback", why=why)
 
 

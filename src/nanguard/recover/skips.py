@@ -99,9 +99,10 @@ class SkipLedger:
         if self.advanced:
             note += ("; " if note else "") + (
                 f"the LR moved after {len(self.advanced)} skipped update(s) (steps "
-                f"{self.advanced[:8]}): the script's scheduler stepped for them, so the run's "
-                "schedule is ahead of one that never saw those batches (give the scheduler to "
-                "the guard, `Guard(..., scheduler=...)`, to hold it)")
+                f"{self.advanced[:8]}): the script's schedule advanced for them, so the run's "
+                "schedule is ahead of one that never saw those batches (an LR scheduler given "
+                "to the guard, `Guard(..., scheduler=...)`, is held; an LR the script sets "
+                "from its own iteration count, as nanoGPT's get_lr, cannot be)")
         return {"count": n, "steps": self.steps[:50], "schedule_held": self.held,
                 "schedule_advanced": self.advanced[:50], "note": note or
                 "the LR did not move across any skipped update"}
