@@ -27,7 +27,7 @@ from torch import nn
 from nanguard.audit.preflight_live import select_path, tensor_versions
 from nanguard.pinpoint import loss_expr
 from nanguard.pinpoint.attribution import replayed_at
-from nanguard.pinpoint.sample_axis import columns
+from nanguard.pinpoint.sample_axis import columns, map_tensors
 from nanguard.watch import rng
 
 MAX_CALLS = 8
@@ -291,18 +291,14 @@ def _rows(obj: Any, n: int, i: int) -> Any:
     """`obj` (arguments) with each tensor whose leading dimension is the batch's `n` sliced to
     row `i`, and each whose leading dimension is a multiple `k * n` of it (targets flattened
     batch-major, `targets.view(-1)`) to that row's `k` entries; other values as they are."""
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() == 0 or obj.shape[0] % n:
-            return obj
-        k = obj.shape[0] // n
-        return obj[i * k:(i + 1) * k]
-    if isinstance(obj, tuple):
-        return tuple(_rows(v, n, i) for v in obj)
-    if isinstance(obj, list):
-        return [_rows(v, n, i) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _rows(v, n, i) for k, v in obj.items()}
-    return obj
+
+    def row(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or t.shape[0] % n:
+            return t
+        k = t.shape[0] // n
+        return t[i * k:(i + 1) * k]
+
+    return map_tensors(obj, row)
 
 
 @dataclass(eq=False)

@@ -15,7 +15,7 @@ quiet step pays nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -62,23 +62,33 @@ def drop_if_not_samples(found: dict[str, Any], widths: list[int]) -> None:
         found["error"] = NOT_SAMPLES.format(n=n)
 
 
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`obj` (call arguments: tensors in tuples, lists, dicts) with `fn` applied to each
+    tensor; other values as they are."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        return tuple(map_tensors(v, fn) for v in obj)
+    if isinstance(obj, list):
+        return [map_tensors(v, fn) for v in obj]
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
 def columns(obj: Any, n: int, i: int) -> Any:
     """`obj` (arguments of a sequence-first step, `n` sequences) with each tensor whose dim 1
     is `n` sliced to column `i` (`(time, batch, ...)` inputs, `(layers, batch, hidden)`
     states), and each 1-D one of `k * n` entries (targets flattened time-major,
     `targets.view(-1)`: entry `t * n + i` is column `i`'s) to that column's `k`."""
-    if isinstance(obj, torch.Tensor):
-        if obj.dim() >= 2 and obj.shape[1] == n:
-            return obj[:, i:i + 1]
-        if obj.dim() == 1 and obj.shape[0] == n:  # one target per sequence
-            return obj[i:i + 1]
-        if obj.dim() == 1 and obj.shape[0] % n == 0:
-            return obj.view(-1, n)[:, i]
-        return obj
-    if isinstance(obj, tuple):
-        return tuple(columns(v, n, i) for v in obj)
-    if isinstance(obj, list):
-        return [columns(v, n, i) for v in obj]
-    if isinstance(obj, dict):
-        return {k: columns(v, n, i) for k, v in obj.items()}
-    return obj
+
+    def column(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() >= 2 and t.shape[1] == n:
+            return t[:, i:i + 1]
+        if t.dim() == 1 and t.shape[0] == n:  # one target per sequence
+            return t[i:i + 1]
+        if t.dim() == 1 and t.shape[0] % n == 0:
+            return t.view(-1, n)[:, i]
+        return t
+
+    return map_tensors(obj, column)
