@@ -71,7 +71,8 @@ def report_schema() -> dict[str, Any]:
 
 STATUSES = {
     "healthy": "watched from the first to the last step; no alarm, nothing non-finite",
-    "warned": "watched to the end; alarms (spike, cascade, ...) but nothing non-finite",
+    "warned": "watched to the end; alarms (spike, cascade, ...) but nothing non-finite (a "
+              "policy that acted on them without the loss coming back leaves it `warned`)",
     "recovered": "the policy (skip / rollback / heal) acted — on non-finite values or on the "
                  "early warnings before them — and the loss came back to its level before",
     "failed": "non-finite values appeared and the run ended with them or died of an error "
@@ -193,10 +194,12 @@ def build_report(
         status = "running"  # what it has seen so far is all there in the other keys
     elif stopped or (first_nonfinite is not None and (failed or not recovering)):
         status = "failed"
-    elif first_nonfinite is not None or recovering:
-        # (recovering with no finding of its own: it rolled back or skipped for another
-        # optimizer of the same model)
+    elif first_nonfinite is not None:
         status = "recovered"
+    elif recovering:
+        # The policy acted on early warnings (or for another optimizer of the same model):
+        # `recovered` only if the loss came back (`failed` here: `run.recovery.back` False).
+        status = "warned" if failed else "recovered"
     elif degraded:
         status = "degraded"
     elif ended == "error":
