@@ -13,31 +13,41 @@ from torch import nn
 import nanguard
 
 
-@pytest.mark.parametrize(("target_scale", "status"), [(1.0, "recovered"), (30.0, "failed")])
-def test_recovered_only_when_the_loss_is_back(tmp_path: Path, target_scale: float,
-                                              status: str) -> None:
+def _train(out: Path, target_scale: float, plant: str,
+           config: nanguard.GuardConfig | None = None) -> nanguard.Report:
+    """120 steps of a tiny regression under `skip`; at step 60 a NaN input (`plant` "nan") or
+    a wild target ("spike"); after it the targets are the same task (`target_scale` 1) or one
+    the model cannot reach."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(4, 1, generator=g)
-    # Acting on non-finite values only: the verdict, not the early warnings, is under test.
-    cfg = nanguard.GuardConfig(act_on=("nonfinite",))
-    with nanguard.Guard(model, opt, policy="skip", out=tmp_path / "r", config=cfg) as guard:
+    with nanguard.Guard(model, opt, policy="skip", out=out, config=config) as guard:
         for step in range(120):
             x = torch.randn(32, 4, generator=g)
             y = x @ w
-            if step == 60:
+            if step == 60 and plant == "nan":
                 x[3, 1] = float("nan")  # one bad row: skipped
-            if step > 60:  # the targets after it: same task, or one the model cannot reach
+            if step == 60 and plant == "spike":
+                y[3] += 300.0  # one wild target: a bad batch, its update discarded
+            if step > 60:
                 y = y * target_scale + (target_scale - 1.0) * 10.0
             loss = nn.functional.mse_loss(model(x), y)
             guard.watch(loss=loss, batch=(x, y))
             opt.zero_grad()
             loss.backward()
             opt.step()
-    report = guard.report
-    assert report is not None
+    assert guard.report is not None
+    return guard.report
+
+
+@pytest.mark.parametrize(("target_scale", "status"), [(1.0, "recovered"), (30.0, "failed")])
+def test_recovered_only_when_the_loss_is_back(tmp_path: Path, target_scale: float,
+                                              status: str) -> None:
+    # Acting on non-finite values only: the verdict, not the early warnings, is under test.
+    report = _train(tmp_path / "r", target_scale, "nan",
+                    nanguard.GuardConfig(act_on=("nonfinite",)))
     assert [a["action"] for a in report.actions] == ["skip"]
     assert report.status == status, report.run.get("recovery")
     verdict = report.run["recovery"]
@@ -51,26 +61,8 @@ def test_acting_on_a_warning_is_recovered_only_when_the_loss_is_back(
     """No non-finite value: skip discards a bad batch's update, then the task moves out of
     the model's reach. The loss does not come back, so the run is not `recovered` (it was,
     with `run.recovery.back` False beside it); nothing was non-finite, so not `failed`."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 32), nn.Tanh(), nn.Linear(32, 1))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(4, 1, generator=g)
-    with nanguard.Guard(model, opt, policy="skip", out=tmp_path / "r") as guard:
-        for step in range(120):
-            x = torch.randn(32, 4, generator=g)
-            y = x @ w
-            if step == 60:
-                y[3] += 300.0  # one wild target: a bad batch, its update discarded
-            if step > 60:
-                y = y * target_scale + (target_scale - 1.0) * 10.0
-            loss = nn.functional.mse_loss(model(x), y)
-            guard.watch(loss=loss, batch=(x, y))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    report = guard.report
-    assert report is not None and report.first_nonfinite is None
+    report = _train(tmp_path / "r", target_scale, "spike")
+    assert report.first_nonfinite is None
     assert [a["action"] for a in report.actions][:1] == ["skip"], report.actions
     assert report.run["recovery"]["back"] is (status == "recovered")
     assert report.status == status
