@@ -9,11 +9,27 @@ the returned effects in order (a `Stop` last).
 from __future__ import annotations
 
 from nanguard.policy.recurrence import after_jump, after_spikes
-from nanguard.policy.stage import Decision
+from nanguard.policy.stage import Decision, Verdict
 from nanguard.recover.effects import Discard, Effect, Record, Stop
 from nanguard.recover.recovery import Recovery
 from nanguard.recover.skips import batch_note
 from nanguard.watch.stats import StepStats
+
+
+def lone_held(step: int, recovery: Recovery) -> str | None:
+    """Why the update of a spike at `step` the policy took for lone goes ahead after all
+    (None: it is discarded). A lone spike right after an LR jump is the jump's, one a few steps
+    after a spike no policy was asked about (a loss spike) a recurrence (`policy.recurrence`):
+    the policy sees neither (the guard's `LrChanges`, its spike log), so they are weighed
+    here."""
+    return (after_jump(step, recovery.lr_changes.jump)
+            or after_spikes(step, recovery.link.spikes()))
+
+
+def keeps_update(verdict: Verdict, step: int, recovery: Recovery) -> bool:
+    """Whether the policy's `verdict` on the spike of `step` (`Policy.verdict`) lets its update
+    go ahead: under torch.distributed every rank agrees on it first (`step.acting`)."""
+    return verdict == "hold" or (verdict == "lone" and lone_held(step, recovery) is not None)
 
 
 def effects_of(d: Decision, stats: StepStats, *, recovery: Recovery, post: bool,
@@ -24,12 +40,7 @@ def effects_of(d: Decision, stats: StepStats, *, recovery: Recovery, post: bool,
     Runs in the step hook that decided (pre: before the update; `post`: after it). A rollback
     has restored the model by the time this returns; the rest happens when the guard applies
     the effects."""
-    if d.lone is not None and (
-            held := after_jump(stats.step, recovery.lr_changes.jump)
-            or after_spikes(stats.step, recovery.link.spikes())):
-        # A lone spike right after an LR jump is the jump's, one a few steps after a spike no
-        # policy was asked about (a loss spike) a recurrence (`policy.recurrence`): the policy
-        # sees neither (the guard's `LrChanges`, its spike log), so they are weighed here.
+    if d.lone is not None and (held := lone_held(stats.step, recovery)):
         say, d.lone.said = not d.lone.said, True
         return ([Record(stats.step, "not_skipped", held)] if say else []), skips_in_row
     if d.action == "hold":

@@ -62,13 +62,21 @@ class Recurrence:
     said: bool = False
     """The current run's first hold was recorded and said."""
 
+    def peek(self, step: int) -> int:
+        """How many of the current run an unexplained spike at `step` would make (`see`
+        without seeing it)."""
+        return 1 if self._new_run(step) else self.count + 1
+
     def see(self, step: int) -> int:
         """An unexplained spike at `step`: how many of the current run it makes."""
-        if self.last is None or step - self.last > RECUR_STEPS or step < self.last:
+        if self._new_run(step):
             self.first, self.count, self.said = step, 0, False
         self.last = step
         self.count += 1
         return self.count
+
+    def _new_run(self, step: int) -> bool:
+        return self.last is None or step - self.last > RECUR_STEPS or step < self.last
 
 
 def instability_only(alarms: list[Alarm], acting_on: tuple[str, ...]) -> bool:

@@ -28,11 +28,11 @@ from nanguard.policy.recurrence import (
     ruled_out_sentence,
     traced,
 )
-from nanguard.runtime import distributed
 from nanguard.watch.stats import StepStats
 
 Action = Literal["none", "skip", "discard_spike", "rollback", "escalate", "cannot_skip",
                  "raise", "hold"]
+Verdict = Literal["hold", "lone", "escalate"] | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +104,22 @@ class Policy:
         """The decision for a step that `wants_to_act` flagged (and every rank agreed on)."""
         return Decision(action="none", why=reason(stats, alarms))
 
+    def verdict(self, stats: StepStats, alarms: list[Alarm], *, skips_in_row: int) -> Verdict:
+        """What `decide` (before the update) will make of this step's spike, without changing
+        the policy's memory: `hold` (its update goes ahead: a recurring instability's spike),
+        `lone` (discarded as a lone spike, unless `policy.act.lone_held` keeps it),
+        `escalate` (an unexplained spike after too many discarded updates in a row), or None
+        (not a spike `policy.recurrence` weighs).
+        Under torch.distributed it is agreed across ranks before deciding (`step.acting`)."""
+        return None
+
+    def overruled(self, held: Decision, stats: StepStats, alarms: list[Alarm], *,
+                  skips_in_row: int) -> Decision:
+        """Under torch.distributed, the decision instead of `held` (this rank would let the
+        update go ahead) when another rank discards it: one traced the spike to its own batch,
+        or saw it lone. Every rank then discards it, as that rank's policy does."""
+        return held
+
 
 class Raise(Policy):
     """`raise`: stop at the first step that calls for acting."""
@@ -120,11 +136,12 @@ def _unexplained(stats: StepStats, alarms: list[Alarm], kinds: tuple[str, ...]) 
     non-finite, not traced to its batch: a discarded update answers it only when it is lone
     (`policy.recurrence`).
 
-    Never under torch.distributed: every rank discards the update the agreement asked for, as
-    before. A rank's trace of its own batch (its loss, its rows) is not the other ranks', and
-    one rank holding an update another discards would leave the replicas apart."""
+    Under torch.distributed a rank's trace of its own batch (its loss, its rows) is not the
+    other ranks': a hold is agreed (`step.acting`), and the update goes ahead only when every
+    rank that acts would hold it; otherwise every rank discards it (`overruled`), so the
+    replicas stay together."""
     return (instability_only(alarms, kinds) and not traced(alarms)
-            and not [s for s in stats.seal() if s != "data"] and not distributed.active())
+            and not [s for s in stats.seal() if s != "data"])
 
 
 class Skip(Policy):
@@ -154,16 +171,40 @@ class Skip(Policy):
             # Discarded already (the values were bad before the update): nothing more to do.
             return Decision(action="none" if stats.skipped else "cannot_skip", why=why)
         lone = None
-        if _unexplained(stats, alarms, self.acting_on):
-            rec = self.recurrence
-            if rec.see(stats.step) > 1 or any(a.kind == "cascade" for a in alarms
-                                              if a.kind in self.acting_on) or \
-                    bad_batch.ruled_out(alarms):
-                return _hold(stats, alarms, rec)
-            lone = rec
+        if (verdict := self.verdict(stats, alarms, skips_in_row=skips_in_row)) is not None:
+            self.recurrence.see(stats.step)
+            if verdict == "hold":
+                return _hold(stats, alarms, self.recurrence)
+            lone = self.recurrence if verdict == "lone" else None
         if skips_in_row >= self.max_consecutive_skips:
             return Decision(action="escalate", why=why)
         return Decision(action="skip", why=why, lone=lone)
+
+    def verdict(self, stats: StepStats, alarms: list[Alarm], *, skips_in_row: int) -> Verdict:
+        if not _unexplained(stats, alarms, self.acting_on):
+            return None
+        if (self.recurrence.peek(stats.step) > 1 or bad_batch.ruled_out(alarms)
+                or any(a.kind == "cascade" for a in alarms if a.kind in self.acting_on)):
+            return "hold"
+        return "lone" if skips_in_row < self.max_consecutive_skips else "escalate"
+
+    def overruled(self, held: Decision, stats: StepStats, alarms: list[Alarm], *,
+                  skips_in_row: int) -> Decision:
+        _unsay(held, self.recurrence)
+        why = f"{reason(stats, alarms)}; {_OVERRULED}"
+        if skips_in_row >= self.max_consecutive_skips:
+            return Decision(action="escalate", why=why)
+        return Decision(action="skip", why=why)
+
+
+_OVERRULED = ("discarded with the other ranks: another rank traced the spike to its own batch "
+              "or saw it lone")
+
+
+def _unsay(held: Decision, rec: Recurrence) -> None:
+    """A hold another rank overruled was not said: the instability's next hold says it."""
+    if held.action == "hold" and held.say:
+        rec.said = False
 
 
 def _hold(stats: StepStats, alarms: list[Alarm], rec: Recurrence) -> Decision:
@@ -194,12 +235,26 @@ class Rollback(Policy):
         nonfinite = [s for s in stats.seal() if s != "data"]
         if not post and acting <= {"spike"} and not nonfinite:
             lone = None
-            if _unexplained(stats, alarms, ("spike",)):
-                if self.recurrence.see(stats.step) > 1 or bad_batch.ruled_out(alarms):
+            if (verdict := self.verdict(stats, alarms, skips_in_row=skips_in_row)) is not None:
+                self.recurrence.see(stats.step)
+                if verdict == "hold":
                     return _hold(stats, alarms, self.recurrence)
                 lone = self.recurrence
             return Decision(action="discard_spike", why=why, lone=lone)
         return Decision(action="rollback", why=why)
+
+    def verdict(self, stats: StepStats, alarms: list[Alarm], *, skips_in_row: int) -> Verdict:
+        if not ({a.kind for a in alarms if a.kind in self.acting_on} <= {"spike"}
+                and _unexplained(stats, alarms, ("spike",))):
+            return None
+        if self.recurrence.peek(stats.step) > 1 or bad_batch.ruled_out(alarms):
+            return "hold"
+        return "lone"
+
+    def overruled(self, held: Decision, stats: StepStats, alarms: list[Alarm], *,
+                  skips_in_row: int) -> Decision:
+        _unsay(held, self.recurrence)
+        return Decision(action="discard_spike", why=f"{reason(stats, alarms)}; {_OVERRULED}")
 
 
 class Heal(Skip):

@@ -102,6 +102,9 @@ class Agreed(NamedTuple):
     """Where the non-finite value showed first (earliest phase, then lowest rank), or None."""
     rerun_rank: int | None = None
     """The rank whose batch every rank re-runs across ranks now (`pinpoint.xrank`), or None."""
+    keep: bool = False
+    """Every rank that acts only lets the update go ahead (`agree(hold=True)`): no rank
+    discards it."""
 
 
 def _top_rank(best: int, world: int) -> int | None:
@@ -110,11 +113,14 @@ def _top_rank(best: int, world: int) -> int | None:
 
 
 def agree(act: bool, nonfinite_phase: str | None, device: torch.device, *,
-          down: bool = False, want: int = 0) -> Agreed:
+          down: bool = False, want: int = 0, hold: bool = False) -> Agreed:
     """Reduce this rank's verdict with every other rank's.
 
     Args:
         act: this rank wants to act (skip / raise / rollback) on this step.
+        hold: with `act`, this rank's policy acts only to let the update go ahead (a spike of
+            a recurring instability, `policy.recurrence`): `Agreed.keep` when every acting
+            rank says so; one rank that discards the update outweighs it.
         nonfinite_phase: where this rank saw a non-finite value on this step (a name from
             PHASE_ORDER, "" if unknown), or None when it saw none.
         device: where the collective runs (the gradients' device; CPU for gloo).
@@ -132,7 +138,7 @@ def agree(act: bool, nonfinite_phase: str | None, device: torch.device, *,
         PeerStoodDown: another rank said `down` (not raised on the rank that said it).
     """
     if not active():
-        return Agreed(act, rank() if nonfinite_phase is not None else None)
+        return Agreed(act, rank() if nonfinite_phase is not None else None, keep=act and hold)
     world, me = dist.get_world_size(), dist.get_rank()
     device = group_device(device)
     score = 0
@@ -142,7 +148,7 @@ def agree(act: bool, nonfinite_phase: str | None, device: torch.device, *,
     asks = want * world + (world - me) if want > 0 else 0
     global _rider, _over
     rider, _rider = _rider, None
-    head = [int(act), score, world - me if down else 0, asks]
+    head = [(1 if hold else 2) if act else 0, score, world - me if down else 0, asks]
     if rider is None:
         flags = torch.tensor(head, dtype=torch.int32, device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -162,7 +168,8 @@ def agree(act: bool, nonfinite_phase: str | None, device: torch.device, *,
         _over = True
     if gone and not down:
         raise PeerStoodDown(world - gone)
-    return Agreed(bool(any_act), _top_rank(best, world), None if down else _top_rank(asked, world))
+    return Agreed(bool(any_act), _top_rank(best, world), None if down else _top_rank(asked, world),
+                  keep=any_act == 1)
 
 
 def group_device(device: torch.device) -> torch.device:

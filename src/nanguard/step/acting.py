@@ -17,7 +17,7 @@ from nanguard.config import GuardConfig
 from nanguard.detect import Alarm
 from nanguard.errors import NanguardError
 from nanguard.policy import wants_to_act
-from nanguard.policy.act import device_skip_effects, effects_of
+from nanguard.policy.act import device_skip_effects, effects_of, keeps_update
 from nanguard.record.report import Report
 from nanguard.recover.effects import Discard, Effect, FollowPeers, Record, Stop
 from nanguard.runtime import distributed
@@ -50,6 +50,8 @@ class Acting:
                  replays: StepReplays, stop: Callable[[str, str], Report]) -> None:
         self._config, self._state, self._parts, self._replays = config, state, parts, replays
         self._stop_run = stop
+        self._overruled = False
+        """This rank's policy keeps this step's update, another rank's discards it (`decide`)."""
 
     def decide(self, stats: StepStats, alarms: list[Alarm], post: bool = False,
                want: int = 0) -> bool:
@@ -60,21 +62,34 @@ class Acting:
         another rank's guard stood down (this one then does too)."""
         st, cfg = self._state, self._config
         st.rerun_rank = None
+        self._overruled = False
         act = cfg.policy != "observe" and wants_to_act(stats, alarms, cfg.acting_on, post)
         if not distributed.active():
             return act
+        # Whether this rank's policy would let the update go ahead (a recurring instability's
+        # spike, `policy.recurrence`) is part of its verdict: one rank discarding it outweighs.
+        hold = act and not post and keeps_update(
+            self._parts.policy.verdict(stats, alarms, skips_in_row=st.skips_in_row),
+            stats.step, self._parts.recovery)
         phase = self._replays.locate(stats)["phase"] or "" if stats.nonfinite_signals() else None
-        act, bad_rank, st.rerun_rank = distributed.agree(act, phase, agree_device(st),
-                                                         want=want)
+        agreed = distributed.agree(act, phase, agree_device(st), want=want, hold=hold)
+        st.rerun_rank = agreed.rerun_rank
         st.agreed = True
-        if bad_rank is not None:
-            stats.agreed_bad_rank = bad_rank
-        return act
+        if agreed.bad_rank is not None:
+            stats.agreed_bad_rank = agreed.bad_rank
+        self._overruled = hold and not agreed.keep
+        # Every acting rank keeps the update: a rank with no verdict of its own does nothing.
+        return agreed.act and (act or not agreed.keep)
 
     def act(self, stats: StepStats, alarms: list[Alarm], post: bool = False) -> None:
         """Apply what the policy stage decides for this step (see `nanguard.policy`)."""
         st = self._state
-        d = self._parts.policy.decide(stats, alarms, post=post, skips_in_row=st.skips_in_row)
+        policy = self._parts.policy
+        d = policy.decide(stats, alarms, post=post, skips_in_row=st.skips_in_row)
+        if self._overruled and not post:
+            # Another rank discards this update (its own batch traced, or a lone spike there):
+            # every rank discards it, or the replicas would drift apart.
+            d = policy.overruled(d, stats, alarms, skips_in_row=st.skips_in_row)
         effects, st.skips_in_row = effects_of(
             d, stats, recovery=self._parts.recovery, post=post, skips_in_row=st.skips_in_row,
             limit=self._config.recover.max_consecutive_skips)
