@@ -15,13 +15,16 @@ framework adapters. Its keys, in order, and the part each comes from:
   diagnoses with the history from before the resume;
 - `resume`: the loss level at save (`recover.loss_after`): the first steps after the resume
   are compared with it. The LR at save rides in `recovery` (`policy.lr_change`): a resume whose
-  first step runs at 10x it is an LR jump at that step.
+  first step runs at 10x it is an LR jump at that step;
+- `sampling`: the watch set's sampler (`watch.sampling`);
+- `policy`: the policy's memory of a recurring instability's spikes (`Policy.state_dict`), so
+  that a spike right after the resume is judged with the ones before it.
 
 `take_baselines` hands detector baselines from one live guard to the next (a new optimizer
 over the same parameters every epoch).
 
-Older states may lack `recovery`, `grad_baseline`, `spikes`, `log` and `resume`; they load with
-those parts left as the new guard has them (`grad_baseline` empty).
+Older states may lack `recovery`, `grad_baseline`, `spikes`, `log`, `resume`, `sampling` and
+`policy`; they load with those parts left as the new guard has them (`grad_baseline` empty).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def gather(state: StepState, parts: Parts, plain_log: Mapping[str, Any]) -> dict
         "log": {"history": plain_log["history"][-HISTORY:], "failing": plain_log["failing"]},
         "resume": {"loss": loss_level(s.loss for s in parts.log.history)},
         "sampling": parts.steps.sampler.state_dict(),
+        "policy": parts.policy.state_dict(),
     }
 
 
@@ -75,6 +79,7 @@ def restore(state: StepState, parts: Parts, saved: Mapping[str, Any]) -> None:
                                         for i, v in saved.get("grad_baseline", {}).items()})
     state.loss_after = LossAfter.resumed(saved.get("resume"), state.step)
     parts.steps.sampler.load_state_dict(saved.get("sampling"))
+    parts.policy.load_state_dict(saved.get("policy") or {})
 
 
 def take_baselines(mine: list[Detector], theirs: list[Detector]) -> None:

@@ -30,20 +30,31 @@ STEPS = 140
 RAMP_TO = 0.3  # the SGD LR at step 100 (from 0.01): past this MLP's stability limit
 
 
-def _ramp(tmp_path: Path, replay: bool = False) -> tuple[list[float], dict]:
-    """Train the MLP under `skip` (with `replay`: the guard can replay a batch row by row);
-    its own grad norm of every step, and the report."""
+def _ramp(tmp_path: Path, replay: bool = False, resume_at: int | None = None
+          ) -> tuple[list[float], dict]:
+    """Train the MLP under `skip` (with `replay`: the guard can replay a batch row by row;
+    `resume_at`: a new guard takes over at that step from the first one's `state_dict`, as
+    after a checkpoint); its own grad norm of every step, and the (last guard's) report."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    guard = nanguard.Guard(
-        model, opt, policy="skip", out=tmp_path / "run",
-        replay=(lambda b: nn.functional.mse_loss(model(b[0]), b[1])) if replay else None,
-        config=GuardConfig(record=RecordConfig(summary=False)))
+
+    def new_guard(name: str) -> nanguard.Guard:
+        return nanguard.Guard(
+            model, opt, policy="skip", out=tmp_path / name,
+            replay=(lambda b: nn.functional.mse_loss(model(b[0]), b[1])) if replay else None,
+            config=GuardConfig(record=RecordConfig(summary=False)))
+
+    guard, out = new_guard("run"), tmp_path / "run"
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(8, 1, generator=gen)
     norms = []
     for i in range(STEPS):
+        if i == resume_at:
+            state = json.loads(json.dumps(guard.state_dict()))  # as a checkpoint holds it
+            guard.close()
+            guard, out = new_guard("resumed"), tmp_path / "resumed"
+            guard.load_state_dict(state)
         # A warm-up-like ramp (never 3x in a step: no LR jump), then back down at 112.
         lr = 0.01 + (RAMP_TO - 0.01) * min(1.0, i / 100) if i < 112 else 0.02
         for group in opt.param_groups:
@@ -57,7 +68,7 @@ def _ramp(tmp_path: Path, replay: bool = False) -> tuple[list[float], dict]:
             [p.grad for p in model.parameters() if p.grad is not None])))
         opt.step()
     guard.close()
-    return norms, json.loads((tmp_path / "run" / "report.json").read_text())
+    return norms, json.loads((out / "report.json").read_text())
 
 
 def test_a_recurring_instability_is_skipped_once_then_held(tmp_path: Path, caplog) -> None:
@@ -80,6 +91,18 @@ def test_a_recurring_instability_is_skipped_once_then_held(tmp_path: Path, caplo
     assert report["run"]["recovery"]["skips"]["count"] == 1
     said = [r.getMessage() for r in caplog.records if "not_skipped" in r.getMessage()]
     assert len(said) == 1 and f"step {held[0]['step']}" in said[0], said
+
+
+def test_a_resumed_guard_remembers_the_instability(tmp_path: Path) -> None:
+    """Resumed between the instability's first spike and its next, the policy judges the next
+    as the uninterrupted run did (held, its update kept), not as a lone spike to discard: its
+    memory of the spikes rides in the guard's `state_dict`."""
+    _, whole = _ramp(tmp_path / "whole")
+    acted = [(a["step"], a["action"], a["detail"]) for a in whole["actions"]]
+    (first, *_), (second, kind, _) = acted[:2]
+    assert kind == "not_skipped" and second - first > 1, acted
+    _, resumed = _ramp(tmp_path / "split", resume_at=first + 1)
+    assert [(a["step"], a["action"], a["detail"]) for a in resumed["actions"]] == acted
 
 
 def test_bad_batches_close_together_are_each_skipped_with_their_rows(tmp_path: Path,

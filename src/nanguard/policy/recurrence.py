@@ -18,7 +18,7 @@ records, and says once per instability, why it did not skip, and leaves the upda
 status stays `warned`, and `heal` (or clipping) is the answer it names.
 
 `Recurrence` is the memory this needs (the steps of the unexplained spikes the policy was asked
-about; not saved with the guard's state: a resumed run starts without it); the rules are pure
+about; saved with the guard's state, `Policy.state_dict`); the rules are pure
 functions of it, the step's alarms, and what the policy is not asked about, which
 `policy.act` hands in from recovery: the LR jump the guard last saw (`policy.lr_change`) and
 the spikes it logged (a loss spike not traced to its batch raises no decision). Nothing here

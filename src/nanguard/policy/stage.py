@@ -16,8 +16,8 @@ Two moments per step (see `step.judging`: `Judge.before_update` and `after_updat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
 
 from nanguard.detect import Alarm, bad_batch
 from nanguard.policy.recurrence import (
@@ -103,6 +103,18 @@ class Policy:
                skips_in_row: int) -> Decision:
         """The decision for a step that `wants_to_act` flagged (and every rank agreed on)."""
         return Decision(action="none", why=reason(stats, alarms))
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed guard's policy needs to decide as this one would (`guard_state`):
+        the spikes of a recurring instability it has seen (`policy.recurrence`)."""
+        rec = getattr(self, "recurrence", None)
+        return {"recurrence": asdict(rec)} if isinstance(rec, Recurrence) else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (a state of another policy: what fits)."""
+        rec = getattr(self, "recurrence", None)
+        if isinstance(rec, Recurrence) and state.get("recurrence"):
+            self.recurrence = Recurrence(**state["recurrence"])
 
     def verdict(self, stats: StepStats, alarms: list[Alarm], *, skips_in_row: int) -> Verdict:
         """What `decide` (before the update) will make of this step's spike, without changing
