@@ -116,6 +116,13 @@ def _config(seed: int) -> DetectConfig:
                         spike_cooldown=r.choice([0, 3]))
 
 
+def _full_pass(detectors: list[Detector], st: StepStats, phase: str) -> list[Any]:
+    """Every detector's `check` of `phase`; `both` (a step read after its update) is pre then
+    post, as the guard runs them."""
+    return [a for ph in (("pre", "post") if phase == "both" else (phase,))
+            for d in detectors if d.phase == ph for a in d.check(st)]
+
+
 class _Path:
     """Fresh default detectors, replayed through the gate or the full pass."""
 
@@ -132,8 +139,7 @@ class _Path:
             if self.gate is not None:
                 found = self.gate.run(st, phase, signals)
             else:
-                found = [a for d in self.detectors if phase == "both" or d.phase == phase
-                         for a in d.check(st)]
+                found = _full_pass(self.detectors, st, phase)
             self.alarms += [(a.step, a.kind, a.signal, repr(a.value), a.message, a.cause)
                             for a in found]
 
@@ -229,8 +235,7 @@ def test_gate_same_alarms_and_state_on_wild_steps(phases: tuple[str, ...]) -> No
                     if path.gate is not None:
                         found = path.gate.run(st, phase, signals)
                     else:
-                        found = [a for d in path.detectors
-                                 if phase == "both" or d.phase == phase for a in d.check(st)]
+                        found = _full_pass(path.detectors, st, phase)
                     path.alarms += [(a.step, a.kind, a.signal, repr(a.value), a.message,
                                      a.cause) for a in found]
             if step % 10 == 9:

@@ -6,8 +6,11 @@ one"); a bookkeeping bug in a healthy run stays the script's own."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
+from helpers import child_env
 from in_process import nanguard
 from nanguard.record.report import Report
 from nanguard.run.run_output import error_text, numeric_error
@@ -30,6 +33,27 @@ def test_an_overflow_after_divergence_followed_from_the_numbers(tmp_path: Path) 
     assert "followed from the numbers" in line and "not a numerical one" not in line, line
     assert re.search(r"\((divergence|overflow|cascade|forecast) at step \d+", line), line
     assert "OverflowError: math range error" in line
+
+
+def test_a_hand_written_update_is_warned_about_before_the_scripts_own_crash(
+        tmp_path: Path) -> None:
+    """A hand-written update has no `optimizer.step()` to end it: its step ends at the next
+    forward, after the script's own logging. The runaway loss is known before the update (the
+    loss alone), so it is said there, before the script prints it and dies of it; it came
+    after the script's traceback, when the step's end never came. One stream, in order."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanguard", "run", "--out", str(tmp_path / "r"), SCRIPT,
+         "--lr", "1000", "--hand-written"], cwd=tmp_path, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=300,
+        env=child_env(PYTHONUNBUFFERED="1"))
+    out = proc.stdout
+    assert proc.returncode == 1 and "OverflowError: math range error" in out, out[-2000:]
+    warned = re.search(r"^nanguard: step (\d+) (divergence|cascade|forecast|overflow)", out, re.M)
+    assert warned is not None, out[-3000:]
+    assert warned.start() < out.index("Traceback"), out[:3000]
+    # The script's own prints up to the crash show the loss it was warned about running away.
+    losses = [float(v) for v in re.findall(r"^step \d+ loss (\S+)", out, re.M)]
+    assert losses and losses[-1] > 10 * losses[0], out[:3000]
 
 
 def test_a_bookkeeping_bug_in_a_healthy_run_is_the_scripts_own(tmp_path: Path) -> None:

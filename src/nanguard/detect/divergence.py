@@ -20,6 +20,9 @@ class DivergenceDetector(SeriesDetector):
     an absolute rise of at least `level_floor` of the highest typical loss of the run)."""
 
     signals = ("loss",)
+    phase = "pre"  # the loss alone: judged before the update where the step is read then (a
+    # policy acting on it, a replay armed, a hand-written update whose end comes only at the
+    # next forward, after the script's own logging)
 
     def __init__(self, config: DetectConfig) -> None:
         super().__init__(config)
