@@ -42,6 +42,13 @@ class DetectConfig:
     spike_min_ratio: float = 1.5
     """...and at least this many times its recent level (a one-step jump that matters)."""
 
+    loss_spike_min_ratio: float = 1.1
+    """The loss's own `spike_min_ratio`. A loss is a mean over the batch's samples with a noise
+    of a few %, so a batch whose loss is 1.1x its level at `spike_strong_z` sigma stands out
+    as its gradient's 1.5x does: word_language_model's first-epoch bad batches, near the
+    model's unigram plateau, sit at 1.13-1.35x and 12-21 sigma, and no clean step of those
+    runs reaches 10 sigma."""
+
     objective: str = "auto"
     """Is the loss a stationary series? `auto`: yes, unless the run shows otherwise (a rollout
     buffer refilled in its batches, an RL environment library loaded, another guard training

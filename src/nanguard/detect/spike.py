@@ -28,8 +28,9 @@ class SpikeDetector(SeriesDetector):
 
     Grad norm: robust z of log10(norm) over the window AND `spike_ratio` x its median (or
     `spike_hard_ratio` x whatever the z). Both signals: `spike_strong_z` trend-robust sigma
-    above the recent level and at least `spike_min_ratio` x it (`trend.trend_z`): a bad batch's
-    1.6-3x is far below 10x yet tens of sigma out. The loss test is off on a non-stationary
+    above the recent level and at least `spike_min_ratio` x it (the loss:
+    `loss_spike_min_ratio`; `trend.trend_z`): a bad batch's 1.6-3x is far below 10x yet tens
+    of sigma out. The loss test is off on a non-stationary
     objective (`nonstationary`, set by the guard: on-policy RL, a GAN), where a new rollout
     or the other network moves the loss without anything going wrong; the gradient test stays.
 
@@ -58,6 +59,7 @@ class SpikeDetector(SeriesDetector):
         # (`bad_batch.by_rows`, asked by the spike's explanation); None otherwise
         self.row_suspect: tuple[int, str] | None = None
         self._jump = math.log10(config.spike_min_ratio)  # `trend_jump`'s least jump
+        self._loss_jump = math.log10(config.loss_spike_min_ratio)  # ...the loss's
 
     def check(self, stats: StepStats) -> list[Alarm]:
         grads = self.history["grad_norm"]
@@ -119,8 +121,8 @@ class SpikeDetector(SeriesDetector):
         if loss is not None and _isfinite(loss) and loss > 0:
             llx = _log10(loss)
             s = losses.sorted
-            if (not self.nonstationary and s and llx - s[0] >= self._jump
-                    and trend_jump(llx, losses, cfg)):
+            if (not self.nonstationary and s and llx - s[0] >= self._loss_jump
+                    and trend_jump(llx, losses, cfg, cfg.loss_spike_min_ratio)):
                 return None
             lost = (llx, 10 ** losses.mid if len(s) >= LEVEL_MIN_STEPS else None)
         # Quiet: what `check` changes (`_note_level` inline, before the append as there).
@@ -231,10 +233,10 @@ class SpikeDetector(SeriesDetector):
         cfg = self.config
         if hist:
             self._note_level("loss", 10 ** hist.median())
-        if (not self.nonstationary and trend_jump(lx, hist, cfg)
+        if (not self.nonstationary and trend_jump(lx, hist, cfg, cfg.loss_spike_min_ratio)
                 and self._reaches_level("loss", x)):
             tz, level = trend_z(lx, hist, cfg.spike_level_steps, floor=1e-3)
-            if tz >= cfg.spike_strong_z and lx - level >= math.log10(cfg.spike_min_ratio):
+            if tz >= cfg.spike_strong_z and lx - level >= self._loss_jump:
                 outlier = LossOutlier(x, 10 ** level, tz)
                 return self._fire(
                     stats, "spike", "loss", x,

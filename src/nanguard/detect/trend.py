@@ -50,14 +50,16 @@ def recent_level(hist: Window, k: int) -> float:
     return last[i] if len(last) % 2 else (last[i - 1] + last[i]) / 2
 
 
-def trend_jump(lx: float, hist: Window, config: DetectConfig) -> bool:
+def trend_jump(lx: float, hist: Window, config: DetectConfig, ratio: float | None = None
+               ) -> bool:
     """The cheap, necessary condition of `SpikeDetector`'s trend test: enough history and `lx`
-    at least `spike_min_ratio` x its recent level (`recent_level`). Its first test is O(1) and
-    settles most steps; the spike detector's quiet update makes it before calling."""
+    at least `ratio` (default `spike_min_ratio`) x its recent level (`recent_level`). Its
+    first test is O(1) and settles most steps; the spike detector's quiet update makes it
+    before calling."""
     n = len(hist)
     if n < config.warmup_steps or not n:
         return False
-    jump = math.log10(config.spike_min_ratio)
+    jump = math.log10(config.spike_min_ratio if ratio is None else ratio)
     if lx - hist.sorted[0] < jump:
         return False  # the level is at least the window's least value: O(1), most steps
     return lx - recent_level(hist, config.spike_level_steps) >= jump

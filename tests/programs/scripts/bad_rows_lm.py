@@ -2,7 +2,7 @@
 a synthetic corpus, reading fixed-length windows through a DataLoader.
 
     python bad_rows_lm.py --iters 160
-    python bad_rows_lm.py --iters 160 --corrupt-at 70,110,140 --bad-rows 8
+    python bad_rows_lm.py --iters 160 --corrupt-at 70,110,140 --bad-rows 8 [--log-every 1]
 
 How it fails:
   * `--corrupt-at STEPS`: at those steps the loader fills `--bad-rows` rows of the batch from a
@@ -76,6 +76,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--corrupt-at", default="", help="comma-separated steps with bad rows")
     ap.add_argument("--bad-rows", type=int, default=8)
+    ap.add_argument("--log-every", type=int, default=40, help="print the loss every N steps")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     corrupt_at = {int(s) for s in args.corrupt_at.split(",") if s}
@@ -97,7 +98,7 @@ def main() -> None:
         loss.backward()
         opt.step()
         losses.append(loss.item())
-        if step % 40 == 0:
+        if step % args.log_every == 0:
             print(f"step {step} loss {loss.item():.4f}")
     tail = losses[-20:]
     print(f"final loss {sum(tail) / len(tail):.4f}")
