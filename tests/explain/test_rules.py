@@ -594,3 +594,27 @@ def test_an_unnamed_spike_among_bad_batches_is_no_case_for_lowering_the_lr() -> 
     unnamed = Evidence(alarms=[spike(59), spike(274)], history=history, optimizer="AdamW",
                        lr=3e-3, momentum=0.9)
     assert R.optimizer_divergence(unnamed) is not None
+
+
+def test_untraced_spikes_that_ran_away_are_the_optimizers_story_first() -> None:
+    """word_language_model at `--lr 1000`: the loss ran 5 -> 37 -> 190 -> 3343 from the first
+    update; its untraced grad-norm spikes read "also possible: bad_batch (50%)" beside
+    `optimizer_divergence` (60%). An error that grows step after step is not one batch's:
+    the batch stays a candidate, well below the optimizer."""
+    def alarm(step: int, kind: str, signal: str = "grad_norm") -> dict[str, object]:
+        return {"step": step, "kind": kind, "signal": signal, "value": 100.0, "message": ""}
+
+    losses = [5.22, 37.1, 189.7, 3343.0]
+    history = [{"step": i, "loss": v, "grad_norm": 0.1 * 170 ** min(i, 1), "lr": 1000.0}
+               for i, v in enumerate(losses)]
+    spikes = [alarm(1, "spike"), alarm(2, "spike")]
+    ev = Evidence(alarms=[*spikes, alarm(3, "divergence", "loss")], history=history,
+                  optimizer="hand-written", lr=1000.0)
+    found = R.bad_batch(ev)
+    assert found is not None and found.confidence <= 0.3 and "ran away" in found.evidence
+    causes = diagnose(ev)
+    assert causes[0].cause == "optimizer_divergence", causes
+    assert {c.cause: c.confidence for c in causes}["bad_batch"] < causes[0].confidence
+    # The same spikes with no runaway after them keep their even odds.
+    calm = R.bad_batch(Evidence(alarms=spikes, history=history[:2], lr=1000.0))
+    assert calm is not None and calm.confidence == 0.5

@@ -152,11 +152,16 @@ def _untrained_loss(ev: Evidence) -> float | None:
     return v if math.isfinite(v) else None
 
 
+RUNAWAY = ("divergence", "cascade", "forecast", "overflow")
+"""Alarms of an error growing step after step: after untraced spikes, the optimizer's story."""
+
+
 def bad_batch(ev: Evidence) -> Cause | None:
     """Needs: a spike alarm on a run that never went non-finite; confident when the detectors
     named its batch the cause (`cause: bad_batch`: the batch's own loss an outlier after a
-    quiet step at an unchanged LR, `detect.bad_batch`). Ruled out: any non-finite value (the
-    rules above explain it)."""
+    quiet step at an unchanged LR, `detect.bad_batch`); unlikely when no spike was traced and
+    the run ran away after them (`RUNAWAY`). Ruled out: any non-finite value (the rules above
+    explain it)."""
     if ev.first_nonfinite is not None:
         return None
     spikes = [a for a in ev.alarms if a["kind"] == "spike"]
@@ -189,6 +194,22 @@ def bad_batch(ev: Evidence) -> Cause | None:
             "such batches' updates out meanwhile",
         ))
     steps = sorted({a["step"] for a in spikes})
+    runaway = [a for a in ev.alarms if a["kind"] in RUNAWAY and a["step"] >= steps[0]]
+    if runaway:
+        # The spikes were the start of a runaway: the error grew step after step, which one
+        # batch does not do (its loss is back the step after, `transient_jump`); a batch that
+        # set the optimizer off is still not ruled out (none was replayed clean).
+        first = min(runaway, key=lambda a: a["step"])
+        return weigh_verdict(ev, Cause(
+            cause="bad_batch",
+            confidence=0.25,
+            evidence=f"gradient spikes at steps {steps[:6]} without a NaN, none of them traced "
+            f"to its batch, and the run ran away after them ({first['kind']} at step "
+            f"{first['step']}): the optimizer feeding the error back is the likelier story; a "
+            "batch that set it off is not ruled out",
+            fix="look up the first spike's batch fingerprints in run.db (table `batches`) and "
+            "scan the data (`nanguard scan`)",
+        ))
     return weigh_verdict(ev, Cause(
         cause="bad_batch",
         confidence=0.5,
