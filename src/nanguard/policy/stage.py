@@ -94,6 +94,8 @@ class Policy:
     """`observe`: never acts (the Guard does not even ask it)."""
 
     name = "observe"
+    recurrence: Recurrence | None = None
+    """The unexplained spikes seen (`policy.recurrence`): `skip`, `heal` and `rollback`."""
 
     def __init__(self, acting_on: tuple[str, ...], max_consecutive_skips: int = 10) -> None:
         self.acting_on = acting_on
@@ -107,13 +109,11 @@ class Policy:
     def state_dict(self) -> dict[str, Any]:
         """What a resumed guard's policy needs to decide as this one would (`guard_state`):
         the spikes of a recurring instability it has seen (`policy.recurrence`)."""
-        rec = getattr(self, "recurrence", None)
-        return {"recurrence": asdict(rec)} if isinstance(rec, Recurrence) else {}
+        return {} if self.recurrence is None else {"recurrence": asdict(self.recurrence)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned (a state of another policy: what fits)."""
-        rec = getattr(self, "recurrence", None)
-        if isinstance(rec, Recurrence) and state.get("recurrence"):
+        if self.recurrence is not None and state.get("recurrence"):
             self.recurrence = Recurrence(**state["recurrence"])
 
     def verdict(self, stats: StepStats, alarms: list[Alarm], *, skips_in_row: int) -> Verdict:
@@ -163,6 +163,7 @@ class Skip(Policy):
     a spike of a recurring instability, or a cascade, is held (`policy.recurrence`)."""
 
     name = "skip"
+    recurrence: Recurrence
 
     def __init__(self, acting_on: tuple[str, ...], max_consecutive_skips: int = 10) -> None:
         super().__init__(acting_on, max_consecutive_skips)
@@ -182,12 +183,10 @@ class Skip(Policy):
                 return Decision(action="none", why=why)
             # Discarded already (the values were bad before the update): nothing more to do.
             return Decision(action="none" if stats.skipped else "cannot_skip", why=why)
-        lone = None
-        if (verdict := self.verdict(stats, alarms, skips_in_row=skips_in_row)) is not None:
-            self.recurrence.see(stats.step)
-            if verdict == "hold":
-                return _hold(stats, alarms, self.recurrence)
-            lone = self.recurrence if verdict == "lone" else None
+        held, lone = _weigh(self.recurrence, stats, alarms,
+                            self.verdict(stats, alarms, skips_in_row=skips_in_row))
+        if held is not None:
+            return held
         if skips_in_row >= self.max_consecutive_skips:
             return Decision(action="escalate", why=why)
         return Decision(action="skip", why=why, lone=lone)
@@ -219,6 +218,19 @@ def _unsay(held: Decision, rec: Recurrence) -> None:
         rec.said = False
 
 
+def _weigh(rec: Recurrence, stats: StepStats, alarms: list[Alarm], verdict: Verdict
+           ) -> tuple[Decision | None, Recurrence | None]:
+    """Note an unexplained spike's `verdict` (`Policy.verdict`) in `rec`: the hold, or for a
+    lone spike the memory its discard hands on (`Decision.lone`); (None, None) for a step
+    `policy.recurrence` does not weigh."""
+    if verdict is None:
+        return None, None
+    rec.see(stats.step)
+    if verdict == "hold":
+        return _hold(stats, alarms, rec), None
+    return None, rec if verdict == "lone" else None
+
+
 def _hold(stats: StepStats, alarms: list[Alarm], rec: Recurrence) -> Decision:
     """Leave the update of a recurring instability's spike alone; say why once."""
     say, rec.said = not rec.said, True
@@ -235,6 +247,7 @@ class Rollback(Policy):
     (`policy.recurrence`; a cascade is rolled back, with the LR backed off)."""
 
     name = "rollback"
+    recurrence: Recurrence
 
     def __init__(self, acting_on: tuple[str, ...], max_consecutive_skips: int = 10) -> None:
         super().__init__(acting_on, max_consecutive_skips)
@@ -246,13 +259,9 @@ class Rollback(Policy):
         acting = {a.kind for a in alarms if a.kind in self.acting_on}
         nonfinite = [s for s in stats.seal() if s != "data"]
         if not post and acting <= {"spike"} and not nonfinite:
-            lone = None
-            if (verdict := self.verdict(stats, alarms, skips_in_row=skips_in_row)) is not None:
-                self.recurrence.see(stats.step)
-                if verdict == "hold":
-                    return _hold(stats, alarms, self.recurrence)
-                lone = self.recurrence
-            return Decision(action="discard_spike", why=why, lone=lone)
+            held, lone = _weigh(self.recurrence, stats, alarms,
+                                self.verdict(stats, alarms, skips_in_row=skips_in_row))
+            return held or Decision(action="discard_spike", why=why, lone=lone)
         return Decision(action="rollback", why=why)
 
     def verdict(self, stats: StepStats, alarms: list[Alarm], *, skips_in_row: int) -> Verdict:
