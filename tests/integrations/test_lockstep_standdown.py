@@ -40,6 +40,7 @@ def test_one_rank_standing_down_stops_no_one(tmp_path: Path, where: str, policy:
                 p.kill()  # this test's own child, by its pid
     r0, r1 = results
     assert r0["steps"] == r1["steps"] == 10  # training finished on both ranks
-    assert r0["status"] == r1["status"] == "degraded"
+    # (both results in the message: a failure here was seen once under CI load, unexplained)
+    assert r0["status"] == r1["status"] == "degraded", results
     assert "injected internal error" in r0["error"]["error"]
     assert "rank 0" in r1["error"]["error"]  # rank 1 says why it stood down with rank 0
