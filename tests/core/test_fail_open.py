@@ -202,6 +202,22 @@ def test_every_ordinary_ending_writes_an_honest_report(tmp_path: Path, mode: str
     assert code == (0 if status in OK_STATUSES else 1)
 
 
+def _committed(out: Path) -> int:
+    """Steps the run's store holds (0 before it exists)."""
+    from nanguard.record.schema import open_run
+
+    try:
+        db = open_run(out)
+    except ValueError:
+        return 0
+    try:
+        return int(db.execute("SELECT COUNT(*) FROM steps").fetchone()[0])
+    except Exception:  # noqa: BLE001 - the schema not written yet
+        return 0
+    finally:
+        db.close()
+
+
 def test_sigkill_leaves_a_died_run(tmp_path: Path) -> None:
     import time
 
@@ -209,6 +225,9 @@ def test_sigkill_leaves_a_died_run(tmp_path: Path) -> None:
 
     proc, out = _start(tmp_path, "sigkill")
     time.sleep(2 * RunStore.FLUSH_SECONDS)  # it trains on; steps are committed in batches
+    deadline = time.monotonic() + 30  # (a loaded machine may commit later than that)
+    while _committed(out) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     assert not (out / "report.json").exists()
