@@ -75,7 +75,7 @@ def test_rollback_discards_a_lone_spike_and_holds_a_recurring_one() -> None:
 
 def test_effects_a_hold_is_recorded_once_and_a_lone_spike_after_a_jump_is_held() -> None:
     changes = LrChanges()
-    changes.see(199, 1e-3)
+    changes.see(0, 1e-3)  # the LR of the run's first step
     assert changes.see(200, 1e-2) is not None  # a 10x jump at step 200
     recovery = SimpleNamespace(lr_changes=changes, link=SimpleNamespace(spikes=list))
     policy = make_policy("skip", default_act_on("skip"))

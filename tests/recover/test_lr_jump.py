@@ -187,12 +187,12 @@ def test_lr_and_heal_ramp_state_round_trip():
 
     a = LrChanges()
     a.see(0, 1e-3)
-    jump = a.see(1, 1e-2)
+    jump = a.see(40, 1e-2)  # 40 steps in: trained past one step at the new LR (no warm-up)
     assert jump is not None and jump.factor == pytest.approx(10) and not jump.resumed
     b = LrChanges()
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))
     assert (b.last, b.jumps, b.jump) == (a.last, a.jumps, a.jump)
-    assert b.see(2, 3e-2) is not None and b.jump is not None and b.jump.resumed  # from a save
+    assert b.see(41, 3e-2) is not None and b.jump is not None and b.jump.resumed  # from a save
 
     class _Opt:
         param_groups = [{"lr": 1e-2}]
@@ -205,7 +205,7 @@ def test_lr_and_heal_ramp_state_round_trip():
     h2 = Healer(HealConfig(), _Link())
     h2.load_state_dict(json.loads(json.dumps(h.state_dict())))
     assert h2.ramp == h.ramp and h2.ramps == h.ramps
-    assert h2._ramp_factor(1 + 50) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert h2._ramp_factor(40 + 50) == pytest.approx(0.1 + 0.9 * 0.5)
 
     level = loss_level([1.0, 1.1, 0.9, None, float("nan"), 1.0])
     assert level == {"median": 1.0, "mad": pytest.approx(0.05), "n": 4.0}
