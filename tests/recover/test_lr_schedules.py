@@ -98,6 +98,8 @@ def test_the_rules_on_lr_sequences() -> None:
     # A warm-up from near 0 in a fresh run: none, however many steps it held its start...
     assert jumps({0: 1e-6, 1000: 1e-3}) == []
     assert jumps({0: 1e-4, 1: 1e-3}) == []  # (10x after 1 step: nothing trained yet)
+    # A constant LR held 40 steps, then 50x: a jump (spike_causes' `jump_held` at step 40).
+    assert jumps({0: 1e-3, 40: 5e-2}) == [40]
     # ...but after a decay, or in a resumed run, the same rise is a jump.
     assert jumps({0: 1e-4, 100: 5e-5, 200: 1e-3}) == [200]
     assert jumps({0: 1e-4, 1: 1e-3}, load=1e-4) == [0 + 1]

@@ -15,9 +15,11 @@ Two rises of `JUMP` x or more are the schedule's design, not a jump (both seen a
   that LR; the spike detectors still watch what follows.
 - **A warm-up from near 0** in a fresh run (no checkpoint loaded) whose LR has only gone up:
   the step before was below 1/`WARM_FROM` of the new LR, or everything trained so far adds up
-  to less than one step at the new LR (the sum of the LR over the steps). A model that has
-  barely moved has not adapted to the small LR, which is what makes a jump dangerous
-  (`LinearLR(start_factor=1e-3)`; a per-epoch warm-up from 1e-6).
+  to less than 1/`JUMP` of one step at the new LR (the sum of the LR over the steps: after one
+  step at the start LR, any rise of `JUMP` x). A model that has barely moved has not adapted to
+  the small LR, which is what makes a jump dangerous (`LinearLR(start_factor=1e-3)`; a
+  per-epoch warm-up from 1e-6). A constant LR held for a few steps and then raised 50x is a
+  jump (benchmarks/spike_causes.py's `jump_held` at step 40).
 A resume's first step is always judged against the LR the checkpoint carried.
 
 `LrChanges` remembers the LR of the last step (and, after `optimizer.load_state_dict` or a
@@ -134,7 +136,7 @@ class LrChanges:
         if lr < JUMP * last:
             return None
         if not loaded and (lr <= RETURN * peak or not (self.resumed or fell) and (
-                last * WARM_FROM <= lr or self.trained < lr)):
+                last * WARM_FROM <= lr or self.trained * JUMP < lr)):
             return None  # a restart, or a warm-up from near 0
         self.jump = Jump(step, last, lr, loaded)
         self.jumps += 1
